@@ -1,0 +1,94 @@
+"""AReaL's allocation shorthand, e.g. `sglang:d4+fsdp:d4` or `vllm:d2t2+megatron:d2p2t2`.
+
+Called by RLExperimentSpec's validator: the shorthand expands into rollout.{engine, replicas,
+tensorParallelSize, pipelineParallelSize, accelerator.count} and trainer.{backend, nodes,
+accelerator.count, parallelism}. A field the manifest sets explicitly must agree with it, else the
+spec is rejected with both values named.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kuberl.api.v1alpha1 import RLExperimentSpec
+
+GPUS_PER_NODE = 8  # a trainer spanning more accelerators than this is split into nodes of 8
+
+
+@dataclass(frozen=True)
+class Allocation:
+    engine: str
+    rollout: dict[str, int]  # d, t, p
+    backend: str
+    trainer: dict[str, int]  # d, t, p, c, e
+
+    @property
+    def rollout_accelerators(self) -> int:
+        return self.rollout["t"] * self.rollout["p"]
+
+    @property
+    def trainer_world_size(self) -> int:
+        t = self.trainer
+        return t["d"] * t["t"] * t["p"] * t["c"]
+
+
+def _dims(text: str, allowed: str) -> dict[str, int]:
+    dims = {k: 1 for k in allowed}
+    seen = set()
+    for key, value in re.findall(r"([a-z])([0-9]+)", text):
+        if key not in allowed:
+            raise ValueError(f"allocation: dimension {key!r} is not allowed in {text!r} (allowed: {', '.join(allowed)})")
+        if key in seen:
+            raise ValueError(f"allocation: dimension {key!r} appears twice in {text!r}")
+        if int(value) < 1:
+            raise ValueError(f"allocation: {key}{value} must be at least 1")
+        seen.add(key)
+        dims[key] = int(value)
+    return dims
+
+
+def parse_allocation(text: str) -> Allocation:
+    """Parse `<engine>:<dims>+<backend>:<dims>`; raises ValueError naming what is wrong."""
+    m = re.fullmatch(r"(sglang|vllm):([a-z0-9]+)\+(fsdp|megatron):([a-z0-9]+)", text)
+    if not m:
+        raise ValueError(f"allocation {text!r} is not of the form <sglang|vllm>:d<N>[t<N>][p<N>]+<fsdp|megatron>:d<N>[t<N>][p<N>][c<N>][e<N>]")
+    engine, rdims, backend, tdims = m.groups()
+    alloc = Allocation(engine, _dims(rdims, "dtp"), backend, _dims(tdims, "dtpce"))
+    if backend == "fsdp" and (alloc.trainer["t"], alloc.trainer["p"], alloc.trainer["e"]) != (1, 1, 1):
+        raise ValueError(f"allocation {text!r}: fsdp supports only d and c dimensions; use megatron for t, p, e")
+    return alloc
+
+
+def apply_allocation(spec: RLExperimentSpec) -> None:
+    """Expand spec.allocation into the rollout and trainer fields, rejecting contradictions."""
+    alloc = parse_allocation(spec.allocation or "")
+    r, t = spec.rollout, spec.trainer
+    world = alloc.trainer_world_size
+    per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)
+    if per_node == 0 or world % per_node:
+        raise ValueError(f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
+    wanted = [
+        (r, "engine", "rollout.engine", alloc.engine),
+        (r, "replicas", "rollout.replicas", alloc.rollout["d"]),
+        (r, "tensor_parallel_size", "rollout.tensorParallelSize", alloc.rollout["t"]),
+        (r, "pipeline_parallel_size", "rollout.pipelineParallelSize", alloc.rollout["p"]),
+        (r.accelerator, "count", "rollout.accelerator.count", alloc.rollout_accelerators),
+        (t, "backend", "trainer.backend", alloc.backend),
+        (t, "nodes", "trainer.nodes", world // per_node),
+        (t.accelerator, "count", "trainer.accelerator.count", per_node),
+        (t.parallelism, "data", "trainer.parallelism.data", alloc.trainer["d"]),
+        (t.parallelism, "tensor", "trainer.parallelism.tensor", alloc.trainer["t"]),
+        (t.parallelism, "pipeline", "trainer.parallelism.pipeline", alloc.trainer["p"]),
+        (t.parallelism, "context", "trainer.parallelism.context", alloc.trainer["c"]),
+        (t.parallelism, "expert", "trainer.parallelism.expert", alloc.trainer["e"]),
+    ]
+    for obj, attr, path, value in wanted:
+        if attr in obj.model_fields_set and getattr(obj, attr) != value:
+            raise ValueError(f"allocation {spec.allocation!r} sets {path}={value}, but the spec says {getattr(obj, attr)}")
+    for obj, attr, _, value in wanted:
+        object.__setattr__(obj, attr, value)
+    if r.autoscaling.enabled and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
+        raise ValueError("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas")

@@ -1,0 +1,615 @@
+"""The RLExperiment API (kuberl.io/v1alpha1): pydantic models of spec and status.
+
+The single source of truth: the CRD (`kuberl crd`), `kuberl validate`, the operator's builders and
+every runtime role derive from these classes. Field names are the manifest's camelCase; Python code
+uses the snake_case attributes. Cross-field rules are declared twice on purpose, in the same words:
+as CEL (`x-kubernetes-validations`, enforced by the API server at admission) and as pydantic
+validators (enforced by `kuberl run`, which has no API server). `tests/unit/test_api.py` keeps the
+two in step.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kuberl.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLExperiment"
+PLURAL = "rlexperiments"
+SINGULAR = "rlexperiment"
+SHORT_NAMES = ["rlx"]
+CATEGORIES = ["kuberl"]
+
+# Kubernetes resource.Quantity, as the API server parses it (apimachinery/pkg/api/resource).
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+# AReaL's allocation grammar: "<engine>:<dims>+<backend>:<dims>", dims like d4, d2t2, d2p2t2c1e1.
+ALLOCATION_PATTERN = r"^(sglang|vllm):([dtp][0-9]+)+\+(fsdp|megatron):([dtpce][0-9]+)+$"
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+Quantity = Annotated[
+    int | str,
+    Field(
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN},
+        union_mode="left_to_right",
+    ),
+]
+
+
+def _check_quantity(value: int | str, path: str) -> None:
+    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"{path}: {value!r} is not a Kubernetes quantity (e.g. 10Gi, 500m, 2)")
+
+
+class KubeModel(BaseModel):
+    """Base of every API model: camelCase in manifests, unknown fields rejected (as admission does)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=True
+    )
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest form: camelCase keys, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _cel(*rules: tuple[str, str]) -> ConfigDict:
+    """Attach CEL rules (rule, message) to a model's schema as x-kubernetes-validations."""
+    return ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class SecretKeyRef(KubeModel):
+    """A key of a Secret in the experiment's namespace. Its value never lands in a ConfigMap."""
+
+    name: str = Field(description="Name of the Secret.", min_length=1, pattern=DNS1123_LABEL.replace("[-a-z0-9]", "[-.a-z0-9]"))
+    key: str = Field("token", description="Key inside the Secret.", min_length=1)
+
+
+class VolumeRef(KubeModel):
+    """A PersistentVolumeClaim that holds a model or a data set, mounted read-only."""
+
+    claim_name: str = Field(description="Name of an existing PersistentVolumeClaim.", min_length=1)
+    sub_path: str = Field("", description="Folder inside the claim to mount (empty = the root).")
+
+
+class ResourceRequirements(KubeModel):
+    """Container resources, as in a Pod spec (accelerators are set by `accelerator`, not here)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
+
+    @model_validator(mode="after")
+    def _quantities(self) -> ResourceRequirements:
+        for part in ("requests", "limits"):
+            for name, value in getattr(self, part).items():
+                _check_quantity(value, f"{part}.{name}")
+        return self
+
+
+class AcceleratorType(StrEnum):
+    """Which accelerator a pod asks for; the operator maps it to a resource name."""
+
+    NVIDIA = "nvidia"  # nvidia.com/gpu
+    ASCEND = "ascend"  # huawei.com/Ascend910, with the NPU image
+    CPU = "cpu"  # no device: count = processes (trainer) or nothing (rollout)
+
+
+ACCELERATOR_RESOURCE = {AcceleratorType.NVIDIA: "nvidia.com/gpu", AcceleratorType.ASCEND: "huawei.com/Ascend910"}
+
+
+class AcceleratorSpec(KubeModel):
+    type: AcceleratorType = Field(AcceleratorType.NVIDIA, description="nvidia (nvidia.com/gpu), ascend (huawei.com/Ascend910) or cpu.")
+    count: int = Field(1, ge=0, le=64, description="Accelerators per pod (rollout replica or trainer node).")
+
+
+class SchedulingSpec(KubeModel):
+    """Pod placement and resources shared by the rollout and trainer blocks."""
+
+    image: str | None = Field(None, description="Container image; default: the KubeRL runtime image for the engine and accelerator.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(None, description="Image pull policy.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="CPU and memory requests/limits.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Pod tolerations (core/v1 Toleration objects).",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    affinity: dict[str, Any] | None = Field(
+        None, description="Pod affinity (core/v1 Affinity).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, data set, workflow
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelSpec(KubeModel):
+    """The policy model: a Hugging Face id, a path (on a PVC or the local disk), or a builtin test model."""
+
+    model_config = _cel(
+        ("[has(self.id), has(self.path), has(self.builtin)].filter(x, x).size() == 1", "set exactly one of model.id, model.path or model.builtin"),
+        ("!has(self.volume) || has(self.path)", "model.volume needs model.path (the folder inside the claim)"),
+    )
+    id: str | None = Field(None, description="Hugging Face model id, e.g. Qwen/Qwen2.5-1.5B-Instruct.", min_length=1)
+    path: str | None = Field(None, description="Folder with config.json and safetensors: inside `volume` if set, else a local path.", min_length=1)
+    volume: VolumeRef | None = Field(None, description="PVC that holds the model; `path` is relative to it.")
+    builtin: Literal["tiny-qwen2"] | None = Field(
+        None, description="A tiny Qwen2 built locally (random init, locally trained tokenizer): for tests and the quickstart."
+    )
+    revision: str = Field("main", description="Hub revision (branch, tag or commit) when `id` is set.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Weights dtype for training and inference.")
+    hub_token_secret: SecretKeyRef | None = Field(None, description="Secret with a Hugging Face token, for gated or private models.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if sum(x is not None for x in (self.id, self.path, self.builtin)) != 1:
+            raise ValueError("set exactly one of model.id, model.path or model.builtin")
+        if self.volume is not None and self.path is None:
+            raise ValueError("model.volume needs model.path (the folder inside the claim)")
+        return self
+
+
+class DatasetSpec(KubeModel):
+    """Prompts and reference answers: a Hugging Face data set, files on a path, or a builtin synthetic task."""
+
+    model_config = _cel(
+        ("[has(self.id), has(self.path), has(self.builtin)].filter(x, x).size() == 1", "set exactly one of dataset.id, dataset.path or dataset.builtin"),
+        ("!has(self.volume) || has(self.path)", "dataset.volume needs dataset.path"),
+    )
+    id: str | None = Field(None, description="Hugging Face data set id, e.g. openai/gsm8k.", min_length=1)
+    config: str | None = Field(None, description="Data set configuration name, e.g. main.")
+    split: str = Field("train", description="Split to train on.")
+    path: str | None = Field(None, description="A .jsonl/.json/.parquet file or a saved data set folder (inside `volume` if set).", min_length=1)
+    volume: VolumeRef | None = Field(None, description="PVC that holds the data set; `path` is relative to it.")
+    builtin: Literal["repeat-digit", "add-small"] | None = Field(
+        None, description="A synthetic verifiable task generated locally (no download): repeat-digit, add-small."
+    )
+    size: int | None = Field(None, ge=1, le=10_000_000, description="Use at most this many items (builtin: generate this many).")
+    prompt_field: str = Field("question", description="Field holding the prompt.", min_length=1)
+    answer_field: str = Field("answer", description="Field holding the reference answer.", min_length=1)
+    shuffle: bool = Field(True, description="Shuffle items each epoch (seeded by spec.seed).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if sum(x is not None for x in (self.id, self.path, self.builtin)) != 1:
+            raise ValueError("set exactly one of dataset.id, dataset.path or dataset.builtin")
+        if self.volume is not None and self.path is None:
+            raise ValueError("dataset.volume needs dataset.path")
+        return self
+
+
+class WorkflowType(StrEnum):
+    RLVR = "rlvr"  # single turn: prompt -> answer -> verifiable reward
+    MULTI_TURN = "multi-turn"  # retry with feedback until correct or maxTurns; reward discounted per turn
+
+
+class WorkflowSpec(KubeModel):
+    """How a rollout agent turns one data set item into a trajectory group (AReaL's RolloutWorkflow)."""
+
+    model_config = _cel(("self.type == 'multi-turn' || self.maxTurns == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"))
+    type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn) or multi-turn.")
+    max_turns: int = Field(1, ge=1, le=32, description="Turns per episode (multi-turn).")
+    turn_discount: float = Field(1.0, gt=0.0, le=1.0, description="Reward multiplier per extra turn (multi-turn), e.g. 0.9.")
+    reward: str = Field(
+        "math",
+        description="Reward function: a registered name (math, exact-match, repeat-digit) or an import path `package.module:function`.",
+        pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+    )
+    use_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+
+    @model_validator(mode="after")
+    def _turns(self) -> WorkflowSpec:
+        if self.type != WorkflowType.MULTI_TURN and self.max_turns != 1:
+            raise ValueError("workflow.maxTurns > 1 needs workflow.type multi-turn")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm and staleness
+# ---------------------------------------------------------------------------------------------
+
+
+class AlgorithmName(StrEnum):
+    GRPO = "grpo"
+    DRGRPO = "drgrpo"
+    DAPO = "dapo"
+    GSPO = "gspo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce++"
+    LITEPPO = "liteppo"
+    PPO = "ppo"
+
+
+class OptimizerSpec(KubeModel):
+    type: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam beta1.")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam beta2.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    weight_decay: float = Field(0.017, ge=0.0, description="Decoupled weight decay (AReaL GSM8K: 0.017).")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule over training.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+
+
+class OverlongPenaltySpec(KubeModel):
+    """DAPO's soft overlong punishment: a linear penalty over the last `bufferTokens` before maxNewTokens."""
+
+    enabled: bool = Field(False, description="Penalize responses that approach maxNewTokens.")
+    buffer_tokens: int = Field(64, ge=1, description="Length of the penalty ramp, in tokens.")
+    penalty: float = Field(1.0, ge=0.0, description="Penalty at maxNewTokens.")
+
+
+class AlgorithmSpec(KubeModel):
+    """One advantage/loss pipeline; each named algorithm is a preset of it (defaults: AReaL's GSM8K GRPO)."""
+
+    model_config = _cel(
+        ("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
+        ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2", "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+    )
+    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++, liteppo or ppo.")
+    samples_per_prompt: int = Field(4, ge=1, le=256, description="Responses sampled per prompt (group size n).")
+    batch_size: int = Field(256, ge=1, le=65536, description="Prompts (groups) per training step, B.")
+    max_new_tokens: int = Field(1024, ge=1, le=131072, description="Generation length limit.")
+    temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    learning_rate: float = Field(1.7e-5, gt=0.0, le=1.0, description="Learning rate.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer settings.")
+    ppo_minibatches: int = Field(1, ge=1, le=64, description="Optimizer steps per training step (minibatches of the batch).")
+    eps_clip: float = Field(0.4, gt=0.0, le=10.0, description="PPO ratio clip, low side: r >= 1 - epsClip.")
+    eps_clip_high: float | None = Field(None, gt=0.0, le=10.0, description="Clip-higher (DAPO): r <= 1 + epsClipHigh; unset = epsClip.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty against the reference (initial) policy; 0 = none.")
+    decoupled_loss: bool = Field(True, description="Decoupled PPO objective (AReaL): clip against the proximal policy, weight by pi_prox/pi_behave.")
+    behavior_weight_cap: float | None = Field(5.0, gt=1.0, description="Cap (or mask, see behaviorWeightMode) on pi_prox/pi_behave; unset = no cap.")
+    behavior_weight_mode: Literal["cap", "mask"] = Field("mask", description="Tokens over the cap are masked out (AReaL) or clipped to it.")
+    reward_scaling: float = Field(10.0, gt=0.0, description="reward' = (reward + rewardBias) * rewardScaling.")
+    reward_bias: float = Field(-0.5, description="Added to rewards before scaling.")
+    normalize_advantages: bool = Field(True, description="Divide advantages by their std (group std for GRPO, batch std for REINFORCE++/LitePPO).")
+    dynamic_sampling: bool = Field(False, description="Reject groups whose rewards are all equal (DAPO); their ticket is given back.")
+    overlong_penalty: OverlongPenaltySpec = Field(default_factory=OverlongPenaltySpec, description="DAPO overlong reward shaping.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount (ppo, reinforce++).")
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (ppo).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> AlgorithmSpec:
+        if self.eps_clip_high is not None and self.eps_clip_high < self.eps_clip:
+            raise ValueError("algorithm.epsClipHigh must be >= algorithm.epsClip")
+        group = {AlgorithmName.GRPO, AlgorithmName.DRGRPO, AlgorithmName.DAPO, AlgorithmName.GSPO, AlgorithmName.RLOO}
+        if self.name in group and self.samples_per_prompt < 2:
+            raise ValueError("group-relative algorithms need algorithm.samplesPerPrompt >= 2")
+        return self
+
+
+class StalenessSpec(KubeModel):
+    """Bounded staleness (AReaL): at policy version v at most (maxHeadOffpolicyness + v + 1) * batchSize groups start."""
+
+    max_head_offpolicyness: int = Field(2, ge=0, le=1000, description="eta: how many versions a trained sample may lag; 0 = synchronous RL.")
+    max_concurrent_rollouts: int | None = Field(None, ge=1, le=1_000_000, description="Groups in flight at once, all agents together; unset = only the staleness bound.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles: rollout, trainer
+# ---------------------------------------------------------------------------------------------
+
+
+class AutoscalingSpec(KubeModel):
+    model_config = _cel(("self.minReplicas <= self.maxReplicas", "rollout.autoscaling.minReplicas must be <= maxReplicas"))
+    enabled: bool = Field(False, description="Let the operator scale rollout replicas from bus signals.")
+    min_replicas: int = Field(1, ge=0, le=1024, description="Lower bound.")
+    max_replicas: int = Field(1, ge=1, le=1024, description="Upper bound.")
+    cooldown_seconds: int = Field(120, ge=0, le=86400, description="Minimum time between two scaling decisions.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("rollout.autoscaling.minReplicas must be <= maxReplicas")
+        return self
+
+
+class EngineName(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+class RolloutSpec(SchedulingSpec):
+    """Inference: a StatefulSet of engine + rollout-agent pods."""
+
+    model_config = _cel(
+        ("!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+         "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas"),
+        ("self.accelerator.type == 'cpu' || self.accelerator.count == self.tensorParallelSize * self.pipelineParallelSize",
+         "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize"),
+    )
+    engine: EngineName = Field(EngineName.SGLANG, description="Inference engine: sglang or vllm.")
+    replicas: int = Field(1, ge=0, le=1024, description="Engine replicas (pods); the /scale subresource sets this.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Elastic rollout capacity.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Tensor parallelism inside one engine.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline parallelism inside one engine.")
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per replica.")
+    engine_args: list[str] = Field(default_factory=list, description="Extra command-line arguments for the engine server.")
+    concurrency: int = Field(32, ge=1, le=4096, description="Groups one agent generates at once.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> RolloutSpec:
+        a = self.autoscaling
+        if a.enabled and not (a.min_replicas <= self.replicas <= a.max_replicas):
+            raise ValueError("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas")
+        if self.accelerator.type != AcceleratorType.CPU and self.accelerator.count != self.tensor_parallel_size * self.pipeline_parallel_size:
+            raise ValueError("rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
+        return self
+
+
+class ParallelismSpec(KubeModel):
+    data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
+    tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (megatron).")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (megatron).")
+    context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size.")
+    expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE, megatron).")
+
+
+class TrainerSpec(SchedulingSpec):
+    """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
+
+    model_config = _cel(
+        ("!has(self.parallelism.data) || self.parallelism.data * self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context == self.nodes * (self.accelerator.count > 0 ? self.accelerator.count : 1)",
+         "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
+        ("self.backend == 'megatron' || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1 && self.parallelism.expert == 1)",
+         "tensor, pipeline and expert parallelism need trainer.backend megatron"),
+    )
+    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2) or megatron (megatron-core).")
+    nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node).")
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
+    micro_batch_tokens: int = Field(16384, ge=64, description="Tokens per forward/backward micro-batch (packed).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * max(self.accelerator.count, 1)
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainerSpec:
+        p = self.parallelism
+        if p.data is not None and p.data * p.tensor * p.pipeline * p.context != self.world_size:
+            raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
+        if self.backend != "megatron" and (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
+            raise ValueError("tensor, pipeline and expert parallelism need trainer.backend megatron")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Infrastructure: weight sync, bus, checkpoint, lifecycle
+# ---------------------------------------------------------------------------------------------
+
+
+class WeightSyncSpec(KubeModel):
+    mode: Literal["disk", "bus"] = Field("disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store.")
+
+
+class EmbeddedBusSpec(KubeModel):
+    replicas: Literal[1, 3, 5] = Field(1, description="NATS servers (JetStream clusters need an odd count).")
+    storage: Quantity = Field("10Gi", description="JetStream file storage per server.")
+    storage_class_name: str | None = Field(None, description="StorageClass of the JetStream volumes.")
+    image: str | None = Field(None, description="NATS image; default nats:2.15-alpine.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="NATS container resources.")
+
+
+class ExternalBusSpec(KubeModel):
+    url: str = Field(description="NATS URL, e.g. nats://nats.nats.svc:4222.", pattern=r"^(nats|tls|ws|wss)://\S+$")
+    credentials_secret: SecretKeyRef | None = Field(None, description="Secret with a NATS credentials file (key default: token).")
+
+
+class BusSpec(KubeModel):
+    """The trajectory bus: NATS JetStream, run by the operator (embedded) or yours (external)."""
+
+    model_config = _cel(("!(has(self.embedded) && has(self.external))", "set bus.embedded or bus.external, not both"))
+    embedded: EmbeddedBusSpec | None = Field(None, description="Run a NATS JetStream StatefulSet for this experiment (the default).")
+    external: ExternalBusSpec | None = Field(None, description="Use an existing NATS with JetStream.")
+    max_payload: Quantity = Field("8Mi", description="Largest message; trajectory groups above it are chunked.")
+
+    @model_validator(mode="after")
+    def _one(self) -> BusSpec:
+        if self.embedded is not None and self.external is not None:
+            raise ValueError("set bus.embedded or bus.external, not both")
+        _check_quantity(self.max_payload, "bus.maxPayload")
+        if self.embedded is not None:
+            _check_quantity(self.embedded.storage, "bus.embedded.storage")
+        return self
+
+
+class CheckpointSpec(KubeModel):
+    model_config = _cel(("!has(self.existingClaim) || !has(self.storageClassName)", "checkpoint.storageClassName has no effect with checkpoint.existingClaim"))
+    size: Quantity = Field("50Gi", description="Size of the checkpoint PVC.")
+    storage_class_name: str | None = Field(None, description="StorageClass of the checkpoint PVC (ReadWriteMany for weight sync over disk).")
+    existing_claim: str | None = Field(None, description="Use this PVC instead of creating one.")
+    every_steps: int = Field(10, ge=1, le=1_000_000, description="Checkpoint every N training steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (oldest deleted first).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> CheckpointSpec:
+        _check_quantity(self.size, "checkpoint.size")
+        if self.existing_claim is not None and self.storage_class_name is not None:
+            raise ValueError("checkpoint.storageClassName has no effect with checkpoint.existingClaim")
+        return self
+
+
+class TrainingSpec(KubeModel):
+    model_config = _cel(("has(self.totalSteps) || has(self.epochs)", "set training.totalSteps or training.epochs"))
+    total_steps: int | None = Field(None, ge=1, le=100_000_000, description="Stop after this many training steps (wins over epochs).")
+    epochs: int | None = Field(None, ge=1, le=100_000, description="Stop after this many passes over the data set.")
+
+    @model_validator(mode="after")
+    def _one(self) -> TrainingSpec:
+        if self.total_steps is None and self.epochs is None:
+            raise ValueError("set training.totalSteps or training.epochs")
+        return self
+
+
+class FailurePolicySpec(KubeModel):
+    max_restarts: int = Field(3, ge=0, le=1000, description="Trainer restarts (from the last checkpoint) before the experiment fails.")
+    backoff_seconds: int = Field(30, ge=0, le=86400, description="Wait before a restart; doubles each time.")
+
+
+class RLExperimentSpec(KubeModel):
+    """What to train, on what, with which algorithm, and where: one manifest for `kubectl apply` and `kuberl run`."""
+
+    model: ModelSpec = Field(description="The policy model.")
+    dataset: DatasetSpec = Field(description="Prompts and reference answers.")
+    workflow: WorkflowSpec = Field(default_factory=WorkflowSpec, description="How one item becomes a trajectory group.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantages and loss.")
+    staleness: StalenessSpec = Field(default_factory=StalenessSpec, description="Bounded off-policyness.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Inference engines and rollout agents.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The trainer.")
+    allocation: str | None = Field(
+        None,
+        description="AReaL allocation shorthand, e.g. sglang:d4+fsdp:d4 or vllm:d2t2+megatron:d2p2t2; expands into rollout and trainer fields and is rejected when it contradicts them.",
+        pattern=ALLOCATION_PATTERN,
+    )
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="How new weights reach the engines.")
+    bus: BusSpec = Field(default_factory=lambda: BusSpec(embedded=EmbeddedBusSpec()), description="The trajectory bus.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    training: TrainingSpec = Field(default_factory=lambda: TrainingSpec(epochs=1), description="Training length.")
+    suspend: bool = Field(False, description="Checkpoint and scale everything to zero; false again resumes from the checkpoint.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the experiment this long after it succeeds or fails.")
+    failure_policy: FailurePolicySpec = Field(default_factory=FailurePolicySpec, description="Restarts and backoff.")
+    seed: int = Field(1, ge=0, description="Random seed (data order, sampling, init).")
+
+    @model_validator(mode="after")
+    def _expand_allocation(self) -> RLExperimentSpec:
+        if self.allocation is not None:
+            from kuberl.api.allocation import apply_allocation
+
+            apply_allocation(self)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+# ---------------------------------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    INITIALIZING = "Initializing"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"  # every role is up and training progresses
+    PROGRESSING = "Progressing"  # children being created, or training steps advancing
+    SUSPENDED = "Suspended"
+    DEGRADED = "Degraded"  # running with fewer replicas than desired, or a recoverable error
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+    VALIDATED = "Validated"  # False with reason ValidationFailed when the spec cannot run
+
+
+class Condition(KubeModel):
+    """metav1.Condition."""
+
+    type: str = Field(description="Condition type, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason.", pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field("", description="Human-readable detail.")
+    last_transition_time: str | None = Field(None, description="RFC 3339 time of the last status change.")
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation this condition was set for.")
+
+
+class TrainingProgress(KubeModel):
+    step: int = Field(0, ge=0, description="Training steps done.")
+    total_steps: int | None = Field(None, ge=0, description="Training steps planned.")
+    steps: str | None = Field(None, description="step/total, for printing.")
+    epoch: int = Field(0, ge=0, description="Current epoch.")
+    policy_version: int = Field(0, ge=0, description="Version of the weights the engines serve.")
+    reward: float | None = Field(None, description="Mean raw reward of the last step.")
+    reward_text: str | None = Field(None, description="Reward formatted for printing.")
+    samples_per_second: float | None = Field(None, ge=0, description="Trained samples per second (recent).")
+    staleness_mean: float | None = Field(None, ge=0, description="Mean of v - (head version) over the last batch.")
+    staleness_max: int | None = Field(None, ge=0, description="Largest staleness in the last batch.")
+    dropped_stale: int = Field(0, ge=0, description="Groups dropped for exceeding maxHeadOffpolicyness, all time.")
+    updated_at: str | None = Field(None, description="When the trainer last reported.")
+
+
+class RoleStatus(KubeModel):
+    desired: int = Field(0, ge=0, description="Pods wanted.")
+    ready: int = Field(0, ge=0, description="Pods ready.")
+    ready_text: str | None = Field(None, description="ready/desired, for printing.")
+
+
+class CheckpointStatus(KubeModel):
+    step: int = Field(ge=0, description="Training step of the checkpoint.")
+    policy_version: int = Field(0, ge=0, description="Policy version saved.")
+    path: str = Field(description="Where it lies on the checkpoint volume.")
+    time: str | None = Field(None, description="When it was written.")
+
+
+class RLExperimentStatus(KubeModel):
+    phase: Phase = Field(Phase.PENDING, description="Pending, Initializing, Running, Suspended, Succeeded or Failed.")
+    conditions: list[Condition] = Field(default_factory=list, description="Latest observations (metav1.Condition).")
+    observed_generation: int | None = Field(None, description="The metadata.generation last reconciled.")
+    progress: TrainingProgress = Field(default_factory=TrainingProgress, description="Training progress, read from the bus.")
+    rollout: RoleStatus = Field(default_factory=RoleStatus, description="Inference replicas.")
+    trainer: RoleStatus = Field(default_factory=RoleStatus, description="Trainer pods.")
+    bus: RoleStatus = Field(default_factory=RoleStatus, description="NATS servers (embedded bus).")
+    replicas: int = Field(0, ge=0, description="Rollout replicas now (for the /scale subresource).")
+    selector: str | None = Field(None, description="Label selector of the rollout pods (for the /scale subresource).")
+    last_checkpoint: CheckpointStatus | None = Field(None, description="Most recent checkpoint.")
+    restarts: int = Field(0, ge=0, description="Trainer restarts so far.")
+    start_time: str | None = Field(None, description="When training started.")
+    completion_time: str | None = Field(None, description="When it succeeded or failed.")
+    last_scale_time: str | None = Field(None, description="When the autoscaler last changed replicas.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The object
+# ---------------------------------------------------------------------------------------------
+
+
+class ObjectMeta(BaseModel):
+    """The part of metav1.ObjectMeta KubeRL reads; everything else is kept as it is."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=52, pattern=DNS1123_LABEL)  # 52: room for "-rollout-NN" child names
+    namespace: str = "default"
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RLExperiment(BaseModel):
+    """An RLExperiment: the whole run in one object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["kuberl.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["RLExperiment"] = KIND
+    metadata: ObjectMeta
+    spec: RLExperimentSpec
+    status: RLExperimentStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+    def to_manifest(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")

