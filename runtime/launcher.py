@@ -1,0 +1,331 @@
+"""`kuberl run FILE`: the embedded default — one RLExperiment on this machine, no cluster.
+
+Starts the same role processes the operator puts in pods (nats-server, `kuberl engine` + `kuberl
+rollout` per rollout replica, `kuberl trainer`, torchrun when the trainer has several processes),
+shows live progress read from the bus, restarts a crashed role per the failure policy, plots the
+reward curve, and on the end of training or Ctrl-C stops every process group it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from kuberl.api import RLExperiment, load_experiment
+
+log = logging.getLogger("kuberl.run")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Role:
+    """One role process (a process group, so that engine children die with it)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    restartable: bool = True
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    done: bool = False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        out.write(f"\n==> {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
+        out.flush()
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after `grace` seconds."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # the group may outlive its leader (vLLM's engine core)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not exit after SIGKILL", self.name, self.proc.pid)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class LocalRun:
+    """The processes of one local run, their restarts, and how they end."""
+
+    exp: RLExperiment
+    manifest: Path
+    workdir: Path
+    bus_url: str
+    roles: list[Role] = field(default_factory=list)
+
+    def role_env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"KUBERL_BUS_URL": self.bus_url, "KUBERL_WORKDIR": str(self.workdir), "PYTHONUNBUFFERED": "1"})
+        env.update(extra)
+        return env
+
+    def plan(self) -> None:
+        """The role processes: what the operator would render as pods, as local processes."""
+        spec = self.exp.spec
+        cli = [sys.executable, "-m", "kuberl.cli"]
+        logs = self.workdir / "logs"
+        for i in range(spec.rollout.replicas):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
+                                   self.role_env(), logs / f"engine-{i}.log"))
+            self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
+                                   self.role_env(KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}"), logs / f"rollout-{i}.log"))
+        nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
+        trainer_cmd = ["trainer", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)]
+        if nproc > 1:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "kuberl.cli", *trainer_cmd]
+        else:
+            argv = [*cli, *trainer_cmd]
+        self.roles.append(Role("trainer", argv, self.role_env(), logs / "trainer.log"))
+
+    @property
+    def trainer(self) -> Role:
+        return next(r for r in self.roles if r.name == "trainer")
+
+    def supervise(self) -> str | None:
+        """Restart roles that died; returns a failure message once the trainer exceeds its restarts."""
+        policy = self.exp.spec.failure_policy
+        now = time.monotonic()
+        for role in self.roles:
+            if role.done or role.alive():
+                continue
+            if role.proc is not None and role.next_start == 0.0:
+                code = role.proc.returncode
+                if role is self.trainer and code == 0:
+                    role.done = True
+                    continue
+                if role.restarts >= policy.max_restarts:
+                    return f"{role.name} exited with code {code} after {role.restarts} restarts; see {role.log_path}"
+                delay = min(policy.backoff_seconds * (2**role.restarts), 300) if role is self.trainer else 2.0
+                log.warning("%s exited with code %s; restarting in %.0fs (%d/%d)", role.name, code, delay, role.restarts + 1, policy.max_restarts)
+                role.next_start = now + delay
+            if role.next_start and now >= role.next_start:
+                role.restarts += 1
+                role.next_start = 0.0
+                role.start()
+        return None
+
+    def stop_all(self) -> None:
+        # Trainer first (it may be writing a checkpoint: give it the longest grace), then agents, then engines.
+        order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2}[r.name.split("-")[0]])
+        for role in order:
+            role.stop(grace=30.0 if role.name == "trainer" else 10.0)
+
+
+def prepare_manifest(exp: RLExperiment, workdir: Path, max_steps: int | None) -> Path:
+    """Write the resolved manifest the roles read (the local counterpart of the runtime ConfigMap)."""
+    doc = exp.model_copy(deep=True)
+    if max_steps is not None:
+        doc.spec.training.total_steps = max_steps
+    data = doc.to_manifest()
+    data.pop("status", None)
+    data["spec"].pop("allocation", None)  # already expanded into the role fields
+    path = workdir / "experiment.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
+    """Follow the trainer's progress in the bus KV with a rich progress bar; returns the last report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from kuberl.runtime.bus import Bus
+
+    bus = await Bus.connect(run.bus_url, run.exp.name)
+    last: dict | None = None
+    total = run.exp.spec.training.total_steps
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    plain = not sys.stdout.isatty()
+    try:
+        with Progress(*columns, disable=plain, refresh_per_second=2) as bar:
+            task = bar.add_task("training", total=total, info="starting roles (engine warm-up takes ~30 s on CPU)")
+            last_line = 0.0
+            while not stop.is_set():
+                report = await bus.get_state("progress")
+                if report and report != last:
+                    last = report
+                    info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
+                            f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
+                    bar.update(task, completed=report.get("step", 0), total=report.get("total_steps") or total, info=info)
+                    if plain and time.monotonic() - last_line > 5:  # CI and pipes: a line every few seconds
+                        print(f"step {report.get('step', 0)}/{report.get('total_steps') or total} {info}", flush=True)
+                        last_line = time.monotonic()
+                    if report.get("done"):
+                        break
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+    finally:
+        await bus.close()
+    return last
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def plot_rewards(metrics: Path, out: Path) -> Path | None:
+    """Reward curve (mean reward per step, and a moving average) from metrics.jsonl."""
+    if not metrics.exists():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("reward_mean") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    rewards = [r["reward_mean"] for r in rows]
+    window = max(1, len(rewards) // 20)
+    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.35, label="mean reward per step")
+    ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window} steps)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward")
+    ax.set_title(metrics.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        exp = load_experiment(args.file)
+    except Exception as exc:  # pydantic.ValidationError and YAML errors: print, don't trace
+        print(f"kuberl run: {args.file} is not a valid RLExperiment:\n{exc}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or Path("runs") / exp.name).resolve()
+    if workdir.exists() and not args.resume:
+        shutil.rmtree(workdir)  # a fresh run; --resume keeps checkpoints and the bus state
+    workdir.mkdir(parents=True, exist_ok=True)
+    manifest = prepare_manifest(exp, workdir, args.max_steps)
+    exp = load_experiment(manifest)
+
+    from kuberl.runtime.models import resolve_model
+
+    print(f"kuberl run: {exp.name} in {workdir}")
+    resolve_model(exp.spec.model, str(workdir))  # build/fetch once, before the roles race for it
+
+    server = None
+    bus_url = args.bus_url
+    if bus_url is None and exp.spec.bus.external is not None:
+        bus_url = exp.spec.bus.external.url
+    if bus_url is None:
+        from kuberl.runtime.bus.server import start_nats_server
+
+        server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB")
+        bus_url = server.url
+        print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
+
+    run = LocalRun(exp, manifest, workdir, bus_url)
+    run.plan()
+    for role in run.roles:
+        role.start()
+    print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
+
+    failure: str | None = None
+    interrupted = False
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def supervise() -> None:
+        nonlocal failure
+        while not stop.is_set():
+            failure = run.supervise()
+            if failure or run.trainer.done:
+                stop.set()
+                break
+            await asyncio.sleep(1.0)
+
+    async def both() -> dict | None:
+        sup = asyncio.create_task(supervise())
+        report = await watch_progress(run, stop)
+        stop.set()
+        await sup
+        return report
+
+    def on_sigterm(signum, frame):  # `kill` of the launcher stops the run like Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    report = None
+    try:
+        report = loop.run_until_complete(both())
+        if report and report.get("done"):
+            run.trainer.proc and run.trainer.proc.wait(timeout=120)  # let it write its final checkpoint
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nkuberl run: interrupted; stopping every role", file=sys.stderr)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        run.stop_all()
+        if server is not None:
+            server.stop()
+        loop.close()
+
+    png = plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
+    if report:
+        print(f"kuberl run: step {report.get('step')}/{report.get('total_steps')}, policy version {report.get('policy_version')}, "
+              f"last reward {_fmt(report.get('reward_mean'))}")
+    if png:
+        print(f"kuberl run: reward curve in {png}; metrics in {workdir / 'metrics.jsonl'}")
+    if failure:
+        print(f"kuberl run: failed: {failure}", file=sys.stderr)
+        return 1
+    if interrupted:
+        return 130
+    if report and report.get("failed"):
+        print(f"kuberl run: trainer failed: {report['failed']}", file=sys.stderr)
+        return 1
+    return 0
