@@ -1,0 +1,182 @@
+"""The policy model's files: build the tiny test model, and resolve any ModelSpec to a local folder.
+
+Called by the trainer (initial weights), the engine launcher (what vLLM/SGLang serve), `kuberl run`
+and `kuberl build-model OUT`. The tiny model is a random-init Qwen2 with UNTIED embeddings (vLLM's
+reload leaves a tied LM head stale) and a byte-level BPE tokenizer trained here on the builtin tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kuberl.api.v1alpha1 import ModelSpec
+
+# In a pod, a model PVC is mounted read-only here (the operator mounts claim `c` at /models/c).
+MODEL_VOLUME_ROOT = os.environ.get("KUBERL_MODEL_VOLUME_ROOT", "/models")
+
+IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]
+
+# Qwen's chat template, trimmed to what the workflows use (system/user/assistant turns).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Small on purpose: 2 CPU cores train and serve it; vLLM's CPU attention needs head_dim >= 32.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+TINY_VOCAB_TARGET = 320  # 256 byte symbols + 3 specials + a few merges (digit runs, task words)
+
+
+def _corpus() -> list[str]:
+    from kuberl.runtime.data import builtin_corpus
+
+    chat = [f"{IM_START}user\nhello{IM_END}\n{IM_START}assistant\n", "system", "user", "assistant"]
+    math = ["The answer is 42.", "#### 17", "Natalia sold 48 clips in April and half as many in May."]
+    return builtin_corpus() + chat + math
+
+
+def build_tokenizer(vocab_size: int = TINY_VOCAB_TARGET):
+    """A byte-level BPE tokenizer (every byte string round-trips) with Qwen's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None, bos_token=None,
+        additional_special_tokens=[IM_START], model_max_length=TINY_CONFIG["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(output_dir: str | Path, seed: int = 0, **overrides: int) -> Path:
+    """Write a tiny Qwen2ForCausalLM + tokenizer in Hugging Face layout (safetensors); deterministic per seed.
+
+    `overrides` change TINY_CONFIG entries (e.g. hidden_size=128) for experiments.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
+    cfg = Qwen2Config(
+        **{**TINY_CONFIG, **overrides},
+        vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+    )
+    if cfg.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings must stay False: vLLM's weight reload leaves a tied LM head stale")
+    cfg.dtype = "float32"
+    # Seed and init on CPU in float32 so the same seed gives the same bytes everywhere.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving a ModelSpec
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelResolutionError(ValueError):
+    """spec.model names something that cannot be turned into a local model folder."""
+
+
+def _check_model_dir(path: Path, field: str) -> Path:
+    if not path.is_dir():
+        raise ModelResolutionError(f"{field}: {str(path)!r} is not a folder")
+    if not (path / "config.json").is_file():
+        raise ModelResolutionError(f"{field}: {str(path)!r} has no config.json (expected a Hugging Face model folder)")
+    return path
+
+
+def _build_once(target: Path, seed: int) -> Path:
+    """Build the builtin model into `target` unless it is there; a lock keeps concurrent roles from racing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            build_tiny_model(tmp, seed=seed)
+            os.replace(tmp, target)  # atomic: readers see all files or none
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: ModelSpec, workdir: str | Path | None = None, *, seed: int = 0) -> str:
+    """A local folder holding spec's model (config.json, safetensors, tokenizer).
+
+    builtin -> built once into `workdir/models/<name>`; path (+volume) -> that folder, checked;
+    id -> `huggingface_hub.snapshot_download` (token from $HF_TOKEN; honours HF_HUB_OFFLINE).
+    """
+    if spec.builtin is not None:
+        if workdir is None:
+            raise ModelResolutionError("model.builtin: a workdir is needed to build the model into")
+        return str(_build_once(Path(workdir) / "models" / spec.builtin, seed))
+    if spec.path is not None:
+        if spec.volume is not None:
+            root = Path(MODEL_VOLUME_ROOT) / spec.volume.claim_name
+            return str(_check_model_dir(root / spec.path.lstrip("/"), "model.path"))
+        return str(_check_model_dir(Path(spec.path).expanduser(), "model.path"))
+    assert spec.id is not None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            spec.id, revision=spec.revision, token=os.environ.get("HF_TOKEN") or None,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
+        )
+    except LocalEntryNotFoundError as exc:
+        raise ModelResolutionError(f"model.id: {spec.id!r} (revision {spec.revision!r}) is not in the local cache and the hub cannot be reached: {exc}") from exc
+    except HfHubHTTPError as exc:
+        raise ModelResolutionError(f"model.id: cannot download {spec.id!r} (revision {spec.revision!r}): {exc}") from exc
+    return str(_check_model_dir(Path(folder), "model.id"))
+
+
+def model_summary(path: str | Path) -> dict:
+    """A few facts from a model folder's config.json (for logs)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings")
+    return {k: cfg.get(k) for k in keys}
+
+
+def main(args: argparse.Namespace) -> int:
+    """`kuberl build-model OUT [--seed N]`."""
+    out = build_tiny_model(args.output, seed=args.seed)
+    print(f"built tiny model in {out}: {model_summary(out)}")
+    return 0
