@@ -58,13 +58,22 @@ class KubeModel(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-def _cel(*rules: tuple[str, str]) -> ConfigDict:
-    """Attach CEL rules (rule, message) to a model's schema as x-kubernetes-validations."""
-    return ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]
-        }
-    )
+def _cel(*rules: tuple[str, str] | tuple[str, str, str]) -> ConfigDict:
+    """Attach CEL rules (rule, message[, fieldPath]) to a model's schema as x-kubernetes-validations.
+
+    fieldPath (relative to the model, e.g. `.rollout.accelerator.count`) is where the API server
+    reports a failure; rules that need fields of several blocks live on the parent and point down.
+    """
+    out = []
+    for rule, msg, *field_path in rules:
+        out.append({"rule": rule, "message": msg} | ({"fieldPath": field_path[0]} if field_path else {}))
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": out})
+
+
+def _or(path: str, default: int | str) -> str:
+    """CEL for `path` or its default when absent (fields the allocation shorthand fills have no CRD default)."""
+    fallback = f"'{default}'" if isinstance(default, str) else str(default)
+    return f"(has({path}) ? {path} : {fallback})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,8 +98,8 @@ class VolumeRef(KubeModel):
 class ResourceRequirements(KubeModel):
     """Container resources, as in a Pod spec (accelerators are set by `accelerator`, not here)."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16, description="Maximum resources.")
 
     @model_validator(mode="after")
     def _quantities(self) -> ResourceRequirements:
@@ -113,7 +122,10 @@ ACCELERATOR_RESOURCE = {AcceleratorType.NVIDIA: "nvidia.com/gpu", AcceleratorTyp
 
 class AcceleratorSpec(KubeModel):
     type: AcceleratorType = Field(AcceleratorType.NVIDIA, description="nvidia (nvidia.com/gpu), ascend (huawei.com/Ascend910) or cpu.")
-    count: int = Field(1, ge=0, le=64, description="Accelerators per pod (rollout replica or trainer node).")
+    count: int = Field(
+        1, ge=0, le=64,
+        description="Accelerators per pod (rollout replica or trainer node). Default: from `allocation` when set, else rollout tensorParallelSize * pipelineParallelSize, trainer 1.",
+    )
 
 
 class SchedulingSpec(KubeModel):
@@ -122,9 +134,10 @@ class SchedulingSpec(KubeModel):
     image: str | None = Field(None, description="Container image; default: the KubeRL runtime image for the engine and accelerator.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(None, description="Image pull policy.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="CPU and memory requests/limits.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64, description="Node labels the pods must match.")
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list,
+        max_length=64,
         description="Pod tolerations (core/v1 Toleration objects).",
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
     )
@@ -329,32 +342,38 @@ class EngineName(StrEnum):
 class RolloutSpec(SchedulingSpec):
     """Inference: a StatefulSet of engine + rollout-agent pods."""
 
+    # Only an explicit replicas is checked here: unset, it comes from `allocation` (checked there)
+    # or starts at minReplicas. The accelerator-count rule lives on the spec, which sees `allocation`.
     model_config = _cel(
-        ("!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
-         "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas"),
-        ("self.accelerator.type == 'cpu' || self.accelerator.count == self.tensorParallelSize * self.pipelineParallelSize",
-         "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize"),
+        ("!self.autoscaling.enabled || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+         "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas", ".replicas"),
     )
-    engine: EngineName = Field(EngineName.SGLANG, description="Inference engine: sglang or vllm.")
-    replicas: int = Field(1, ge=0, le=1024, description="Engine replicas (pods); the /scale subresource sets this.")
+    engine: EngineName = Field(EngineName.SGLANG, description="Inference engine: sglang or vllm. Default: from `allocation` when set, else sglang.")
+    replicas: int = Field(
+        1, ge=0, le=1024,
+        description="Engine replicas (pods); the /scale subresource sets this. Default: from `allocation` when set, else autoscaling.minReplicas when autoscaling is on, else 1.",
+    )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Elastic rollout capacity.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Tensor parallelism inside one engine.")
-    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline parallelism inside one engine.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Tensor parallelism inside one engine. Default: from `allocation` when set, else 1.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline parallelism inside one engine. Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per replica.")
-    engine_args: list[str] = Field(default_factory=list, description="Extra command-line arguments for the engine server.")
+    engine_args: list[str] = Field(default_factory=list, max_length=64, description="Extra command-line arguments for the engine server.")
     concurrency: int = Field(32, ge=1, le=4096, description="Groups one agent generates at once.")
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSpec:
         a = self.autoscaling
-        if a.enabled and not (a.min_replicas <= self.replicas <= a.max_replicas):
+        if a.enabled and "replicas" in self.model_fields_set and not (a.min_replicas <= self.replicas <= a.max_replicas):
             raise ValueError("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas")
-        if self.accelerator.type != AcceleratorType.CPU and self.accelerator.count != self.tensor_parallel_size * self.pipeline_parallel_size:
-            raise ValueError("rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
+        if a.enabled and "replicas" not in self.model_fields_set:
+            # Left unset on purpose (not in model_fields_set) so that `allocation` may still fill it.
+            object.__setattr__(self, "replicas", a.min_replicas)
         return self
 
 
 class ParallelismSpec(KubeModel):
+    """Trainer parallel dims; each defaults to `allocation` when set, else 1."""
+
     data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
     tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (megatron).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (megatron).")
@@ -365,14 +384,9 @@ class ParallelismSpec(KubeModel):
 class TrainerSpec(SchedulingSpec):
     """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
 
-    model_config = _cel(
-        ("!has(self.parallelism.data) || self.parallelism.data * self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context == self.nodes * (self.accelerator.count > 0 ? self.accelerator.count : 1)",
-         "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
-        ("self.backend == 'megatron' || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1 && self.parallelism.expert == 1)",
-         "tensor, pipeline and expert parallelism need trainer.backend megatron"),
-    )
-    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2) or megatron (megatron-core).")
-    nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node).")
+    # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
+    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2) or megatron (megatron-core). Default: from `allocation` when set, else fsdp.")
+    nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
     micro_batch_tokens: int = Field(16384, ge=64, description="Tokens per forward/backward micro-batch (packed).")
@@ -382,14 +396,13 @@ class TrainerSpec(SchedulingSpec):
     def world_size(self) -> int:
         return self.nodes * max(self.accelerator.count, 1)
 
-    @model_validator(mode="after")
-    def _rules(self) -> TrainerSpec:
+    def check(self) -> None:
+        """Cross-field rules; RLExperimentSpec calls this once `allocation` has filled the fields."""
         p = self.parallelism
         if p.data is not None and p.data * p.tensor * p.pipeline * p.context != self.world_size:
             raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
         if self.backend != "megatron" and (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
             raise ValueError("tensor, pipeline and expert parallelism need trainer.backend megatron")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +439,8 @@ class BusSpec(KubeModel):
     def _one(self) -> BusSpec:
         if self.embedded is not None and self.external is not None:
             raise ValueError("set bus.embedded or bus.external, not both")
+        if self.embedded is None and self.external is None:
+            self.embedded = EmbeddedBusSpec()  # documented: embedded is the default bus
         _check_quantity(self.max_payload, "bus.maxPayload")
         if self.embedded is not None:
             _check_quantity(self.embedded.storage, "bus.embedded.storage")
@@ -465,8 +480,27 @@ class FailurePolicySpec(KubeModel):
     backoff_seconds: int = Field(30, ge=0, le=86400, description="Wait before a restart; doubles each time.")
 
 
+_RP = "self.rollout"
+_TP = "self.trainer.parallelism"
+
+
 class RLExperimentSpec(KubeModel):
     """What to train, on what, with which algorithm, and where: one manifest for `kubectl apply` and `kuberl run`."""
+
+    # Rules over fields that `allocation` may fill: with `allocation` set, the model checks them
+    # after expansion (admission cannot parse the shorthand); without it, unset fields take the
+    # models' defaults, exactly as the pydantic side does.
+    model_config = _cel(
+        (f"has(self.allocation) || {_RP}.accelerator.type == 'cpu' || !has({_RP}.accelerator.count) || "
+         f"{_RP}.accelerator.count == {_or(_RP + '.tensorParallelSize', 1)} * {_or(_RP + '.pipelineParallelSize', 1)}",
+         "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize", ".rollout.accelerator.count"),
+        (f"has(self.allocation) || !has({_TP}.data) || {_TP}.data * {_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)} * {_or(_TP + '.context', 1)} == "
+         f"{_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)",
+         "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count", ".trainer.parallelism"),
+        (f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
+         f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1 && {_or(_TP + '.expert', 1)} == 1)",
+         "tensor, pipeline and expert parallelism need trainer.backend megatron", ".trainer.backend"),
+    )
 
     model: ModelSpec = Field(description="The policy model.")
     dataset: DatasetSpec = Field(description="Prompts and reference answers.")
@@ -479,6 +513,7 @@ class RLExperimentSpec(KubeModel):
         None,
         description="AReaL allocation shorthand, e.g. sglang:d4+fsdp:d4 or vllm:d2t2+megatron:d2p2t2; expands into rollout and trainer fields and is rejected when it contradicts them.",
         pattern=ALLOCATION_PATTERN,
+        max_length=64,
     )
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="How new weights reach the engines.")
     bus: BusSpec = Field(default_factory=lambda: BusSpec(embedded=EmbeddedBusSpec()), description="The trajectory bus.")
@@ -491,10 +526,16 @@ class RLExperimentSpec(KubeModel):
 
     @model_validator(mode="after")
     def _expand_allocation(self) -> RLExperimentSpec:
+        r = self.rollout
         if self.allocation is not None:
             from kuberl.api.allocation import apply_allocation
 
             apply_allocation(self)
+        elif "count" not in r.accelerator.model_fields_set:
+            object.__setattr__(r.accelerator, "count", r.tensor_parallel_size * r.pipeline_parallel_size)
+        if r.accelerator.type != AcceleratorType.CPU and r.accelerator.count != r.tensor_parallel_size * r.pipeline_parallel_size:
+            raise ValueError("rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
+        self.trainer.check()
         return self
 
 
