@@ -1,0 +1,279 @@
+"""The Helm chart charts/kuberl, linted and rendered offline with helm-python-sdk (Helm's Go SDK):
+every rendered object passes kubernetes-validate strict mode, the operator's arguments parse as
+`kuberl operator`, RBAC is least-privilege and covers the Roles the operator grants, the chart's
+CRD equals crds/, and values.schema.json rejects bad values with a message naming the field."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in kuberl[test]")
+import kubernetes_validate  # noqa: E402
+
+from kuberl.cli import build_parser  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kuberl"
+CRD_FILE = "kuberl.io_rlexperiments.yaml"
+KUBE_VERSION = "1.32"
+# Custom kinds the chart may render; kubernetes-validate knows built-in kinds only.
+CUSTOM_KINDS = {"ServiceMonitor", "KopfPeering", "ClusterKopfPeering"}
+NAMESPACE = "kuberl-system"
+
+
+def render(values: dict | None = None) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values or {}, name="kuberl", namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def chart_crds() -> dict[str, dict]:
+    """Each CRD shipped in the chart's crds/, by name."""
+    out = {}
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out[doc["metadata"]["name"]] = doc
+    return out
+
+
+VARIANTS = {
+    "defaults": {},
+    "namespaced with servicemonitor": {"watchNamespaces": ["team-a", "team-b"], "metrics": {"serviceMonitor": {"enabled": True}}},
+    "standalone without metrics": {"peering": {"enabled": False}, "metrics": {"enabled": False}, "replicaCount": 1},
+    "existing service account": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
+}
+
+
+def test_chart_lints_clean_in_strict_mode():
+    report = helm.lint(str(CHART), strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_rendered_object_passes_strict_kubernetes_validation(values):
+    objects = render(values)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_rendered_peering_objects_match_the_peering_crds(values):
+    crds = chart_crds()
+    for obj in render(values):
+        if obj["kind"] not in {"KopfPeering", "ClusterKopfPeering"}:
+            continue
+        crd = next(c for c in crds.values() if c["spec"]["names"]["kind"] == obj["kind"])
+        assert obj["apiVersion"] == f"{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}"
+        assert ("namespace" in obj["metadata"]) == (crd["spec"]["scope"] == "Namespaced")
+        jsonschema.validate(obj, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def test_chart_crds_pass_strict_kubernetes_validation():
+    crds = chart_crds()
+    assert "rlexperiments.kuberl.io" in crds
+    for crd in crds.values():
+        kubernetes_validate.validate(crd, KUBE_VERSION, strict=True)
+
+
+def test_chart_crd_equals_the_generated_crd_in_crds():
+    generated = ROOT / "crds" / CRD_FILE
+    shipped = CHART / "crds" / CRD_FILE
+    assert generated.exists(), f"{generated} is missing: generate it with `kuberl crd -o crds/`"
+    assert shipped.read_text() == generated.read_text(), (
+        f"{shipped.relative_to(ROOT)} differs from crds/{CRD_FILE}: sync it with "
+        f"`cp crds/{CRD_FILE} charts/kuberl/crds/` (docs/operations.md)"
+    )
+
+
+class TestOperatorDeployment:
+    def container(self, values=None) -> dict:
+        return one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+    def test_image_defaults_to_the_operator_image_at_the_chart_app_version(self):
+        app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+        assert self.container()["image"] == f"ghcr.io/kuberl/operator:{app_version}"
+        assert self.container({"image": {"tag": "dev"}})["image"] == "ghcr.io/kuberl/operator:dev"
+
+    def test_args_parse_as_kuberl_operator_with_the_ports_and_namespaces_of_the_values(self):
+        c = self.container({"watchNamespaces": ["ns1"], "metrics": {"port": 9090}, "health": {"port": 9091}})
+        args = build_parser().parse_args(c["args"])
+        assert (args.command, args.metrics_port, args.health_port, args.namespace, args.standalone) == (
+            "operator", 9090, 9091, ["ns1"], False
+        )
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"metrics": 9090, "health": 9091}
+
+    def test_liveness_and_readiness_probe_the_health_port(self):
+        c = self.container({"health": {"port": 7000, "path": "/live"}})
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/live", "port": "health"}
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == 7000
+
+    def test_disabled_metrics_turn_the_port_off_and_drop_the_service(self):
+        objects = render({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}})
+        c = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        assert build_parser().parse_args(c["args"]).metrics_port == 0
+        assert not [o for o in objects if o["kind"] in {"Service", "ServiceMonitor"}]
+
+    def test_peering_disabled_runs_standalone_without_peering_objects(self):
+        objects = render({"peering": {"enabled": False}})
+        c = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        assert build_parser().parse_args(c["args"]).standalone is True
+        assert not [o for o in objects if "Peering" in o["kind"]]
+
+    def test_peering_is_cluster_wide_or_one_per_watched_namespace(self):
+        assert [o["kind"] for o in render() if "Peering" in o["kind"]] == ["ClusterKopfPeering"]
+        per_ns = [o for o in render({"watchNamespaces": ["x", "y"]}) if "Peering" in o["kind"]]
+        assert [(o["kind"], o["metadata"]["namespace"]) for o in per_ns] == [("KopfPeering", "x"), ("KopfPeering", "y")]
+
+    def test_runs_non_root_with_a_read_only_root_file_system_and_no_capabilities(self):
+        pod = one(render(), "Deployment")["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+
+    def test_metrics_service_selects_the_operator_pods_on_the_metrics_port(self):
+        objects = render()
+        svc = one(objects, "Service")
+        pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+        assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+
+    def test_service_monitor_scrapes_the_metrics_port_of_the_service(self):
+        objects = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}})
+        sm, svc = one(objects, "ServiceMonitor"), one(objects, "Service")
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+        assert sm["metadata"]["labels"]["release"] == "prom"
+
+
+def granted(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule.get("apiGroups", [""]) for r in rule["resources"] for v in rule["verbs"]}
+
+
+class TestRBAC:
+    def rules(self) -> list[dict]:
+        return one(render(), "ClusterRole")["rules"]
+
+    def test_binding_names_the_operator_service_account(self):
+        objects = render()
+        binding, sa = one(objects, "ClusterRoleBinding"), one(objects, "ServiceAccount")
+        assert binding["roleRef"]["name"] == one(objects, "ClusterRole")["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+        pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == sa["metadata"]["name"]
+
+    def test_no_wildcards_and_no_privilege_escalation_verbs(self):
+        for rule in self.rules():
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule.get(field, []), rule
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+    @pytest.mark.parametrize(
+        "group,resource,verbs",
+        [
+            ("kuberl.io", "rlexperiments", {"get", "list", "watch", "patch"}),
+            ("kuberl.io", "rlexperiments/status", {"patch"}),
+            ("kuberl.io", "rlexperiments/scale", {"get", "patch"}),
+            ("", "configmaps", {"create", "patch", "delete"}),
+            ("", "secrets", {"create", "patch", "delete"}),
+            ("", "services", {"create", "patch", "delete"}),
+            ("", "serviceaccounts", {"create", "patch", "delete"}),
+            ("", "persistentvolumeclaims", {"create", "patch", "delete"}),
+            ("apps", "statefulsets", {"create", "patch", "delete", "watch"}),
+            ("batch", "jobs", {"create", "patch", "delete", "watch"}),
+            ("rbac.authorization.k8s.io", "roles", {"create", "patch"}),
+            ("rbac.authorization.k8s.io", "rolebindings", {"create", "patch"}),
+            ("networking.k8s.io", "networkpolicies", {"create", "patch"}),
+            ("", "events", {"create", "patch"}),
+            ("", "pods", {"get", "list", "watch"}),
+            ("", "nodes", {"get", "list"}),
+            ("", "namespaces", {"list", "watch"}),
+            ("apiextensions.k8s.io", "customresourcedefinitions", {"get", "list", "watch"}),
+            ("kopf.dev", "clusterkopfpeerings", {"get", "list", "watch", "patch"}),
+            ("kopf.dev", "kopfpeerings", {"get", "list", "watch", "patch"}),
+        ],
+    )
+    def test_grants_what_the_operator_needs(self, group, resource, verbs):
+        have = granted(self.rules())
+        missing = {v for v in verbs if (group, resource, v) not in have}
+        assert not missing, f"{group or 'core'}/{resource}: missing verbs {sorted(missing)}"
+
+    def test_pods_and_nodes_are_read_only(self):
+        for group, resource, verb in granted(self.rules()):
+            if resource in {"pods", "nodes", "namespaces", "customresourcedefinitions"}:
+                assert verb in {"get", "list", "watch"}, (resource, verb)
+
+    def test_holds_every_permission_the_operator_grants_to_experiment_roles(self):
+        """Kubernetes refuses to create a Role granting more than its creator holds."""
+        builders = pytest.importorskip("kuberl.operator.builders", reason="operator builders not present yet")
+        build_role = getattr(builders, "build_role", None)
+        if build_role is None:
+            for sub in ("rbac", "roles", "security"):
+                try:
+                    build_role = getattr(importlib.import_module(f"kuberl.operator.builders.{sub}"), "build_role", None)
+                except ModuleNotFoundError:
+                    continue
+                if build_role:
+                    break
+        if build_role is None:
+            pytest.skip("kuberl.operator.builders has no build_role: the operator grants no Role")
+        from kuberl.api import load_experiment
+
+        role = build_role(load_experiment(ROOT / "examples" / "quickstart.yaml"))
+        have = granted(self.rules())
+        for rule in role["rules"]:
+            for item in granted([rule]):
+                assert item in have, f"the operator's Role grants {item} but the chart's ClusterRole does not hold it"
+
+
+BAD_VALUES = {
+    "replica count as text": ({"replicaCount": "two"}, "replicaCount"),
+    "unknown pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    "misspelt top-level key": ({"replicas": 2}, "replicas"),
+    "namespace that is no DNS label": ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
+    "metrics port out of range": ({"metrics": {"port": 70000}}, "port"),
+    "scrape interval in words": ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "interval"),
+    "root allowed": ({"podSecurityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
+    "cpu that is no quantity": ({"resources": {"requests": {"cpu": "lots"}}}, "cpu"),
+    "health path without slash": ({"health": {"path": "healthz"}}, "path"),
+}
+
+
+@pytest.mark.parametrize("values,field", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_values_schema_rejects_bad_values_naming_the_field(values, field):
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmError) as err:
+            chart.validate_schema(chart.merge_values(values))
+    assert field in str(err.value), str(err.value)
+
+
+def test_values_schema_accepts_the_defaults_and_every_variant():
+    with helm.Chart.load(CHART) as chart:
+        for values in VARIANTS.values():
+            chart.validate_schema(chart.merge_values(values))
