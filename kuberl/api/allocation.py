@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kuberl.api.v1alpha1 import FieldError
+
 if TYPE_CHECKING:
     from kuberl.api.v1alpha1 import RLExperimentSpec
 
@@ -64,12 +66,15 @@ def parse_allocation(text: str) -> Allocation:
 
 def apply_allocation(spec: RLExperimentSpec) -> None:
     """Expand spec.allocation into the rollout and trainer fields, rejecting contradictions."""
-    alloc = parse_allocation(spec.allocation or "")
+    try:
+        alloc = parse_allocation(spec.allocation or "")
+    except ValueError as exc:
+        raise FieldError("spec.allocation", spec.allocation, str(exc)) from None
     r, t = spec.rollout, spec.trainer
     world = alloc.trainer_world_size
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)
     if per_node == 0 or world % per_node:
-        raise ValueError(f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
+        raise FieldError("spec.trainer.accelerator.count", per_node, f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
     wanted = [
         (r, "engine", "rollout.engine", alloc.engine),
         (r, "replicas", "rollout.replicas", alloc.rollout["d"]),
@@ -87,8 +92,8 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     ]
     for obj, attr, path, value in wanted:
         if attr in obj.model_fields_set and getattr(obj, attr) != value:
-            raise ValueError(f"allocation {spec.allocation!r} sets {path}={value}, but the spec says {getattr(obj, attr)}")
+            raise FieldError(f"spec.{path}", getattr(obj, attr), f"allocation {spec.allocation!r} sets {path}={value}, but the spec says {getattr(obj, attr)}")
     for obj, attr, _, value in wanted:
         object.__setattr__(obj, attr, value)
     if r.autoscaling.enabled and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
-        raise ValueError("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas")
+        raise FieldError("spec.rollout.replicas", r.replicas, f"rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (allocation {spec.allocation!r} sets {r.replicas})")

@@ -41,6 +41,15 @@ Quantity = Annotated[
 ]
 
 
+class FieldError(ValueError):
+    """A rejected value with the manifest path it sits at (`spec.rollout.replicas`), for error reports."""
+
+    def __init__(self, path: str, value: Any, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.value = value
+
+
 def _check_quantity(value: int | str, path: str) -> None:
     if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
         raise ValueError(f"{path}: {value!r} is not a Kubernetes quantity (e.g. 10Gi, 500m, 2)")
@@ -534,7 +543,7 @@ class RLExperimentSpec(KubeModel):
         elif "count" not in r.accelerator.model_fields_set:
             object.__setattr__(r.accelerator, "count", r.tensor_parallel_size * r.pipeline_parallel_size)
         if r.accelerator.type != AcceleratorType.CPU and r.accelerator.count != r.tensor_parallel_size * r.pipeline_parallel_size:
-            raise ValueError("rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
+            raise FieldError("spec.rollout.accelerator.count", r.accelerator.count, "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
         self.trainer.check()
         return self
 
