@@ -199,8 +199,6 @@ def _check(cfg: AlgorithmConfig) -> None:
         raise ValueError(f"algorithm.samplesPerPrompt {cfg.group_size}: leave-one-out needs >= 2")
     if cfg.eps_low <= 0 or cfg.eps_high < cfg.eps_low:
         raise ValueError(f"algorithm.epsClipHigh {cfg.eps_high} must be >= algorithm.epsClip {cfg.eps_low} > 0")
-    if cfg.eps_low >= 1:
-        raise ValueError(f"algorithm.epsClip {cfg.eps_low}: the ratio's lower bound 1 - epsClip must stay above 0")
     if cfg.behavior_weight_cap is not None and cfg.behavior_weight_cap <= 1:
         raise ValueError(f"algorithm.behaviorWeightCap {cfg.behavior_weight_cap} must be > 1")
     if cfg.behavior_weight_mode not in ("cap", "mask"):

@@ -1,0 +1,223 @@
+"""resolve_algorithm's presets and errors, and one small "it learns" test: a toy categorical policy trained with
+the real advantage and loss functions on a bandit improves its expected reward (seconds, CPU)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kuberl.api.v1alpha1 import AlgorithmSpec, OverlongPenaltySpec, RLExperimentSpec
+from kuberl.runtime.algorithms import (
+    AlgorithmConfig,
+    compute_advantages,
+    compute_token_advantages,
+    dynamic_sampling_keep,
+    kl_penalty,
+    loss_denominator,
+    ppo_actor_loss,
+    resolve_algorithm,
+    shape_rewards,
+)
+
+NAMES = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce++", "liteppo"]
+
+
+def resolve(name="grpo", **kw):
+    return resolve_algorithm(AlgorithmSpec(name=name, **kw))
+
+
+class TestPresets:
+    @pytest.mark.parametrize(
+        "name,baseline,std,aggregation,ratio",
+        [
+            ("grpo", "group", "group", "token-mean", "token"),
+            ("drgrpo", "group", "none", "seq-mean-token-sum-norm", "token"),
+            ("dapo", "group", "group", "token-mean", "token"),
+            ("gspo", "group", "group", "seq-mean-token-mean", "sequence"),
+            ("rloo", "loo", "none", "token-mean", "token"),
+            ("reinforce++", "batch", "batch", "token-mean", "token"),
+            ("liteppo", "group", "batch", "token-mean", "token"),
+        ],
+    )
+    def test_each_algorithm_is_a_setting_of_one_pipeline(self, name, baseline, std, aggregation, ratio):
+        cfg = resolve(name)
+        assert (cfg.baseline, cfg.std_norm, cfg.aggregation, cfg.ratio_level) == (baseline, std, aggregation, ratio)
+        assert cfg.name == name
+
+    def test_grpo_defaults_are_areal_gsm8k(self):
+        cfg = resolve("grpo")
+        assert (cfg.eps_low, cfg.eps_high, cfg.reward_bias, cfg.reward_scaling) == (0.4, 0.4, -0.5, 10.0)
+        assert cfg.decoupled and cfg.behavior_weight_cap == 5.0 and cfg.behavior_weight_mode == "mask"
+        assert not cfg.dynamic_sampling and not cfg.overlong_penalty and cfg.notes == ()
+
+    def test_dapo_turns_on_clip_higher_dynamic_sampling_and_overlong_penalty(self):
+        cfg = resolve("dapo")
+        assert (cfg.eps_low, cfg.eps_high) == (0.2, 0.28)
+        assert cfg.dynamic_sampling and cfg.overlong_penalty
+        assert len(cfg.notes) == 3
+
+    def test_dapo_keeps_clip_values_the_user_set(self):
+        assert (resolve("dapo", eps_clip=0.1, eps_clip_high=0.3).eps_low, resolve("dapo", eps_clip=0.1, eps_clip_high=0.3).eps_high) == (0.1, 0.3)
+        cfg = resolve("dapo", eps_clip=0.1)
+        assert cfg.eps_low == 0.1 and cfg.eps_high == pytest.approx(0.14)
+
+    def test_dapo_keeps_the_users_overlong_buffer(self):
+        cfg = resolve("dapo", overlong_penalty=OverlongPenaltySpec(buffer_tokens=16, penalty=0.5))
+        assert (cfg.overlong_penalty, cfg.overlong_buffer, cfg.overlong_penalty_factor) == (True, 16, 0.5)
+
+    def test_gspo_uses_tiny_sequence_level_clip_unless_set(self):
+        assert (resolve("gspo").eps_low, resolve("gspo").eps_high) == (3e-4, 4e-4)
+        assert resolve("gspo", eps_clip=0.01).eps_low == 0.01
+
+    def test_presets_survive_a_round_trip_through_the_manifest(self):
+        # The operator writes every field into the ConfigMap; the preset must still apply.
+        spec = RLExperimentSpec.model_validate(
+            {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "add-small"}, "algorithm": {"name": "dapo"}}
+        )
+        again = RLExperimentSpec.model_validate(spec.to_manifest())
+        assert resolve_algorithm(again.algorithm) == resolve_algorithm(spec.algorithm)
+
+    def test_reinforce_pp_puts_the_kl_in_the_reward_with_k1(self):
+        cfg = resolve("reinforce++", kl_coef=0.05)
+        assert cfg.kl_in_reward and not cfg.kl_in_loss and cfg.kl_kind == "k1"
+        assert resolve("grpo", kl_coef=0.05).kl_in_loss
+
+    def test_normalize_advantages_false_turns_std_off_where_the_algorithm_has_one(self):
+        assert resolve("grpo", normalize_advantages=False).std_norm == "none"
+        assert resolve("liteppo", normalize_advantages=False).std_norm == "none"
+        assert resolve("reinforce++", normalize_advantages=False).std_norm == "none"
+
+    def test_config_is_frozen(self):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            resolve().eps_low = 0.1
+
+    def test_loading_the_config_does_not_import_torch(self):
+        code = (
+            "import sys; from kuberl.api.v1alpha1 import AlgorithmSpec; "
+            "from kuberl.runtime.algorithms import resolve_algorithm; resolve_algorithm(AlgorithmSpec(name='dapo')); "
+            "sys.exit('torch' in sys.modules)"
+        )
+        assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+class TestErrors:
+    def test_ppo_with_a_critic_is_refused_with_a_fix(self):
+        with pytest.raises(ValueError, match=r"algorithm.name ppo \(with a value critic\) is not supported yet.*liteppo"):
+            resolve("ppo")
+
+    def test_buffer_longer_than_max_new_tokens_names_both_fields(self):
+        with pytest.raises(ValueError, match="bufferTokens 64 exceeds algorithm.maxNewTokens 32"):
+            resolve("dapo", max_new_tokens=32)
+
+    def test_liteppo_with_one_sample_per_prompt_is_refused(self):
+        with pytest.raises(ValueError, match="algorithm.samplesPerPrompt 1"):
+            resolve("liteppo", samples_per_prompt=1)
+
+    def test_unknown_aggregation_is_refused(self):
+        with pytest.raises(ValueError, match="loss aggregation 'sum'"):
+            resolve().replace(aggregation="sum")
+
+    def test_not_a_spec_is_refused(self):
+        with pytest.raises(ValueError, match="needs an AlgorithmSpec"):
+            resolve_algorithm({"name": "grpo"})
+
+    def test_unknown_name_never_reaches_resolve(self):
+        with pytest.raises(ValueError, match="name"):
+            AlgorithmSpec(name="a2c")
+
+
+# ---------------------------------------------------------------------------------------------
+# It learns
+# ---------------------------------------------------------------------------------------------
+
+ARM_REWARD = torch.tensor([0.0, 0.2, 1.0, 0.0, 0.3])  # arm 2 pays 1, the others little
+
+
+def expected_reward(logits: torch.Tensor) -> float:
+    return float((torch.softmax(logits, -1) * ARM_REWARD).sum())
+
+
+def train_bandit(cfg: AlgorithmConfig, steps=60, groups=8, seed=0) -> tuple[float, float]:
+    """One-token episodes: sample from a one-step-stale behaviour policy, recompute proximal logp,
+    compute advantages and take 2 minibatch steps of the decoupled loss, as the async trainer does."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=0.05)
+    behaviour = logits.detach().clone()
+    ref = logits.detach().clone()
+    start = expected_reward(logits.detach())
+    n = cfg.group_size
+    for _ in range(steps):
+        probs = torch.softmax(behaviour, -1)
+        actions = torch.multinomial(probs.expand(groups * n, 5), 1, generator=g)  # [N, 1]
+        raw = (ARM_REWARD[actions.squeeze(1)] + 0.1 * torch.randn(groups * n, generator=g)).clamp(0, 1)
+        raw = raw.view(groups, n)
+        keep = [i for i in range(groups) if not cfg.dynamic_sampling or dynamic_sampling_keep(raw[i])]
+        if not keep:
+            continue
+        raw, actions = raw[keep], actions.view(groups, n)[keep].reshape(-1, 1)
+        lengths = torch.ones_like(raw)
+        rewards = shape_rewards(raw, lengths, cfg)
+        mask = torch.ones_like(actions, dtype=torch.bool)
+        behave_logp = torch.log_softmax(behaviour, -1)[actions]
+        prox_logp = torch.log_softmax(logits.detach(), -1)[actions]
+        kl = (prox_logp - torch.log_softmax(ref, -1)[actions]) if cfg.kl_in_reward else None
+        adv = compute_token_advantages(rewards, mask, cfg, kl=kl)
+        behaviour = logits.detach().clone()  # the engine gets the new weights one step late
+        rows = torch.randperm(actions.shape[0], generator=g).chunk(2)
+        for idx in rows:
+            logp = torch.log_softmax(logits, -1)[actions[idx]]
+            ref_logp = torch.log_softmax(ref, -1)[actions[idx]] if cfg.kl_in_loss else None
+            loss, stats = ppo_actor_loss(
+                logp, prox_logp[idx], behave_logp[idx], adv[idx], mask[idx], cfg,
+                ref_logp=ref_logp, denominator=loss_denominator(mask[idx], cfg),
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            assert all(v == v for v in stats.values())  # no NaN in the stats
+    return start, expected_reward(logits.detach())
+
+
+class TestItLearns:
+    @pytest.mark.parametrize("name", NAMES)
+    def test_a_categorical_policy_learns_the_best_arm_of_a_bandit(self, name):
+        extra = {"max_new_tokens": 64} if name == "dapo" else {}
+        if name == "gspo":
+            extra = {"eps_clip": 0.2}  # GSPO's 3e-4 clip suits long sequences, not one-token episodes
+        cfg = resolve(name, samples_per_prompt=8, kl_coef=0.001, **extra)
+        start, end = train_bandit(cfg)
+        assert start == pytest.approx(0.3, abs=1e-6)
+        assert end > 0.8, f"{name}: expected reward went {start:.3f} -> {end:.3f}"
+
+    def test_a_zero_advantage_batch_leaves_the_policy_unchanged(self):
+        cfg = resolve("grpo")
+        logits = torch.zeros(5, requires_grad=True)
+        rewards = torch.ones(2, 4)  # all-equal groups
+        mask = torch.ones(8, 1, dtype=torch.bool)
+        adv = compute_token_advantages(shape_rewards(rewards, None, cfg), mask, cfg)
+        logp = torch.log_softmax(logits, -1)[torch.tensor([[0], [1], [2], [3], [4], [0], [1], [2]])]
+        loss, _ = ppo_actor_loss(logp, logp.detach(), logp.detach(), adv, mask, cfg)
+        loss.backward()
+        assert torch.count_nonzero(logits.grad) == 0
+
+    def test_kl_penalty_alone_pulls_the_policy_back_to_the_reference(self):
+        ref = torch.log_softmax(torch.tensor([2.0, 0.0, 0.0]), -1)
+        logits = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.SGD([logits], lr=0.5)
+        for _ in range(200):
+            logp = torch.log_softmax(logits, -1)
+            # exact KL(pi || ref) = sum_a pi(a) * k1(a); the estimator's expectation under pi
+            kl = (logp.exp() * kl_penalty(logp, ref, torch.ones(3), "k1")).sum()
+            opt.zero_grad()
+            kl.backward()
+            opt.step()
+        assert torch.allclose(torch.log_softmax(logits.detach(), -1), ref, atol=1e-2)
+
+    def test_compute_advantages_orders_responses_by_reward(self):
+        for name in NAMES:
+            cfg = resolve(name)
+            adv = compute_advantages(torch.tensor([[0.0, 1.0, 0.5, 0.25]]), cfg)
+            assert torch.argsort(adv[0]).tolist() == [0, 3, 2, 1], name
