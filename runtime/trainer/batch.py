@@ -1,0 +1,189 @@
+"""Training batches: trajectory groups -> response-aligned tensors, micro-batch plans, token logprobs.
+
+Pure tensor code used by the Trainer's stages (no bus, no torch.distributed). Rows are samples in
+group-major order (g * n + i), columns the response tokens (everything after the prompt), padded to
+the longest response: the [N, T] layout `kuberl.runtime.algorithms` expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class BatchError(ValueError):
+    """A trajectory group cannot be trained on (its message names the group and the field)."""
+
+
+@dataclass
+class RolloutBatch:
+    """B groups of n samples, flattened group-major; per-token tensors are [N, T] over response tokens."""
+
+    group_ids: list[str]
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    loss_mask: torch.Tensor  # [N, T] float, 1 where the policy generated the token
+    behave_logp: torch.Tensor  # [N, T] log pi_behave, the engine's logprobs
+    versions: torch.Tensor  # [N, T] long, -1 where not generated
+    rewards: torch.Tensor  # [G, n] raw rewards
+    head_versions: list[int]  # per group: min version of its generated tokens
+    prox_logp: torch.Tensor | None = None  # [N, T] log pi_prox, recomputed before the update
+    ref_logp: torch.Tensor | None = None  # [N, T] log pi_ref, only with a KL term
+    advantages: torch.Tensor | None = None  # [N, T]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_groups(self) -> int:
+        return self.rewards.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.outputs)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [len(p) + len(o) for p, o in zip(self.prompts, self.outputs)]
+
+    def response_lengths(self) -> torch.Tensor:
+        """Generated tokens per sample, [G, n] (what the overlong penalty measures)."""
+        return self.loss_mask.sum(dim=1).reshape(self.rewards.shape)
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+def head_version(group: Any) -> int:
+    """min(versions of generated tokens) over a group's samples; -1 if it generated nothing."""
+    found = [v for s in _get(group, "samples") for v, m in zip(_get(s, "versions"), _get(s, "loss_mask")) if m and v >= 0]
+    return min(found) if found else -1
+
+
+def build_batch(groups: Sequence[Any], group_size: int) -> RolloutBatch:
+    """Check and stack trajectory groups (TrajectoryGroup objects or their dicts) into a RolloutBatch."""
+    if not groups:
+        raise BatchError("build_batch: no groups")
+    prompts, outputs, masks, logps, versions, rewards, heads, ids = [], [], [], [], [], [], [], []
+    for g in groups:
+        gid = _get(g, "group_id")
+        samples = _get(g, "samples")
+        if len(samples) != group_size:
+            raise BatchError(f"group {gid}: has {len(samples)} samples, algorithm.samplesPerPrompt is {group_size}")
+        row = []
+        for k, s in enumerate(samples):
+            out = list(_get(s, "output_ids"))
+            for name in ("logprobs", "versions", "loss_mask"):
+                if len(_get(s, name)) != len(out):
+                    raise BatchError(f"group {gid} sample {k}: {name} has {len(_get(s, name))} entries for {len(out)} output_ids")
+            if not _get(s, "input_ids"):
+                raise BatchError(f"group {gid} sample {k}: input_ids is empty (the prompt needs at least one token)")
+            prompts.append(list(_get(s, "input_ids")))
+            outputs.append(out)
+            masks.append(list(_get(s, "loss_mask")))
+            logps.append(list(_get(s, "logprobs")))
+            versions.append(list(_get(s, "versions")))
+            row.append(float(_get(s, "reward")))
+        rewards.append(row)
+        heads.append(head_version(g))
+        ids.append(gid)
+    T = max(1, max(len(o) for o in outputs))
+
+    def pad(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((len(rows), T), value, dtype=dtype)
+        for i, r in enumerate(rows):
+            if r:
+                out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        return out
+
+    return RolloutBatch(
+        group_ids=ids,
+        prompts=prompts,
+        outputs=outputs,
+        loss_mask=pad(masks, 0, torch.float32),
+        behave_logp=pad(logps, 0.0, torch.float32),
+        versions=pad(versions, -1, torch.long),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        head_versions=heads,
+    )
+
+
+def plan_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split `rows` (in order) into micro-batches whose padded size (rows x longest) stays <= max_tokens.
+
+    A sequence longer than max_tokens gets a micro-batch of its own (it cannot be split).
+    """
+    plans: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for r in rows:
+        n = seq_lens[r]
+        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+            plans.append(cur)
+            cur, longest = [], 0
+        cur.append(r)
+        longest = max(longest, n)
+    if cur:
+        plans.append(cur)
+    return plans
+
+
+def minibatch_rows(num_groups: int, group_size: int, minibatches: int) -> list[list[int]]:
+    """Rows of each PPO minibatch: whole groups, split as evenly as possible (group-major rows)."""
+    if minibatches > num_groups:
+        minibatches = num_groups
+    bounds = [round(k * num_groups / minibatches) for k in range(minibatches + 1)]
+    return [list(range(bounds[k] * group_size, bounds[k + 1] * group_size)) for k in range(minibatches)]
+
+
+def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, rank: int, world: int) -> list[list[int] | None]:
+    """This rank's micro-batches of `rows`; every rank gets the same count (None = a no-loss filler).
+
+    FSDP needs every rank to run the same number of forward/backward passes, so ranks with less work
+    run fillers whose loss is multiplied by zero.
+    """
+    plans = [plan_micro_batches(seq_lens, list(rows)[k::world], max_tokens) for k in range(world)]
+    count = max(len(p) for p in plans)
+    mine: list[list[int] | None] = list(plans[rank])
+    return mine + [None] * (count - len(mine))
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    width: int,
+    *,
+    temperature: float = 1.0,
+    device: torch.device | str = "cpu",
+    pad_id: int = 0,
+) -> torch.Tensor:
+    """log pi(output token t | prefix) for each row, [rows, width] (0 beyond each response).
+
+    Logits are divided by the sampling temperature, as the engine did when it reported its logprobs.
+    Right padding with an attention mask; positions count from 0 in every row.
+    """
+    lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+    L = max(lens)
+    if L < 2:  # nothing was generated in any row: no token to score
+        return torch.zeros((len(lens), width), device=device)
+    ids = torch.full((len(lens), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(lens), L), dtype=torch.long)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        ids[i, : lens[i]] = torch.tensor(list(p) + list(o), dtype=torch.long)
+        attn[i, : lens[i]] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # log softmax at the target only: gather minus logsumexp (never materialises [rows, L, V] twice).
+    targets = ids[:, 1:]
+    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # Output token t of row i is predicted at position len(prompt_i) - 1 + t.
+    starts = torch.tensor([len(p) - 1 for p in prompts], device=token_logp.device)
+    t = torch.arange(width, device=token_logp.device)
+    idx = (starts[:, None] + t[None, :]).clamp(max=L - 2)
+    valid = t[None, :] < torch.tensor([len(o) for o in outputs], device=token_logp.device)[:, None]
+    return torch.where(valid, token_logp.gather(1, idx), torch.zeros((), device=token_logp.device))

@@ -1,0 +1,139 @@
+"""torch.distributed plumbing of the trainer: process group, FSDP2 wrapping, broadcasts, full state dicts.
+
+Called by `Trainer`. Works with world size 1 (no torchrun: a one-process gloo group on a free port) as
+well as under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT). gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name}: {raw!r} is not an integer (torchrun sets it)") from None
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Join (or create) the default process group from torchrun's environment; idempotent."""
+    rank, world, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"$RANK={rank} and $WORLD_SIZE={world} do not describe a process group")
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # One process without torchrun: a private single-member group, so the same code paths run.
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=1)
+        else:
+            dist.init_process_group("nccl" if use_cuda else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def shard_model(model: torch.nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2 (`fully_shard`) each decoder layer, then the root; mixed precision only where asked (GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if param_dtype is not None and param_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is not None:
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:
+    """Rank `src`'s Python object on every rank (pickled; fine for a batch of token lists)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj if info.rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=info.device if info.device.type == "cuda" else None)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    if info.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank must call; rank 0 gets the full CPU state dict, others an empty dict."""
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every rank must call; rank 0 gets the full CPU optimizer state."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
+) -> None:
+    """Load full state dicts held by rank 0 into the sharded model (and optimizer) on every rank."""
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=False)
+    set_model_state_dict(model, model_sd, options=opts)
+    if optimizer is not None and optim_sd is not None:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
