@@ -157,6 +157,11 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
         estimator, baseline = "liteppo", "group"
         std_norm = "batch" if spec.normalize_advantages else "none"
 
+    if overlong.enabled and overlong.buffer_tokens > spec.max_new_tokens and overlong.buffer_tokens == OverlongPenaltySpec().buffer_tokens:
+        # The default ramp (64 tokens) does not fit short generations; keep DAPO's proportion L_cache = L_max / 5.
+        overlong = overlong.model_copy(update={"buffer_tokens": max(1, spec.max_new_tokens // 5)})
+        notes.append(f"overlong penalty: bufferTokens {overlong.buffer_tokens} (maxNewTokens / 5; the default 64 exceeds maxNewTokens)")
+
     cfg = AlgorithmConfig(
         name=name,
         group_size=spec.samples_per_prompt,

@@ -170,22 +170,37 @@ def ppo_actor_loss(
         loss = pg.sum() / denominator
 
     with torch.no_grad():
-        n_tok = float(mask.sum())
-        safe = max(n_tok, 1.0)
+        # One device-to-host copy for all stats (on a GPU each float() would be a sync).
         d = log_ratio.detach()
+        raw = {
+            "loss": loss.detach().to(torch.float64),
+            "clip_sum": clip_mask.sum(),
+            "ratio_sum": (ratio.detach() * maskf).sum(),
+            "ratio_max": torch.where(mask, ratio.detach(), zero).max() if mask.numel() else zero,
+            "weight_sum": (weight * maskf).sum(),
+            "weight_max": torch.where(mask, weight, zero).max() if mask.numel() else zero,
+            "dropped_sum": dropped.sum(),
+            "kl3_sum": ((torch.exp(d) - d - 1.0) * maskf).sum(),
+            "adv_sum": (adv * maskf).sum(),
+            "tokens": mask.sum(),
+            "sequences": (tokens_per_seq > 0).sum(),
+            "kl_sum": kl.sum() if kl is not None else zero,
+        }
+        v = dict(zip(raw, torch.stack([x.to(torch.float64) for x in raw.values()]).tolist()))
+        safe = max(v["tokens"], 1.0)
         stats = {
-            "loss": float(loss.detach()),
-            "clip_fraction": float(clip_mask.sum()) / safe,
-            "ratio_mean": float((ratio.detach() * maskf).sum()) / safe,
-            "ratio_max": float(torch.where(mask, ratio.detach(), zero).max()) if n_tok else 0.0,
-            "behavior_weight_mean": float((weight * maskf).sum()) / safe if cfg.decoupled else 1.0,
-            "behavior_weight_max": float(torch.where(mask, weight, zero).max()) if cfg.decoupled and n_tok else 1.0,
-            "behavior_masked_fraction": float(dropped.sum()) / safe,
-            "approx_kl": float(((torch.exp(d) - d - 1.0) * maskf).sum()) / safe,
-            "advantage_mean": float((adv * maskf).sum()) / safe,
-            "tokens": n_tok,
-            "sequences": float((tokens_per_seq > 0).sum()),
+            "loss": v["loss"],
+            "clip_fraction": v["clip_sum"] / safe,
+            "ratio_mean": v["ratio_sum"] / safe,
+            "ratio_max": v["ratio_max"] if v["tokens"] else 0.0,
+            "behavior_weight_mean": v["weight_sum"] / safe if cfg.decoupled else 1.0,
+            "behavior_weight_max": v["weight_max"] if cfg.decoupled and v["tokens"] else 1.0,
+            "behavior_masked_fraction": v["dropped_sum"] / safe,
+            "approx_kl": v["kl3_sum"] / safe,
+            "advantage_mean": v["adv_sum"] / safe,
+            "tokens": v["tokens"],
+            "sequences": v["sequences"],
         }
         if kl is not None:
-            stats["kl"] = float(kl.sum()) / safe
+            stats["kl"] = v["kl_sum"] / safe
     return loss, stats

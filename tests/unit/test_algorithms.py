@@ -108,8 +108,13 @@ class TestErrors:
             resolve("ppo")
 
     def test_buffer_longer_than_max_new_tokens_names_both_fields(self):
-        with pytest.raises(ValueError, match="bufferTokens 64 exceeds algorithm.maxNewTokens 32"):
-            resolve("dapo", max_new_tokens=32)
+        with pytest.raises(ValueError, match="bufferTokens 40 exceeds algorithm.maxNewTokens 32"):
+            resolve("dapo", max_new_tokens=32, overlong_penalty=OverlongPenaltySpec(buffer_tokens=40))
+
+    def test_the_default_buffer_shrinks_to_a_fifth_of_short_generations(self):
+        cfg = resolve("dapo", max_new_tokens=8)
+        assert cfg.overlong_buffer == 1 and any("bufferTokens 1" in n for n in cfg.notes)
+        assert resolve("dapo", max_new_tokens=100).overlong_buffer == 64
 
     def test_liteppo_with_one_sample_per_prompt_is_refused(self):
         with pytest.raises(ValueError, match="algorithm.samplesPerPrompt 1"):

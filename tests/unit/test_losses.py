@@ -312,3 +312,9 @@ class TestStatsAndShapes:
     def test_shape_mismatch_names_the_input(self):
         with pytest.raises(ValueError, match="advantages: shape"):
             run(cfg_for(), advantages=torch.ones(3, 4))
+
+    def test_a_batch_without_loss_tokens_gives_zero_loss_and_zero_gradient(self):
+        logp = t(LOGP, True)
+        loss, stats = ppo_actor_loss(logp, t(PROX), t(BEHAVE), t(ADV), torch.zeros(2, 4), cfg_for())
+        loss.backward()
+        assert loss.item() == 0.0 and stats["tokens"] == 0 and (logp.grad == 0).all()
