@@ -59,10 +59,25 @@ _LAZY = {
     "loss_denominator": "losses",
 }
 
-__all__ = ["AlgorithmConfig", "resolve_algorithm", *_LAZY]
+__all__ = [
+    "AlgorithmConfig",
+    "broadcast_to_tokens",
+    "compute_advantages",
+    "compute_token_advantages",
+    "discounted_token_returns",
+    "dynamic_sampling_keep",
+    "gae",
+    "group_rewards",
+    "kl_penalty",
+    "loss_denominator",
+    "overlong_penalty",
+    "ppo_actor_loss",
+    "resolve_algorithm",
+    "shape_rewards",
+]
 
 if TYPE_CHECKING:
-    from kuberl.runtime.algorithms.advantages import (  # noqa: F401
+    from kuberl.runtime.algorithms.advantages import (
         broadcast_to_tokens,
         compute_advantages,
         compute_token_advantages,
@@ -73,7 +88,11 @@ if TYPE_CHECKING:
         overlong_penalty,
         shape_rewards,
     )
-    from kuberl.runtime.algorithms.losses import kl_penalty, loss_denominator, ppo_actor_loss  # noqa: F401
+    from kuberl.runtime.algorithms.losses import (
+        kl_penalty,
+        loss_denominator,
+        ppo_actor_loss,
+    )
 
 
 def __getattr__(name: str):

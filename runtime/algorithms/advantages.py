@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from kuberl.runtime.algorithms.config import AlgorithmConfig
 
 ADV_EPS = 1e-6

@@ -100,7 +100,7 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
     Raises ValueError naming the field for combinations that cannot run.
     """
     if not isinstance(spec, AlgorithmSpec):
-        raise ValueError(f"resolve_algorithm needs an AlgorithmSpec, got {type(spec).__name__}")
+        raise TypeError(f"resolve_algorithm needs an AlgorithmSpec, got {type(spec).__name__}")
     name = AlgorithmName(spec.name).value
     notes: list[str] = []
     if name == AlgorithmName.PPO:

@@ -5,10 +5,14 @@ import math
 
 import pytest
 import torch
+from kuberl.runtime.algorithms import resolve_algorithm
+from kuberl.runtime.algorithms.losses import (
+    kl_penalty,
+    loss_denominator,
+    ppo_actor_loss,
+)
 
 from kuberl.api.v1alpha1 import AlgorithmSpec
-from kuberl.runtime.algorithms import resolve_algorithm
-from kuberl.runtime.algorithms.losses import kl_penalty, loss_denominator, ppo_actor_loss
 
 # Two sequences of 4 tokens, the second padded after 3.
 LOGP = [[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -5.0]]
@@ -50,7 +54,7 @@ def ref_token_losses(logp, prox, behave, adv, mask, eps_low, eps_high, cap=None,
 
 
 def run(cfg, **kw):
-    args = dict(logp=t(LOGP, grad=True), proximal_logp=t(PROX), behavior_logp=t(BEHAVE), advantages=t(ADV), loss_mask=torch.tensor(MASK))
+    args = {"logp": t(LOGP, grad=True), "proximal_logp": t(PROX), "behavior_logp": t(BEHAVE), "advantages": t(ADV), "loss_mask": torch.tensor(MASK)}
     args.update(kw)
     return ppo_actor_loss(args["logp"], args["proximal_logp"], args["behavior_logp"], args["advantages"], args["loss_mask"], cfg,
                           **{k: v for k, v in kw.items() if k in ("seq_ids", "ref_logp", "denominator")})
@@ -173,7 +177,7 @@ class TestGSPO:
         assert stats["ratio_max"] > 1.0
 
     def test_sequence_ratio_differs_from_token_ratio(self):
-        spec = dict(eps_clip=0.5, eps_clip_high=0.5, behavior_weight_cap=None)
+        spec = {"eps_clip": 0.5, "eps_clip_high": 0.5, "behavior_weight_cap": None}
         seq, _ = run(cfg_for("gspo", **spec))
         tok, _ = run(cfg_for("grpo", **spec).replace(aggregation="seq-mean-token-mean"))
         assert seq.item() != pytest.approx(tok.item())
@@ -200,7 +204,7 @@ class TestGSPO:
 
 
 class TestAggregation:
-    CFG = dict(eps_clip=0.2, behavior_weight_cap=None)
+    CFG = {"eps_clip": 0.2, "behavior_weight_cap": None}  # noqa: RUF012 (read only)
 
     def ref(self):
         return ref_token_losses(LOGP, PROX, BEHAVE, ADV, MASK, 0.2, 0.2)
@@ -249,7 +253,10 @@ class TestAggregation:
             cfg = cfg_for(name)
             padded, _ = run(cfg)
             keep = [(r, k) for r in range(2) for k in range(4) if MASK[r][k]]
-            pack = lambda x: t([x[r][k] for r, k in keep])  # noqa: E731
+
+            def pack(x, keep=keep):
+                return t([x[r][k] for r, k in keep])
+
             ids = torch.tensor([r + 7 for r, _ in keep])  # arbitrary ids are fine
             packed, _ = ppo_actor_loss(pack(LOGP), pack(PROX), pack(BEHAVE), pack(ADV), torch.ones(len(keep)), cfg, seq_ids=ids)
             assert packed.item() == pytest.approx(padded.item(), rel=1e-12), name
