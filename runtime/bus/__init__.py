@@ -16,7 +16,10 @@ _EXPORTS = {
     "BusNames": "names",
     "NatsServer": "server", "NatsServerError": "server", "start_nats_server": "server",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Bus", "BusError", "BusNames", "GroupTooLargeError", "Lease", "MessageError", "NatsServer", "NatsServerError",
+    "Sample", "Ticket", "TrajectoryGroup", "start_nats_server",
+]
 
 if TYPE_CHECKING:
     from kuberl.runtime.bus.client import Bus, BusError, GroupTooLargeError, Lease

@@ -14,10 +14,8 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, TypeVar
 
-import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -26,11 +24,16 @@ from nats.js import api
 
 from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
+from kuberl.runtime.bus.connection import open_connection, redact
+from kuberl.runtime.bus.errors import BusError, GroupTooLargeError
+from kuberl.runtime.bus.lease import Lease
 from kuberl.runtime.bus.messages import MessageError, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, split_chunks
 from kuberl.runtime.bus.names import (
     AGENTS_CONSUMER, H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID, H_SIZE, KV_KEY, TRAINER_CONSUMER, BusNames,
 )
 from kuberl.runtime.bus.server import parse_max_payload, parse_size
+
+__all__ = ["Bus", "BusError", "GroupTooLargeError", "Lease"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,75 +49,6 @@ _TRANSIENT = (
     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
     asyncio.TimeoutError,
 )
-
-
-class BusError(RuntimeError):
-    """The bus cannot do what was asked (unreachable, no JetStream, missing objects, too large...)."""
-
-
-class GroupTooLargeError(BusError):
-    """A trajectory group that can never fit the trajectory stream."""
-
-
-def redact(url: str) -> str:
-    """The URL without user:password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        return urlunsplit((parts.scheme, f"***@{host}" + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-    return url
-
-
-class Lease(Generic[T]):
-    """A message taken from a work queue: `.value`; `ack()` when done, `nak()` to give it back,
-    `in_progress()` to keep it longer than ack_wait. A chunked group holds several messages."""
-
-    def __init__(self, value: T, msgs: list[Msg], generation: int = 0, owner: Bus | None = None) -> None:
-        self.value = value
-        self._msgs = msgs
-        self._generation = generation
-        self._owner = owner
-
-    @property
-    def delivered(self) -> int:
-        """How many times the server delivered this message (1 = first time)."""
-        return self._msgs[0].metadata.num_delivered
-
-    def _stale(self) -> bool:
-        # After reset_trainer_consumer the old consumer is gone: the messages come again from the new one.
-        return self._owner is not None and self._generation != self._owner._trainer_generation
-
-    async def ack(self) -> None:
-        """Acknowledge (the work queue deletes it); waits for the server's confirmation."""
-        if self._stale():
-            log.warning("ack of a lease from before reset_trainer_consumer ignored (it will be redelivered)")
-            return
-        for m in self._msgs:  # the head message first: a crash midway leaves only orphan chunks
-            try:
-                await m.ack_sync(timeout=5.0)
-            except nats.errors.TimeoutError:
-                await m.ack_sync(timeout=10.0)  # acking twice is harmless; a lost ack would redeliver
-
-    async def nak(self, delay: float | None = None) -> None:
-        """Give it back for redelivery (after `delay` seconds)."""
-        if not self._stale():
-            for m in self._msgs:
-                await m.nak(delay=delay)
-
-    async def in_progress(self) -> None:
-        """Reset the server's ack_wait timer: still working on it."""
-        if not self._stale():
-            for m in self._msgs:
-                await m.in_progress()
-
-    async def term(self) -> None:
-        """Never redeliver (poison message)."""
-        if not self._stale():
-            for m in self._msgs:
-                await m.term()
-
-    def __repr__(self) -> str:
-        return f"Lease({self.value!r:.80}, messages={len(self._msgs)})"
 
 
 class Bus:
@@ -169,7 +103,7 @@ class Bus:
             if v is not None and not v > 0:
                 raise ValueError(f"{what} must be > 0 seconds, got {v!r}")
         token = token if token is not None else (os.environ.get("KUBERL_BUS_TOKEN") or None)
-        nc = await _open(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}")
+        nc = await open_connection(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}")
         try:
             limit = nc.max_payload
             if max_payload is not None:
@@ -541,47 +475,3 @@ def _loads(data: bytes, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BusError(f"state {key!r} is a JSON {type(value).__name__}, expected an object")
     return value
-
-
-async def _open(url: str, token: str | None, wait: float, name: str) -> NATS:
-    """Connect, retrying for `wait` seconds; then reconnect forever on later disconnects."""
-    nc = NATS()
-    last: list[BaseException] = []
-    state = {"logged": 0.0}
-
-    async def error_cb(exc: BaseException) -> None:
-        last[:] = [exc]
-        now = time.monotonic()
-        if nc.is_connected and now - state["logged"] > 30:  # rate-limited: a long outage logs every 30 s
-            state["logged"] = now
-            log.warning("bus %s: %s", redact(url), exc)
-
-    async def disconnected_cb() -> None:
-        if nc.is_closed:  # our own close()
-            return
-        log.warning("bus %s: disconnected; reconnecting", redact(url))
-
-    async def reconnected_cb() -> None:
-        log.info("bus %s: reconnected", redact(url))
-
-    opts: dict[str, Any] = dict(
-        servers=[url], name=name, connect_timeout=min(5.0, max(wait, 0.5)), allow_reconnect=True,
-        max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=error_cb,
-        disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
-        pending_size=64 * 1024 * 1024,  # buffer while reconnecting: a few large groups
-    )
-    if token:
-        opts["token"] = token
-    try:
-        await asyncio.wait_for(nc.connect(**opts), timeout=wait)
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-        err = last[0] if last else exc
-        try:
-            await nc.close()
-        except Exception:
-            pass
-        hint = ""
-        if isinstance(err, nats.errors.AuthorizationError) or "authorization" in str(err).lower():
-            hint = ": authorization failed, check KUBERL_BUS_TOKEN"
-        raise BusError(f"cannot reach the bus at {redact(url)} within {wait:.0f}s ({type(err).__name__}: {err}){hint}") from None
-    return nc

@@ -1,0 +1,11 @@
+"""Errors of the bus client (kuberl.runtime.bus): raised by Bus methods, caught by the trainer and agents."""
+
+from __future__ import annotations
+
+
+class BusError(RuntimeError):
+    """The bus cannot do what was asked (unreachable, no JetStream, missing objects, too large...)."""
+
+
+class GroupTooLargeError(BusError):
+    """A trajectory group that can never fit the trajectory stream."""

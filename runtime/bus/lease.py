@@ -1,0 +1,64 @@
+"""Lease: a message taken from a JetStream work queue, with ack/nak/in_progress (returned by Bus pulls)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Generic, TypeVar
+
+import nats.errors
+from nats.aio.msg import Msg
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Lease(Generic[T]):
+    """A message taken from a work queue: `.value`; `ack()` when done, `nak()` to give it back,
+    `in_progress()` to keep it longer than ack_wait. A chunked group holds several messages."""
+
+    def __init__(self, value: T, msgs: list[Msg], generation: int = 0, owner: Any = None) -> None:
+        self.value = value
+        self._msgs = msgs
+        self._generation = generation
+        self._owner = owner
+
+    @property
+    def delivered(self) -> int:
+        """How many times the server delivered this message (1 = first time)."""
+        return self._msgs[0].metadata.num_delivered
+
+    def _stale(self) -> bool:
+        # After reset_trainer_consumer the old consumer is gone: the messages come again from the new one.
+        return self._owner is not None and self._generation != self._owner._trainer_generation
+
+    async def ack(self) -> None:
+        """Acknowledge (the work queue deletes it); waits for the server's confirmation."""
+        if self._stale():
+            log.warning("ack of a lease from before reset_trainer_consumer ignored (it will be redelivered)")
+            return
+        for m in self._msgs:  # the head message first: a crash midway leaves only orphan chunks
+            try:
+                await m.ack_sync(timeout=5.0)
+            except nats.errors.TimeoutError:
+                await m.ack_sync(timeout=10.0)  # acking twice is harmless; a lost ack would redeliver
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Give it back for redelivery (after `delay` seconds)."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Reset the server's ack_wait timer: still working on it."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.in_progress()
+
+    async def term(self) -> None:
+        """Never redeliver (poison message)."""
+        if not self._stale():
+            for m in self._msgs:
+                await m.term()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.value!r:.80}, messages={len(self._msgs)})"
