@@ -647,6 +647,10 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = old["resourceVersion"]
         result = self._admit(rt, result, q)
         unknown = result.pop("__unknown__", None)
+        if sub != "status" and rt.crd is None:
+            violations = ks.immutable_violations(rt.plural, existing, result)
+            if violations:
+                raise ks.invalid(rt, meta["name"], violations)
         if result == existing:
             return existing  # a no-op write changes nothing, not even resourceVersion (kopf relies on it)
 

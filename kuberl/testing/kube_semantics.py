@@ -583,3 +583,43 @@ class CrdAdmission:
             for i, item in enumerate(value):
                 errors += self._cel(item, schema["items"], f"{path}[{i}]")
         return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Immutable fields of the built-in kinds the operator updates (the API server's update validation)
+# ---------------------------------------------------------------------------------------------
+
+STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
+                       "minReadySeconds", "revisionHistoryLimit"}
+# Pod template fields a suspended, never-started Job may still change (KEP-2926).
+JOB_SCHEDULING_FIELDS = {"nodeSelector", "tolerations", "affinity", "schedulingGates"}
+
+
+def immutable_violations(plural: str, old: Obj, new: Obj) -> list[tuple[str, str]]:
+    """Changes the API server forbids on update, as (field, message)."""
+    o, n = old.get("spec") or {}, new.get("spec") or {}
+    if plural == "statefulsets":
+        changed = sorted(k for k in set(o) | set(n) if k not in STATEFULSET_MUTABLE and o.get(k) != n.get(k))
+        if changed:
+            return [("spec", "Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', "
+                     "'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' "
+                     f"are forbidden (changed: {', '.join(changed)})")]
+    if plural == "jobs":
+        out = []
+        for key in ("selector", "completions", "completionMode", "manualSelector"):
+            if key in o and o.get(key) != n.get(key):
+                out.append((f"spec.{key}", "Invalid value: field is immutable"))
+        ot, nt = copy.deepcopy(o.get("template") or {}), copy.deepcopy(n.get("template") or {})
+        if o.get("suspend") and not (old.get("status") or {}).get("startTime"):
+            for t in (ot, nt):
+                t.pop("metadata", None)
+                for f in JOB_SCHEDULING_FIELDS:
+                    (t.get("spec") or {}).pop(f, None)
+        if ot != nt:
+            out.append(("spec.template", "Invalid value: field is immutable"))
+        return out
+    if plural == "persistentvolumeclaims":
+        strip = lambda s: {k: v for k, v in s.items() if k != "resources"}  # noqa: E731
+        if strip(o) != strip(n):
+            return [("spec", "Forbidden: spec is immutable after creation except resources.requests and volumeAttributesClassName")]
+    return []

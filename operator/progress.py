@@ -1,0 +1,111 @@
+"""Training progress for the operator, read from the experiment's bus KV (nats-py), and control requests.
+
+Called by kuberl.operator.handlers (status, autoscaling, suspend). The names come from
+docs/design/contracts.md, re-derived here because the operator never imports kuberl.runtime:
+KV bucket `kuberl_{E}` (E = name upper-cased, '-' -> '_'), keys `progress` and `control`.
+A bus that cannot be reached yields None (no progress yet), never an exception in the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("kuberl.operator.progress")
+KEY_PROGRESS = "progress"
+KEY_CONTROL = "control"
+
+
+def kv_bucket(experiment: str) -> str:
+    return f"kuberl_{experiment.upper().replace('-', '_')}"
+
+
+class BusReader:
+    """One cached NATS connection per (url, token); reads progress, writes control requests."""
+
+    def __init__(self, connect_timeout: float = 2.0):
+        self._conns: dict[tuple[str, str | None], Any] = {}
+        self._failed_at: dict[tuple[str, str | None], float] = {}
+        self._lock = asyncio.Lock()
+        self.connect_timeout = connect_timeout
+
+    async def _kv(self, url: str, token: str | None, experiment: str) -> Any | None:
+        import nats
+        from nats.js.errors import BucketNotFoundError
+
+        key = (url, token)
+        async with self._lock:
+            nc = self._conns.get(key)
+            if nc is not None and not nc.is_connected:
+                await self._forget(key)
+                nc = None
+            if nc is None:
+                # Back off after a failure: a bus that is still starting must not slow every reconcile.
+                if time.monotonic() - self._failed_at.get(key, -1e9) < 10:
+                    return None
+                try:
+                    nc = await nats.connect(url, token=token, connect_timeout=self.connect_timeout,
+                                            max_reconnect_attempts=1, allow_reconnect=False, name="kuberl-operator")
+                except Exception as exc:  # no server, DNS not ready, auth: all mean "no progress yet"
+                    self._failed_at[key] = time.monotonic()
+                    log.debug("bus %s not reachable: %s", url, exc)
+                    return None
+                self._conns[key] = nc
+        try:
+            return await nc.jetstream().key_value(kv_bucket(experiment))
+        except BucketNotFoundError:
+            return None
+        except Exception as exc:
+            log.debug("bus KV of %s not readable: %s", experiment, exc)
+            await self._forget(key)
+            return None
+
+    async def _forget(self, key: tuple[str, str | None]) -> None:
+        nc = self._conns.pop(key, None)
+        if nc is not None:
+            try:
+                await nc.close()
+            except Exception:  # closing a broken connection may fail; it is gone either way
+                pass
+
+    async def read(self, url: str, token: str | None, experiment: str, key: str = KEY_PROGRESS) -> dict[str, Any] | None:
+        """The JSON value of a KV key (default: progress), or None."""
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._kv(url, token, experiment)
+        if kv is None:
+            return None
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        except Exception as exc:
+            log.debug("reading %s of %s failed: %s", key, experiment, exc)
+            return None
+        try:
+            value = json.loads(entry.value or b"null")
+        except ValueError:
+            log.warning("bus key %s of %s is not JSON; ignored", key, experiment)
+            return None
+        return value if isinstance(value, dict) else None
+
+    async def request_checkpoint(self, url: str, token: str | None, experiment: str, request_id: str) -> bool:
+        """Ask the trainer for a checkpoint (control.checkpoint_request); False if the bus is unreachable."""
+        kv = await self._kv(url, token, experiment)
+        if kv is None:
+            return False
+        control = await self.read(url, token, experiment, KEY_CONTROL) or {"stop": False}
+        control["checkpoint_request"] = request_id
+        try:
+            await kv.put(KEY_CONTROL, json.dumps(control).encode())
+            return True
+        except Exception as exc:
+            log.warning("could not ask %s for a checkpoint: %s", experiment, exc)
+            return False
+
+    async def close(self) -> None:
+        for key in list(self._conns):
+            await self._forget(key)
