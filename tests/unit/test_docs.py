@@ -1,0 +1,165 @@
+"""The documentation under docs/: the spec reference is current with the API models, relative links
+resolve, RLExperiment snippets are valid manifests, and the `kuberl` commands named exist."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from kuberl.api import v1alpha1
+from kuberl.api.reference import main as reference_main
+from kuberl.api.reference import render_default, render_reference, render_type, walk
+from kuberl.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "design" not in p.parts)
+
+
+class TestReference:
+    def test_docs_reference_is_generated_from_the_current_models(self):
+        assert (DOCS / "reference.md").read_text() == render_reference(), (
+            "docs/reference.md is out of date: run `python -m kuberl.api.reference -o docs/reference.md`"
+        )
+
+    def test_every_api_model_is_reachable_and_has_a_section(self):
+        text = render_reference()
+        concrete = {
+            m for m in vars(v1alpha1).values()
+            if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == v1alpha1.__name__
+        }
+        bases_only = {v1alpha1.KubeModel, v1alpha1.SchedulingSpec}  # their fields show in subclasses
+        assert concrete - bases_only - set(walk(v1alpha1.RLExperiment)) == set()
+        for model in concrete - bases_only:
+            assert f"\n## {model.__name__}\n" in text, model.__name__
+
+    def test_every_field_appears_by_its_manifest_name(self):
+        text = render_reference()
+        for model in walk(v1alpha1.RLExperiment):
+            section = text.split(f"\n## {model.__name__}\n", 1)[1].split("\n## ", 1)[0]
+            for name, field in model.model_fields.items():
+                assert f"| `{field.alias or name}` |" in section, f"{model.__name__}.{name}"
+
+    @pytest.mark.parametrize(
+        "tp,expected",
+        [
+            (v1alpha1.Quantity, "quantity"),
+            (int | None, "integer"),
+            (dict[str, typing.Any], "object"),
+            (dict[str, str], "map[string]string"),
+            (list[v1alpha1.Condition], "[][Condition](#condition)"),
+            (v1alpha1.EngineName, "`sglang` | `vllm`"),
+            (typing.Literal["disk", "bus"], "`disk` | `bus`"),
+        ],
+    )
+    def test_types_read_as_manifest_types(self, tp, expected):
+        assert render_type(tp) == expected
+
+    def test_defaults_show_required_values_and_non_default_factories(self):
+        spec = v1alpha1.RLExperimentSpec.model_fields
+        assert render_default(spec["model"]) == "*required*"
+        assert render_default(spec["training"]) == '`{"epochs": 1}`'
+        assert render_default(spec["bus"]) == '`{"embedded": {}}`'
+        assert render_default(spec["suspend"]) == "`false`"
+        assert render_default(v1alpha1.RolloutSpec.model_fields["image"]) == "—"
+
+    def test_check_mode_fails_on_a_stale_page_and_passes_on_a_fresh_one(self, tmp_path, capsys):
+        page = tmp_path / "reference.md"
+        page.write_text("# stale\n")
+        assert reference_main(["-o", str(page), "--check"]) == 1
+        assert reference_main(["-o", str(page)]) == 0
+        assert reference_main(["-o", str(page), "--check"]) == 0
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code (regular expressions look like links)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", page.read_text(), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+class TestPages:
+    def test_relative_links_resolve_to_files_and_headings(self, page):
+        for link in _links(page):
+            if re.match(r"^[a-z]+://|^mailto:", link):
+                continue
+            target, _, anchor = link.partition("#")
+            path = (page.parent / target).resolve() if target else page
+            assert path.exists(), f"{page.name}: link {link} points nowhere"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{page.name}: link {link}: no heading #{anchor} in {path.name}"
+
+    def test_rlexperiment_snippets_are_valid_manifests(self, page):
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+            for doc in yaml.safe_load_all(block):
+                if isinstance(doc, dict) and doc.get("kind") == "RLExperiment":
+                    v1alpha1.RLExperiment.model_validate(doc)
+
+    def test_kuberl_commands_named_exist(self, page):
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.S):
+            # `kuberl X` where a command starts: line start, after &&, ;, || or $( (not `helm install kuberl ...`)
+            for sub in re.findall(r"(?:^|&&|;|\|\||\$\()[ \t]*kuberl ([a-z][a-z-]*)", block, re.M):
+                assert sub in COMMANDS, f"{page.name}: `kuberl {sub}` is no kuberl subcommand"
+
+
+SKYPILOT = sorted((ROOT / "examples" / "skypilot").glob("*.yaml"))
+# Top-level keys of a SkyPilot task (docs.skypilot.co, "YAML spec").
+SKYPILOT_TASK_KEYS = {"name", "resources", "num_nodes", "workdir", "file_mounts", "envs", "secrets", "setup", "run", "config", "volumes"}
+
+
+def _sky_tasks() -> list[Path]:
+    return [p for p in SKYPILOT if "run" in (yaml.safe_load(p.read_text()) or {})]
+
+
+@pytest.mark.parametrize("path", _sky_tasks(), ids=lambda p: p.name)
+class TestSkyPilotTasks:
+    def task(self, path) -> dict:
+        return yaml.safe_load(path.read_text())
+
+    def test_only_skypilot_task_keys(self, path):
+        assert set(self.task(path)) <= SKYPILOT_TASK_KEYS
+
+    def test_the_manifest_it_runs_exists_and_is_valid(self, path):
+        from kuberl.api import load_experiment
+
+        manifest = ROOT / self.task(path)["envs"]["MANIFEST"]
+        assert manifest.exists(), manifest
+        load_experiment(manifest)
+
+    def test_kuberl_command_lines_parse(self, path):
+        from kuberl.cli import build_parser
+
+        task = self.task(path)
+        lines = [ln.strip() for ln in task["run"].splitlines() if ln.strip().startswith("kuberl ")]
+        assert any(ln.startswith("kuberl run ") for ln in lines)
+        for line in lines:
+            argv = [a.strip('"') for a in line.split()[1:] if a != "$resume"]
+            argv = [task["envs"]["MANIFEST"] if a == "$MANIFEST" else a for a in argv]
+            build_parser().parse_args(argv)
+
+    def test_pinned_packages_agree_with_pyproject(self, path):
+        import tomllib
+
+        from packaging.requirements import Requirement
+
+        data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+        reqs = [Requirement(d) for extra in data["project"]["optional-dependencies"].values() for d in extra]
+        for name, version in re.findall(r'"([A-Za-z0-9_.-]+)==([0-9][^"]*)"', self.task(path)["setup"]):
+            for req in (r for r in reqs if r.name == name):
+                assert req.specifier.contains(version), f"{name}=={version} vs pyproject {req}"
+        for extras in re.findall(r'"\.\[([a-z,]+)\]"', self.task(path)["setup"]):
+            for extra in extras.split(","):
+                assert extra in data["project"]["optional-dependencies"], extra
