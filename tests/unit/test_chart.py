@@ -147,6 +147,19 @@ class TestOperatorDeployment:
         per_ns = [o for o in render({"watchNamespaces": ["x", "y"]}) if "Peering" in o["kind"]]
         assert [(o["kind"], o["metadata"]["namespace"]) for o in per_ns] == [("KopfPeering", "x"), ("KopfPeering", "y")]
 
+    def test_peering_objects_carry_the_name_the_operator_peers_under(self):
+        from kuberl.operator.main import PEERING_NAME
+
+        for values in ({}, {"watchNamespaces": ["x"]}):
+            names = {o["metadata"]["name"] for o in render(values) if "Peering" in o["kind"]}
+            assert names == {PEERING_NAME}
+
+    def test_probe_path_is_the_one_the_operator_serves(self):
+        """kuberl operator serves kopf's liveness endpoint at /healthz on --health-port."""
+        main_py = (ROOT / "operator" / "main.py").read_text()
+        path = self.container()["livenessProbe"]["httpGet"]["path"]
+        assert f"{{args.health_port}}{path}" in main_py
+
     def test_runs_non_root_with_a_read_only_root_file_system_and_no_capabilities(self):
         pod = one(render(), "Deployment")["spec"]["template"]["spec"]
         c = pod["containers"][0]

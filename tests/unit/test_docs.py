@@ -163,3 +163,13 @@ class TestSkyPilotTasks:
         for extras in re.findall(r'"\.\[([a-z,]+)\]"', self.task(path)["setup"]):
             for extra in extras.split(","):
                 assert extra in data["project"]["optional-dependencies"], extra
+
+
+def test_metric_names_in_operations_are_the_ones_the_operator_exports():
+    metrics = pytest.importorskip("kuberl.operator.metrics", reason="needs kuberl[operator]")
+    exported = {m.name for m in metrics.REGISTRY.collect()}
+    named = set(re.findall(r"\b(kuberl_operator_[a-z_]+)", (DOCS / "operations.md").read_text()))
+    assert named, "operations.md names no operator metric"
+    for name in named:
+        base = name.removesuffix("_total")
+        assert base in exported, f"operations.md names {name}, the operator exports {sorted(exported)}"
