@@ -40,6 +40,8 @@ class Allocation:
 def _dims(text: str, allowed: str) -> dict[str, int]:
     dims = {k: 1 for k in allowed}
     seen = set()
+    if not re.fullmatch(r"([a-z][0-9]+)+", text):
+        raise ValueError(f"allocation: {text!r} is not a list of dimensions like d4 or d2t2 (a letter, then a number)")
     for key, value in re.findall(r"([a-z])([0-9]+)", text):
         if key not in allowed:
             raise ValueError(f"allocation: dimension {key!r} is not allowed in {text!r} (allowed: {', '.join(allowed)})")

@@ -1,0 +1,221 @@
+"""The RLExperiment models: AReaL defaults, the allocation shorthand, and CEL rules that agree with pydantic."""
+
+from __future__ import annotations
+
+import copy
+
+import pydantic
+import pytest
+
+from kuberl.api import RLExperiment, RLExperimentSpec
+from kuberl.api.allocation import parse_allocation
+from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
+from kuberl.api.v1alpha1 import FieldError
+
+
+def make_spec(**overrides) -> dict:
+    spec = {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "add-small"}}
+    spec.update(copy.deepcopy(overrides))
+    return spec
+
+
+def make_manifest(**overrides) -> dict:
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "t"}, "spec": make_spec(**overrides)}
+
+
+def pydantic_messages(doc: dict) -> list[str]:
+    try:
+        RLExperiment.model_validate(doc)
+    except pydantic.ValidationError as exc:
+        out = []
+        for err in exc.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            out.append(str(cause) if isinstance(cause, ValueError) else err["msg"])
+        return out
+    return []
+
+
+def cel_messages(doc: dict) -> list[str]:
+    errors: list = []
+    defaulted = prune_and_default(crd_schema(), doc, "", errors)
+    assert errors == []
+    return [e.message for e in check_cel(crd_schema(), defaulted)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults: AReaL's GSM8K GRPO
+# ---------------------------------------------------------------------------------------------
+
+
+class TestDefaults:
+    def test_algorithm_defaults_follow_areal_gsm8k_grpo(self):
+        a = RLExperimentSpec.model_validate(make_spec()).algorithm
+        assert a.name == "grpo"
+        assert a.samples_per_prompt == 4
+        assert a.batch_size == 256
+        assert a.max_new_tokens == 1024
+        assert a.eps_clip == 0.4
+        assert a.learning_rate == pytest.approx(1.7e-5)
+        assert a.optimizer.weight_decay == pytest.approx(0.017)
+        assert (a.reward_scaling, a.reward_bias) == (10.0, -0.5)
+        assert a.decoupled_loss is True and a.behavior_weight_cap == 5.0
+        assert a.kl_coef == 0.0
+
+    def test_staleness_defaults_to_eta_two(self):
+        assert RLExperimentSpec.model_validate(make_spec()).staleness.max_head_offpolicyness == 2
+
+    def test_the_bus_is_embedded_unless_external_is_given(self):
+        assert RLExperimentSpec.model_validate(make_spec()).bus.embedded is not None
+        assert RLExperimentSpec.model_validate(make_spec(bus={"maxPayload": "4Mi"})).bus.embedded is not None
+        ext = RLExperimentSpec.model_validate(make_spec(bus={"external": {"url": "nats://n:4222"}})).bus
+        assert ext.embedded is None and ext.external.url == "nats://n:4222"
+
+    def test_rollout_accelerators_default_to_the_engine_parallelism(self):
+        r = RLExperimentSpec.model_validate(make_spec(rollout={"tensorParallelSize": 2, "pipelineParallelSize": 2})).rollout
+        assert r.accelerator.count == 4
+
+    def test_autoscaled_rollout_without_replicas_starts_at_min_replicas(self):
+        r = RLExperimentSpec.model_validate(make_spec(rollout={"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}})).rollout
+        assert r.replicas == 2
+
+    def test_the_api_servers_defaults_load_into_the_same_spec(self):
+        # What the operator reads (defaulted by the API server) equals what `kuberl run` reads.
+        doc = make_manifest(allocation="sglang:d4+fsdp:d4")
+        defaulted = prune_and_default(crd_schema(), doc, "", [])
+        assert RLExperiment.model_validate(defaulted).spec == RLExperiment.model_validate(doc).spec
+
+
+# ---------------------------------------------------------------------------------------------
+# The allocation shorthand
+# ---------------------------------------------------------------------------------------------
+
+
+class TestAllocation:
+    def test_sglang_d4_fsdp_d4_is_four_engines_and_a_four_gpu_trainer(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4"))
+        assert (s.rollout.engine, s.rollout.replicas, s.rollout.tensor_parallel_size, s.rollout.accelerator.count) == ("sglang", 4, 1, 1)
+        assert (s.trainer.backend, s.trainer.nodes, s.trainer.accelerator.count) == ("fsdp", 1, 4)
+        assert (s.trainer.parallelism.data, s.trainer.parallelism.tensor) == (4, 1)
+
+    def test_vllm_d2t2_megatron_d2p2t2_uses_tensor_and_pipeline_parallelism(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d2t2+megatron:d2p2t2"))
+        assert (s.rollout.engine, s.rollout.replicas, s.rollout.tensor_parallel_size, s.rollout.accelerator.count) == ("vllm", 2, 2, 2)
+        p = s.trainer.parallelism
+        assert (s.trainer.backend, s.trainer.nodes, s.trainer.accelerator.count) == ("megatron", 1, 8)
+        assert (p.data, p.tensor, p.pipeline, p.context, p.expert) == (2, 2, 2, 1, 1)
+
+    def test_a_trainer_larger_than_a_node_splits_into_nodes_of_eight(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d4t2+megatron:d2p2t4"))
+        assert (s.trainer.nodes, s.trainer.accelerator.count, s.trainer.world_size) == (2, 8, 16)
+
+    def test_an_explicit_node_size_decides_the_split(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d2+fsdp:d8", trainer={"accelerator": {"count": 4}}))
+        assert (s.trainer.nodes, s.trainer.accelerator.count) == (2, 4)
+
+    def test_explicit_fields_that_agree_are_accepted(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"replicas": 4, "engine": "sglang"}))
+        assert s.rollout.replicas == 4
+
+    @pytest.mark.parametrize("overrides, path, ours, theirs", [
+        ({"rollout": {"replicas": 2}}, "rollout.replicas", "4", "2"),
+        ({"rollout": {"engine": "vllm"}}, "rollout.engine", "sglang", "vllm"),
+        ({"rollout": {"tensorParallelSize": 2}}, "rollout.tensorParallelSize", "1", "2"),
+        ({"trainer": {"backend": "megatron"}}, "trainer.backend", "fsdp", "megatron"),
+        ({"trainer": {"nodes": 2}}, "trainer.nodes", "1", "2"),
+        ({"trainer": {"parallelism": {"data": 2}}}, "trainer.parallelism.data", "4", "2"),
+    ])
+    def test_contradictions_are_rejected_naming_both_values(self, overrides, path, ours, theirs):
+        with pytest.raises(pydantic.ValidationError) as info:
+            RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", **overrides))
+        cause = info.value.errors()[0]["ctx"]["error"]
+        assert isinstance(cause, FieldError) and cause.path == f"spec.{path}"
+        assert f"sets {path}={ours}, but the spec says {theirs}" in str(cause)
+
+    @pytest.mark.parametrize("text, fragment", [
+        ("sglang:d4", "is not of the form"),
+        ("tgi:d4+fsdp:d4", "is not of the form"),
+        ("sglang:d4+fsdp:d4p2", "fsdp supports only d and c"),
+        ("vllm:d2x2+fsdp:d4", "'x' is not allowed"),
+        ("vllm:d2t+fsdp:d4", "is not a list of dimensions"),
+        ("vllm:d0+fsdp:d4", "must be at least 1"),
+        ("vllm:t2t2+fsdp:d4", "appears twice"),
+        ("vllm:d2c2+fsdp:d4", "'c' is not allowed"),
+    ])
+    def test_malformed_shorthand_says_what_is_wrong(self, text, fragment):
+        with pytest.raises(ValueError, match=fragment):
+            parse_allocation(text)
+
+    def test_dims_left_out_are_one(self):
+        a = parse_allocation("vllm:t2+megatron:p2")
+        assert a.rollout == {"d": 1, "t": 2, "p": 1} and a.trainer_world_size == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# CEL (admission) and pydantic (kuberl run, the operator) must agree
+# ---------------------------------------------------------------------------------------------
+
+MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
+DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
+AGREEMENT_CASES = [
+    ("model from the hub", {"model": {"id": "Qwen/Qwen2.5-0.5B"}}, None),
+    ("model with two sources", {"model": {"id": "x", "builtin": "tiny-qwen2"}}, MODEL_ONE),
+    ("model with no source", {"model": {"dtype": "float32"}}, MODEL_ONE),
+    ("model volume and path", {"model": {"path": "m", "volume": {"claimName": "c"}}}, None),
+    ("model volume without path", {"model": {"id": "x", "volume": {"claimName": "c"}}}, "model.volume needs model.path (the folder inside the claim)"),
+    ("dataset with two sources", {"dataset": {"id": "a", "path": "b"}}, DATASET_ONE),
+    ("dataset volume without path", {"dataset": {"id": "a", "volume": {"claimName": "c"}}}, "dataset.volume needs dataset.path"),
+    ("multi-turn with turns", {"workflow": {"type": "multi-turn", "maxTurns": 3}}, None),
+    ("rlvr with turns", {"workflow": {"type": "rlvr", "maxTurns": 3}}, "workflow.maxTurns > 1 needs workflow.type multi-turn"),
+    ("clip-higher above clip", {"algorithm": {"epsClip": 0.2, "epsClipHigh": 0.28}}, None),
+    ("clip-higher equal to clip", {"algorithm": {"epsClip": 0.2, "epsClipHigh": 0.2}}, None),
+    ("clip-higher below clip", {"algorithm": {"epsClip": 0.3, "epsClipHigh": 0.2}}, "algorithm.epsClipHigh must be >= algorithm.epsClip"),
+    ("grpo with one sample", {"algorithm": {"name": "grpo", "samplesPerPrompt": 1}}, "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+    ("rloo with one sample", {"algorithm": {"name": "rloo", "samplesPerPrompt": 1}}, "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+    ("reinforce++ with one sample", {"algorithm": {"name": "reinforce++", "samplesPerPrompt": 1}}, None),
+    ("autoscaling min above max", {"rollout": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}, "rollout.autoscaling.minReplicas must be <= maxReplicas"),
+    ("replicas within autoscaling", {"rollout": {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}}, None),
+    ("replicas outside autoscaling", {"rollout": {"replicas": 6, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}},
+     "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas"),
+    ("replicas unset with autoscaling", {"rollout": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}}, None),
+    ("replicas outside a disabled autoscaling", {"rollout": {"replicas": 6, "autoscaling": {"maxReplicas": 4}}}, None),
+    ("tensor parallel on too few GPUs", {"rollout": {"tensorParallelSize": 2, "accelerator": {"count": 1}}},
+     "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize"),
+    ("tensor parallel with matching GPUs", {"rollout": {"tensorParallelSize": 2, "accelerator": {"count": 2}}}, None),
+    ("tensor parallel with GPUs left to default", {"rollout": {"tensorParallelSize": 2}}, None),
+    ("cpu rollout ignores the GPU count", {"rollout": {"accelerator": {"type": "cpu", "count": 0}}}, None),
+    ("data parallel that fills the nodes", {"trainer": {"nodes": 2, "accelerator": {"count": 4}, "parallelism": {"data": 8}}}, None),
+    ("data parallel that does not", {"trainer": {"nodes": 2, "accelerator": {"count": 4}, "parallelism": {"data": 4}}},
+     "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
+    ("cpu trainer process counts", {"trainer": {"accelerator": {"type": "cpu", "count": 0}, "parallelism": {"data": 1}}}, None),
+    ("megatron tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"tensor": 2}}}, None),
+    ("fsdp tensor parallel", {"trainer": {"backend": "fsdp", "parallelism": {"tensor": 2}}}, "tensor, pipeline and expert parallelism need trainer.backend megatron"),
+    ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, "tensor, pipeline and expert parallelism need trainer.backend megatron"),
+    ("both buses", {"bus": {"embedded": {}, "external": {"url": "nats://n:4222"}}}, "set bus.embedded or bus.external, not both"),
+    ("external bus", {"bus": {"external": {"url": "nats://n:4222"}}}, None),
+    ("existing claim with a class", {"checkpoint": {"existingClaim": "c", "storageClassName": "s"}},
+     "checkpoint.storageClassName has no effect with checkpoint.existingClaim"),
+    ("no training length", {"training": {}}, "set training.totalSteps or training.epochs"),
+    ("steps only", {"training": {"totalSteps": 10}}, None),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", [c[1:] for c in AGREEMENT_CASES], ids=[c[0] for c in AGREEMENT_CASES])
+def test_cel_rules_agree_with_the_pydantic_validators(overrides, expected):
+    doc = make_manifest(**overrides)
+    want = [expected] if expected else []
+    assert cel_messages(doc) == want, "CEL (admission)"
+    assert pydantic_messages(doc) == want, "pydantic (kuberl run)"
+    assert pydantic_messages(prune_and_default(crd_schema(), doc, "", [])) == want, "pydantic after API-server defaulting (operator)"
+
+
+def test_every_cel_rule_has_a_failing_agreement_case():
+    messages = {rule["message"] for _, rule in iter_rules(crd_schema())}
+    covered = {c[2] for c in AGREEMENT_CASES if c[2]}
+    assert messages - covered == set(), "add an AGREEMENT_CASES row for each new rule"
+
+
+def test_with_allocation_set_admission_defers_the_cross_checks_to_the_model():
+    # CEL cannot expand the shorthand, so it lets these through and the model decides after expansion.
+    doc = make_manifest(allocation="vllm:d2t2+fsdp:d4", rollout={"accelerator": {"count": 2}})
+    assert cel_messages(doc) == []
+    assert pydantic_messages(doc) == []
