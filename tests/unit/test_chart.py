@@ -210,7 +210,7 @@ class TestRBAC:
     @pytest.mark.parametrize(
         "group,resource,verbs",
         [
-            ("kuberl.io", "rlexperiments", {"get", "list", "watch", "patch"}),
+            ("kuberl.io", "rlexperiments", {"get", "list", "watch", "patch", "delete"}),
             ("kuberl.io", "rlexperiments/status", {"patch"}),
             ("kuberl.io", "rlexperiments/scale", {"get", "patch"}),
             ("", "configmaps", {"create", "patch", "delete"}),
@@ -223,6 +223,7 @@ class TestRBAC:
             ("rbac.authorization.k8s.io", "roles", {"create", "patch"}),
             ("rbac.authorization.k8s.io", "rolebindings", {"create", "patch"}),
             ("networking.k8s.io", "networkpolicies", {"create", "patch"}),
+            ("policy", "poddisruptionbudgets", {"create", "patch", "delete"}),
             ("", "events", {"create", "patch"}),
             ("", "pods", {"get", "list", "watch"}),
             ("", "nodes", {"get", "list"}),
@@ -236,6 +237,14 @@ class TestRBAC:
         have = granted(self.rules())
         missing = {v for v in verbs if (group, resource, v) not in have}
         assert not missing, f"{group or 'core'}/{resource}: missing verbs {sorted(missing)}"
+
+    def test_grants_every_kind_the_operator_client_reads_or_writes(self):
+        """operator/kube.py lists each kind the operator touches; the ClusterRole must cover each one."""
+        kube = pytest.importorskip("kuberl.operator.kube", reason="needs kuberl[operator]")
+        have = {(g, r) for g, r, _ in granted(self.rules())}
+        for kind, (api_version, plural, _) in kube.KINDS.items():
+            group = api_version.rpartition("/")[0]
+            assert (group, plural) in have, f"operator/kube.py uses {kind} ({group or 'core'}/{plural}); the ClusterRole has no rule"
 
     def test_pods_and_nodes_are_read_only(self):
         for group, resource, verb in granted(self.rules()):
