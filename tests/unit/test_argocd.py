@@ -13,7 +13,7 @@ import yaml
 
 lua51 = pytest.importorskip("lupa.lua51", reason="lupa is in kuberl[test]")
 
-from kuberl.api import RLExperiment, load_experiment  # noqa: E402
+from kuberl.api import RLExperiment, load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGOCD = ROOT / "examples" / "argocd"

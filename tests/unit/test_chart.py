@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in kuberl[test]")
-import kubernetes_validate  # noqa: E402
+import kubernetes_validate
 
-from kuberl.cli import build_parser  # noqa: E402
+from kuberl.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kuberl"
@@ -289,9 +289,8 @@ BAD_VALUES = {
 
 @pytest.mark.parametrize("values,field", BAD_VALUES.values(), ids=BAD_VALUES.keys())
 def test_values_schema_rejects_bad_values_naming_the_field(values, field):
-    with helm.Chart.load(CHART) as chart:
-        with pytest.raises(helm.HelmError) as err:
-            chart.validate_schema(chart.merge_values(values))
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as err:
+        chart.validate_schema(chart.merge_values(values))
     assert field in str(err.value), str(err.value)
 
 

@@ -77,14 +77,14 @@ class TestReference:
 
 
 def _links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
     text = re.sub(r"`[^`\n]*`", "", text)  # inline code (regular expressions look like links)
     return re.findall(r"\]\(([^)\s]+)\)", text)
 
 
 def _anchors(page: Path) -> set[str]:
     out = set()
-    for heading in re.findall(r"^#+ (.+)$", page.read_text(), re.M):
+    for heading in re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE):
         slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
         out.add(slug)
     return out
@@ -103,15 +103,15 @@ class TestPages:
                 assert anchor in _anchors(path), f"{page.name}: link {link}: no heading #{anchor} in {path.name}"
 
     def test_rlexperiment_snippets_are_valid_manifests(self, page):
-        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.DOTALL):
             for doc in yaml.safe_load_all(block):
                 if isinstance(doc, dict) and doc.get("kind") == "RLExperiment":
                     v1alpha1.RLExperiment.model_validate(doc)
 
     def test_kuberl_commands_named_exist(self, page):
-        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.S):
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.DOTALL):
             # `kuberl X` where a command starts: line start, after &&, ;, || or $( (not `helm install kuberl ...`)
-            for sub in re.findall(r"(?:^|&&|;|\|\||\$\()[ \t]*kuberl ([a-z][a-z-]*)", block, re.M):
+            for sub in re.findall(r"(?:^|&&|;|\|\||\$\()[ \t]*kuberl ([a-z][a-z-]*)", block, re.MULTILINE):
                 assert sub in COMMANDS, f"{page.name}: `kuberl {sub}` is no kuberl subcommand"
 
 
