@@ -1,0 +1,77 @@
+"""Run the real operator (`kuberl operator --standalone`) as a subprocess against a kubeconfig.
+
+Used by tests/integration/test_operator*.py and e2e_tests/conftest.py: starts it, waits for kopf's
+liveness endpoint, and stops it by PID (SIGTERM, then SIGKILL), keeping its log for failure reports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    """`with OperatorProcess(kubeconfig, log_path) as op:` ... `op.metrics()` ... `op.log_tail()`."""
+
+    def __init__(self, kubeconfig: str | Path, log_path: str | Path, *, interval: float = 1.0,
+                 checkpoint_timeout: float = 10.0, retry: float = 2.0, extra_env: dict[str, str] | None = None):
+        self.kubeconfig, self.log_path = str(kubeconfig), Path(log_path)
+        self.metrics_port, self.health_port = free_port(), free_port()
+        self.env = {**os.environ, "KUBECONFIG": self.kubeconfig, "KUBERL_OPERATOR_INTERVAL": str(interval),
+                    "KUBERL_CHECKPOINT_TIMEOUT": str(checkpoint_timeout), "KUBERL_OPERATOR_RETRY": str(retry),
+                    **(extra_env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> OperatorProcess:
+        self._log = self.log_path.open("wb")
+        cmd = [sys.executable, "-m", "kuberl.cli", "operator", "--standalone",
+               "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the operator exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError(f"the operator did not become live within 60 s:\n{self.log_tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

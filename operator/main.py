@@ -1,0 +1,70 @@
+"""`kuberl operator`: runs the kopf operator (handlers in kuberl.operator.handlers) with KubeRL's settings.
+
+Called by kuberl.cli (`main(args)`). Settings: watch timeouts (server and client side, so a silent
+connection is noticed), peering (one active replica; --standalone disables it), event posting level,
+JSON logs, kopf's liveness endpoint on --health-port and Prometheus metrics on --metrics-port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+PEERING_NAME = "kuberl"
+# Monitor timer period (seconds): status, autoscaler and lifecycle. Tests shorten it.
+INTERVAL_ENV = "KUBERL_OPERATOR_INTERVAL"
+
+
+def configure_settings(settings: object, *, standalone: bool, clusterwide: bool) -> None:
+    """Apply KubeRL's kopf settings (kept apart from main() so a unit test can check them)."""
+    import kopf
+
+    assert isinstance(settings, kopf.OperatorSettings)
+    settings.watching.server_timeout = 300  # the API server closes the watch; kopf re-lists from the last rv
+    settings.watching.client_timeout = 330  # and a silent connection is dropped client-side soon after
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.posting.level = logging.INFO  # kopf.info/warn events from handlers; not debug chatter
+    settings.posting.reporting_component = "kuberl-operator"
+    settings.posting.event_name_prefix = "kuberl-"
+    settings.peering.name = PEERING_NAME
+    settings.peering.standalone = standalone
+    settings.peering.clusterwide = clusterwide
+    settings.peering.mandatory = False  # without the peering CRD (e.g. a bare emulator) run alone, with a warning
+    # Keep kopf's bookkeeping in annotations: the status schema (a structural CRD) prunes unknown fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kuberl.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kuberl.io", key="last-handled-configuration")
+    settings.persistence.finalizer = "kuberl.io/kopf-finalizer"
+    settings.execution.max_workers = 8
+
+
+def main(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kuberl.operator import handlers, metrics
+
+    kopf.configure(log_format=kopf.LogFormat.JSON, verbose=bool(os.environ.get("KUBERL_OPERATOR_DEBUG")))
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    namespaces = list(args.namespace or [])
+    clusterwide = not namespaces
+    metrics.serve(args.metrics_port)
+    handlers.CONFIG.interval = float(os.environ.get(INTERVAL_ENV, handlers.CONFIG.interval))
+
+    @kopf.on.startup(id="kuberl-settings")
+    def _settings(settings: kopf.OperatorSettings, **_: object) -> None:
+        configure_settings(settings, standalone=args.standalone, clusterwide=clusterwide)
+
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    logging.getLogger("kuberl.operator").info(
+        "starting: %s, metrics port %s, health port %s, %s", "cluster-wide" if clusterwide else f"namespaces {namespaces}",
+        args.metrics_port or "off", args.health_port or "off", "standalone" if args.standalone else f"peering {PEERING_NAME}")
+    try:
+        asyncio.run(kopf.operator(
+            standalone=args.standalone, clusterwide=clusterwide, namespaces=namespaces,
+            liveness_endpoint=liveness, peering_name=PEERING_NAME if not args.standalone else None,
+        ))
+    except KeyboardInterrupt:
+        pass
+    return 0

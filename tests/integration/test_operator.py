@@ -1,0 +1,304 @@
+"""The real operator (`kuberl operator --standalone`, a subprocess) against the strict kmock emulator.
+
+One emulator and one operator serve the whole module; each test uses its own experiment. Pods do not
+run here, so a helper plays the kubelet/controllers: it patches StatefulSet and Job status. Bus
+progress comes from a REAL nats-server (the session `nats_server` fixture) where a test needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from kuberl.testing.kmock_strict import EmulatorServer, cpu_node, default_crds
+from kuberl.testing.operator_process import OperatorProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+NS = "default"
+RLX = "/apis/kuberl.io/v1alpha1/namespaces/default/rlexperiments"
+
+
+class Api:
+    """Plain HTTP to the emulator, as any client would talk to the API server."""
+
+    def __init__(self, url: str, operator: OperatorProcess):
+        self.url, self.operator, self.http = url, operator, requests.Session()
+
+    def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json", ok: tuple[int, ...] = (200, 201)) -> Any:
+        r = self.http.request(method, self.url + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})
+        assert r.status_code in ok, f"{method} {path}: {r.status_code} {r.text[:500]}"
+        return r.json() if r.content else None
+
+    def get(self, path: str) -> Any:
+        r = self.http.get(self.url + path)
+        return r.json() if r.status_code == 200 else None
+
+    def merge(self, path: str, patch: dict[str, Any]) -> Any:
+        return self.call("PATCH", path, patch, "application/merge-patch+json")
+
+    def wait(self, what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            assert self.operator.alive, f"the operator died while waiting for {what}:\n{self.operator.log_tail()}"
+            time.sleep(0.3)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n--- operator log ---\n{self.operator.log_tail()}")
+
+    def experiment(self, name: str) -> Any:
+        return self.get(f"{RLX}/{name}")
+
+    def phase(self, name: str) -> str | None:
+        return ((self.experiment(name) or {}).get("status") or {}).get("phase")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        items = self.get("/api/v1/namespaces/default/events")["items"]
+        return [e for e in items if e["involvedObject"].get("name") == name]
+
+    def event_reasons(self, name: str) -> set[str]:
+        return {e["reason"] for e in self.events(name)}
+
+    def sts(self, name: str) -> Any:
+        return self.get(f"/apis/apps/v1/namespaces/default/statefulsets/{name}")
+
+    def job(self, name: str) -> Any:
+        return self.get(f"/apis/batch/v1/namespaces/default/jobs/{name}")
+
+    def make_ready(self, exp: str) -> None:
+        """Play the StatefulSet and Job controllers: every pod of the experiment is up."""
+        for sts in self.get(f"/apis/apps/v1/namespaces/default/statefulsets?labelSelector=kuberl.io/experiment={exp}")["items"]:
+            n = sts["spec"].get("replicas", 1)
+            self.merge(f"/apis/apps/v1/namespaces/default/statefulsets/{sts['metadata']['name']}/status", {"status": {
+                "replicas": n, "readyReplicas": n, "availableReplicas": n, "currentReplicas": n, "updatedReplicas": n,
+                "observedGeneration": sts["metadata"]["generation"]}})
+        job = self.job(f"{exp}-trainer")
+        if job is not None and not job["spec"].get("suspend"):
+            n = job["spec"].get("parallelism", 1)
+            self.merge(f"/apis/batch/v1/namespaces/default/jobs/{exp}-trainer/status",
+                       {"status": {"active": n, "ready": n, "startTime": now(), "conditions": None}})
+
+    def finish_job(self, exp: str, kind: str = "Complete") -> None:
+        n = self.job(f"{exp}-trainer")["spec"].get("completions", 1)
+        cond = {"type": kind, "status": "True", "reason": "BackoffLimitExceeded" if kind == "Failed" else "Completed",
+                "message": "test", "lastTransitionTime": now(), "lastProbeTime": now()}
+        status = {"active": 0, "ready": 0, "conditions": [cond]}
+        status |= {"succeeded": n, "completionTime": now()} if kind == "Complete" else {"failed": 1}
+        self.merge(f"/apis/batch/v1/namespaces/default/jobs/{exp}-trainer/status", {"status": status})
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def manifest(name: str, **spec: Any) -> dict[str, Any]:
+    base = {"model": {"builtin": "tiny-qwen2", "dtype": "float32"}, "dataset": {"builtin": "repeat-digit", "size": 100},
+            "workflow": {"reward": "repeat-digit"},
+            "algorithm": {"samplesPerPrompt": 2, "batchSize": 2, "maxNewTokens": 4},
+            "rollout": {"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
+            "trainer": {"accelerator": {"type": "cpu", "count": 1}},
+            "checkpoint": {"size": "1Gi"}, "training": {"totalSteps": 10}}
+    for key, value in spec.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and isinstance(value, dict) else value
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name, "namespace": NS}, "spec": base}
+
+
+def kv(url: str, exp: str, key: str, value: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Read (value None) or write a key of the experiment's bus KV on the real nats-server."""
+    import nats
+    from nats.js.errors import KeyNotFoundError
+
+    async def go() -> dict[str, Any] | None:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            store = await js.create_key_value(bucket=f"kuberl_{exp.upper().replace('-', '_')}")
+            if value is not None:
+                await store.put(key, json.dumps(value).encode())
+                return value
+            try:
+                return json.loads((await store.get(key)).value)
+            except KeyNotFoundError:
+                return None
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    tmp = tmp_path_factory.mktemp("operator")
+    with EmulatorServer(default_crds(), nodes=[cpu_node("node-0", extra={"nvidia.com/gpu": "8"})]) as emu:
+        kubeconfig = emu.write_kubeconfig(tmp / "kubeconfig")
+        with OperatorProcess(kubeconfig, tmp / "operator.log") as op:
+            yield Api(emu.url, op)
+            assert op.alive, f"the operator died during the tests:\n{op.log_tail()}"
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
+
+
+CHILDREN = [
+    ("/api/v1/namespaces/default/configmaps/{e}-config"),
+    ("/api/v1/namespaces/default/secrets/{e}-bus-credentials"),
+    ("/apis/apps/v1/namespaces/default/statefulsets/{e}-bus"),
+    ("/apis/apps/v1/namespaces/default/statefulsets/{e}-rollout"),
+    ("/apis/batch/v1/namespaces/default/jobs/{e}-trainer"),
+    ("/api/v1/namespaces/default/persistentvolumeclaims/{e}-checkpoints"),
+    ("/api/v1/namespaces/default/serviceaccounts/{e}-runtime"),
+]
+
+
+def test_an_experiment_gets_owned_children_and_runs_through_initializing_running_succeeded(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    uid = api.call("POST", RLX, manifest(e))["metadata"]["uid"]
+    for path in CHILDREN:
+        child = api.wait(path.format(e=e), lambda p=path: api.get(p.format(e=e)))
+        assert owned_by(child, uid), f"{path.format(e=e)} is not owned by the experiment: {child['metadata'].get('ownerReferences')}"
+    assert api.wait("phase Initializing", lambda: api.phase(e) == "Initializing")
+    api.make_ready(e)
+    assert api.wait("phase Running", lambda: api.phase(e) == "Running")
+    status = api.experiment(e)["status"]
+    assert {"type": "Ready", "status": "True"}.items() <= next(c for c in status["conditions"] if c["type"] == "Ready").items()
+    assert status["observedGeneration"] == api.experiment(e)["metadata"]["generation"]
+    api.finish_job(e)
+    assert api.wait("phase Succeeded", lambda: api.phase(e) == "Succeeded")
+    assert api.experiment(e)["status"].get("completionTime")
+    assert api.wait("rollout scaled to 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
+    reasons = api.wait("phase events", lambda: {"PhaseInitializing", "PhaseRunning", "PhaseSucceeded"} <= api.event_reasons(e) and api.event_reasons(e))
+    assert "Created" in reasons
+
+
+def test_a_missing_hub_token_secret_sets_a_condition_and_an_event_and_the_operator_keeps_running(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, model={"hubTokenSecret": {"name": f"{e}-hf", "key": "token"}}))
+    api.wait("a SecretNotFound event", lambda: "SecretNotFound" in api.event_reasons(e))
+    cond = api.wait("a condition naming the Secret", lambda: next(
+        (c for c in (api.experiment(e).get("status") or {}).get("conditions", []) if f"{e}-hf" in (c.get("message") or "")), None))
+    assert cond["status"] in ("True", "False") and cond["reason"] == "SecretNotFound"
+    assert api.sts(f"{e}-rollout") is None, "no pods may be created before the Secret exists"
+    assert api.operator.alive
+    api.call("POST", "/api/v1/namespaces/default/secrets", {"apiVersion": "v1", "kind": "Secret",
+             "metadata": {"name": f"{e}-hf"}, "data": {"token": "aGY="}})
+    api.wait("children once the Secret exists", lambda: api.sts(f"{e}-rollout"), timeout=60)
+
+
+def test_an_invalid_spec_is_reported_as_validation_failed_without_crash_looping(api: Api) -> None:
+    e = "x" * 60  # a valid Kubernetes name, but too long for the children's names (metadata.name <= 52)
+    api.call("POST", RLX, manifest(e))
+    api.wait("phase Failed", lambda: api.phase(e) == "Failed")
+    cond = next(c for c in api.experiment(e)["status"]["conditions"] if c["type"] == "Validated")
+    assert cond["reason"] == "ValidationFailed" and "metadata.name" in cond["message"]
+    assert "ValidationFailed" in api.event_reasons(e)
+    assert api.get(f"/api/v1/namespaces/default/configmaps/{e}-config") is None
+    api.call("DELETE", f"{RLX}/{e}")
+
+
+def test_scaling_through_the_scale_subresource_changes_the_rollout_statefulset(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    api.wait("rollout StatefulSet", lambda: api.sts(f"{e}-rollout"))
+    scale = api.merge(f"{RLX}/{e}/scale", {"spec": {"replicas": 3}})
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    assert api.experiment(e)["spec"]["rollout"]["replicas"] == 3
+    api.wait("StatefulSet replicas 3", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 3)
+    api.make_ready(e)
+    api.wait("status.replicas 3 for the /scale subresource", lambda: (api.experiment(e).get("status") or {}).get("replicas") == 3)
+    assert api.get(f"{RLX}/{e}/scale")["status"]["selector"]
+
+
+def test_suspend_checkpoints_then_suspends_the_job_and_scales_rollout_to_zero_and_resume_restores_them(
+        api: Api, experiment_name: str, nats_server: Any) -> None:
+    e = experiment_name
+    kv(nats_server.url, e, "progress", {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None,
+                                        "checkpoint": None, "time": time.time()})
+    api.call("POST", RLX, manifest(e, bus={"external": {"url": nats_server.url}}))
+    api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+    api.merge(f"{RLX}/{e}", {"spec": {"suspend": True}})
+    # Play the trainer: answer the checkpoint request on the real bus.
+    request = api.wait("control.checkpoint_request on the bus", lambda: (kv(nats_server.url, e, "control") or {}).get("checkpoint_request"))
+    assert not api.job(f"{e}-trainer")["spec"].get("suspend"), "the Job must keep running until the checkpoint is written"
+    kv(nats_server.url, e, "progress", {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None, "time": time.time(),
+                                        "checkpoint": {"step": 3, "policy_version": 3, "path": "/checkpoints/step-00000003", "time": time.time()}})
+    api.wait("Job suspended", lambda: api.job(f"{e}-trainer")["spec"].get("suspend") is True)
+    api.wait("rollout at 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
+    api.merge(f"/apis/batch/v1/namespaces/default/jobs/{e}-trainer/status", {"status": {"active": 0, "ready": 0, "conditions": [
+        {"type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "", "lastTransitionTime": now(), "lastProbeTime": now()}]}})
+    api.make_ready(e)  # the StatefulSet controller reports its 0 replicas
+    api.wait("phase Suspended", lambda: api.phase(e) == "Suspended")
+    assert {"CheckpointRequested", "CheckpointSaved", "Suspended"} <= api.event_reasons(e), request
+    api.merge(f"{RLX}/{e}", {"spec": {"suspend": False}})
+    api.wait("Job resumed", lambda: not api.job(f"{e}-trainer")["spec"].get("suspend"))
+    api.wait("rollout back to 1", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 1)
+    api.merge(f"/apis/batch/v1/namespaces/default/jobs/{e}-trainer/status", {"status": {"conditions": None}})
+    api.make_ready(e)
+    api.wait("phase Running again", lambda: api.phase(e) == "Running")
+    api.wait("a Resumed event", lambda: "Resumed" in api.event_reasons(e))
+
+
+def test_the_autoscaler_scales_rollout_from_real_bus_progress_and_explains_why(api: Api, experiment_name: str, nats_server: Any) -> None:
+    e = experiment_name
+    progress = {"step": 5, "total_steps": 100, "policy_version": 5, "trainer_wait_fraction": 0.9, "groups_buffered": 0,
+                "samples_per_second": 1.0, "done": False, "failed": None, "checkpoint": None, "time": time.time()}
+    kv(nats_server.url, e, "progress", progress)
+    api.call("POST", RLX, manifest(e, bus={"external": {"url": nats_server.url}},
+                                   rollout={"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "cooldownSeconds": 0}}))
+    api.wait("rollout StatefulSet", lambda: api.sts(f"{e}-rollout"))
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+    api.wait("a scale-up to 2 driven by the trainer waiting", lambda: api.experiment(e)["spec"]["rollout"]["replicas"] >= 2)
+    api.wait("StatefulSet follows", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] >= 2)
+    scaled = api.wait("a ScaledUp event", lambda: [ev for ev in api.events(e) if ev["reason"] == "ScaledUp"])
+    assert "->" in scaled[0]["message"] and len(scaled[0]["message"]) > 20, scaled[0]["message"]
+    assert "kuberl_operator_scale_decisions_total" in api.operator.metrics()
+
+
+def test_a_failed_trainer_is_restarted_with_backoff_and_then_the_experiment_fails(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, failurePolicy={"maxRestarts": 1, "backoffSeconds": 1}))
+    first = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))["metadata"]["uid"]
+    api.make_ready(e)
+    api.finish_job(e, "Failed")
+    second = api.wait("a new trainer Job", lambda: (j := api.job(f"{e}-trainer")) and j["metadata"]["uid"] != first and j)
+    assert api.wait("status.restarts 1", lambda: (api.experiment(e).get("status") or {}).get("restarts") == 1)
+    assert "TrainerRestarted" in api.event_reasons(e)
+    api.make_ready(e)
+    api.finish_job(e, "Failed")
+    api.wait("phase Failed after maxRestarts", lambda: api.phase(e) == "Failed")
+    assert api.job(f"{e}-trainer")["metadata"]["uid"] == second["metadata"]["uid"], "no restart beyond maxRestarts"
+
+
+def test_deleting_the_experiment_garbage_collects_its_children(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    for path in CHILDREN:
+        api.wait(path.format(e=e), lambda p=path: api.get(p.format(e=e)))
+    api.call("DELETE", f"{RLX}/{e}")
+    api.wait("the experiment gone (kopf's finalizer released)", lambda: api.experiment(e) is None)
+    for path in CHILDREN:
+        api.wait(f"{path.format(e=e)} collected", lambda p=path: api.get(p.format(e=e)) is None, timeout=20)
+
+
+def test_a_finished_experiment_is_deleted_after_its_ttl(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, ttlSecondsAfterFinished=2))
+    api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
+    api.make_ready(e)
+    api.finish_job(e)
+    api.wait("phase Succeeded", lambda: api.phase(e) == "Succeeded")
+    api.wait("deleted after ttlSecondsAfterFinished", lambda: api.experiment(e) is None, timeout=30)
+
+
+def test_the_operator_serves_prometheus_metrics(api: Api) -> None:
+    text = api.operator.metrics()
+    assert "kuberl_operator_reconciles_total" in text and 'kuberl_operator_experiments{phase="Running"}' in text

@@ -1,0 +1,131 @@
+"""The pure helpers of the kopf handlers (kuberl.operator.handlers) and the operator's settings."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+
+import kopf
+import pytest
+from pydantic import ValidationError
+
+from kuberl.operator import handlers as h
+from kuberl.operator.kube import path_for
+from kuberl.operator.main import configure_settings
+from kuberl.operator.progress import kv_bucket
+
+T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def body(name: str = "demo", **spec_overrides: object) -> dict:
+    spec = {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}, **spec_overrides}
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment",
+            "metadata": {"name": name, "namespace": "team-a", "uid": "u1", "generation": 3, "resourceVersion": "9",
+                         "annotations": {"kuberl.io/last-handled-configuration": "{}"}},
+            "spec": spec, "status": {"phase": "Running"}}
+
+
+class TestParsingTheBody:
+    def test_a_valid_body_becomes_the_model_with_its_namespace_and_without_status(self) -> None:
+        exp = h.parse_experiment(body())
+        assert (exp.name, exp.namespace, exp.status) == ("demo", "team-a", None)
+
+    def test_a_name_too_long_for_child_names_names_metadata_name_in_the_message(self) -> None:
+        with pytest.raises(ValidationError) as info:
+            h.parse_experiment(body("x" * 60))
+        message = h.describe_validation_error(info.value)
+        assert "metadata.name" in message and "52" in message
+
+    def test_a_bad_spec_value_is_reported_with_its_path_and_value(self) -> None:
+        with pytest.raises(ValidationError) as info:
+            h.parse_experiment(body(rollout={"replicas": -1}))
+        message = h.describe_validation_error(info.value)
+        assert "spec.rollout.replicas" in message and "-1" in message
+
+    def test_validation_failure_status_is_failed_with_a_validated_false_condition(self) -> None:
+        st = h.validation_failed_status({"conditions": [{"type": "Progressing", "status": "True"}]}, "spec.x: bad", 4, T0)
+        assert st["phase"] == "Failed" and st["observedGeneration"] == 4
+        validated = next(c for c in st["conditions"] if c["type"] == "Validated")
+        assert (validated["status"], validated["reason"], validated["message"]) == ("False", "ValidationFailed", "spec.x: bad")
+        assert any(c["type"] == "Progressing" for c in st["conditions"]), "unrelated conditions are kept"
+
+
+class TestLifecycleRules:
+    @pytest.mark.parametrize(("restarts", "seconds_since_failure", "due"), [
+        (0, 29, False), (0, 30, True), (1, 59, False), (1, 60, True), (2, 119, False), (2, 120, True)])
+    def test_restarts_wait_a_doubling_backoff(self, restarts: int, seconds_since_failure: int, due: bool) -> None:
+        failed_at = T0 - dt.timedelta(seconds=seconds_since_failure)
+        assert h.restart_due(restarts, 30, failed_at, T0) is due
+
+    def test_a_checkpoint_counts_only_when_written_after_the_request(self) -> None:
+        assert not h.checkpoint_answered(None, 100.0)
+        assert not h.checkpoint_answered({"checkpoint": None}, 100.0)
+        assert not h.checkpoint_answered({"checkpoint": {"time": 99.0}}, 100.0)
+        assert h.checkpoint_answered({"checkpoint": {"time": 100.5}}, 100.0)
+
+    def test_ttl_expires_only_after_completion_plus_ttl(self) -> None:
+        assert not h.ttl_expired(None, "2026-01-01T11:00:00Z", T0)
+        assert not h.ttl_expired(60, None, T0)
+        assert not h.ttl_expired(60, "2026-01-01T11:59:30Z", T0)
+        assert h.ttl_expired(60, "2026-01-01T11:59:00Z", T0)
+
+    def test_phase_changes_give_one_event_warning_only_for_failed(self) -> None:
+        assert h.phase_event("Running", "Running") is None
+        assert h.phase_event("Initializing", "Running") == ("Normal", "PhaseRunning")
+        assert h.phase_event("Running", "Failed") == ("Warning", "PhaseFailed")
+
+    def test_the_running_copy_only_clears_suspend(self) -> None:
+        exp = h.parse_experiment(body(suspend=True))
+        running = h.running_copy(exp)
+        assert running.spec.suspend is False and exp.spec.suspend is True
+        assert running.spec.model_dump(exclude={"suspend"}) == exp.spec.model_dump(exclude={"suspend"})
+
+    def test_a_job_condition_is_found_only_when_true(self) -> None:
+        job = {"status": {"conditions": [{"type": "Failed", "status": "False"}, {"type": "Complete", "status": "True"}]}}
+        assert h.job_condition(job, "Complete")["type"] == "Complete"
+        assert h.job_condition(job, "Failed") is None
+        assert h.job_condition(None, "Complete") is None
+
+
+class TestStatusPatchesAndSecrets:
+    def test_keys_that_disappear_from_status_are_nulled_in_the_merge_patch(self) -> None:
+        patch = h.merge_patch_for({"phase": "Running", "lastCheckpoint": {"step": 1}}, {"phase": "Suspended"})
+        assert patch == {"phase": "Suspended", "lastCheckpoint": None}
+
+    def test_secret_values_decode_from_data_or_string_data(self) -> None:
+        assert h.decode_secret_value({"data": {"token": base64.b64encode(b"s3cret").decode()}}, "token") == "s3cret"
+        assert h.decode_secret_value({"stringData": {"token": "plain"}}, "token") == "plain"
+        assert h.decode_secret_value(None, "token") is None
+        assert h.decode_secret_value({"data": {}}, "token") is None
+
+
+class TestNamesTheOperatorDerives:
+    def test_the_kv_bucket_follows_the_contract(self) -> None:
+        assert kv_bucket("my-exp-2") == "kuberl_MY_EXP_2"
+
+    @pytest.mark.parametrize(("kind", "ns", "name", "sub", "path"), [
+        ("StatefulSet", "a", "x", "status", "/apis/apps/v1/namespaces/a/statefulsets/x/status"),
+        ("ConfigMap", "a", None, None, "/api/v1/namespaces/a/configmaps"),
+        ("Node", None, None, None, "/api/v1/nodes"),
+        ("RLExperiment", "a", "x", "scale", "/apis/kuberl.io/v1alpha1/namespaces/a/rlexperiments/x/scale"),
+    ])
+    def test_rest_paths(self, kind: str, ns: str | None, name: str | None, sub: str | None, path: str) -> None:
+        assert path_for(kind, ns, name, sub) == path
+
+    def test_an_unknown_kind_is_a_clear_error(self) -> None:
+        with pytest.raises(ValueError, match="does not know kind 'Gadget'"):
+            path_for("Gadget", "a")
+
+
+class TestOperatorSettings:
+    def test_settings_keep_kopf_state_in_annotations_and_time_out_watches(self) -> None:
+        settings = kopf.OperatorSettings()
+        configure_settings(settings, standalone=False, clusterwide=True)
+        assert settings.watching.server_timeout and settings.watching.client_timeout > settings.watching.server_timeout
+        assert settings.peering.name == "kuberl" and settings.peering.standalone is False and settings.peering.clusterwide
+        assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
+
+    def test_standalone_disables_peering(self) -> None:
+        settings = kopf.OperatorSettings()
+        configure_settings(settings, standalone=True, clusterwide=False)
+        assert settings.peering.standalone is True
