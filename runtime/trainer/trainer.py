@@ -159,6 +159,8 @@ class Trainer:
                 if not await self.train_one_step():
                     break
             await self.stage_checkpoint()
+            digest = digest_state(self._full_params_everywhere())
+            log.info("final weights sha256 %s", digest)  # every rank logs it: they must agree
             if self.stop_reason is None:
                 await self.stage_report(None, done=True)
             log.info("training %s at step %d", "stopped (" + self.stop_reason + ")" if self.stop_reason else "done", self.step) if self.info.is_main else None
@@ -378,7 +380,8 @@ class Trainer:
 
     async def stage_checkpoint(self, *, request: str | None = None) -> None:
         """train.checkpoint: model, optimizer, schedule, RNG, ticket book; then ack the groups it covers."""
-        if request is None and self.last_checkpoint and self.last_checkpoint.get("step") == self.step and self._saved(self.step):
+        saved = request is None and bool(self.last_checkpoint) and self.last_checkpoint.get("step") == self.step and self._saved(self.step)
+        if D.broadcast_object(saved, self.info):  # rank 0 decides: every rank must take the same path
             if self.info.is_main:
                 await self._ack_held()
             return  # this step is saved already (e.g. the end right after a periodic checkpoint)
@@ -408,6 +411,13 @@ class Trainer:
             await self.bus.put_progress(self._progress_base())
         D.barrier(self.info)
 
+    def _full_params_everywhere(self) -> dict[str, torch.Tensor]:
+        """Every rank's own view of the full weights (all-gathered from its shards), for the final cross-check."""
+        out = {}
+        for name, p in self.model.state_dict().items():
+            out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
+        return out
+
     def _saved(self, step: int) -> bool:
         return (self.ckpt_root / ck.checkpoint_name(step) / ck.STATE_FILE).is_file()
 
@@ -421,6 +431,7 @@ class Trainer:
         if not self.info.is_main:
             return
         await self.bus.refresh_buffered(len(self.buffer))
+        await self.bus.put_tickets(self.book.state())
         progress = self._progress_base(done=done)
         if stats is not None:
             self.recent.append((stats["samples"], stats["step_seconds"]))
@@ -451,6 +462,17 @@ class Trainer:
         # Measured against the version the batch was trained at (before this step's bump).
         lags = [self.version - 1 - h for h in batch.head_versions if h >= 0]
         return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags) if lags else 0}
+
+
+def digest_state(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names and float32 bytes, in name order (to compare weights across ranks/files)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _fmt_eta(seconds: float) -> str:
