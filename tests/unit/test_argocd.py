@@ -102,7 +102,7 @@ class TestHealthRules:
         obj = fixture("failed")
         for c in obj["status"]["conditions"]:
             c["message"] = ""
-        assert health(obj)["message"].startswith("RestartLimitExceeded")
+        assert health(obj)["message"].startswith("MaxRestartsExceeded")
 
     def test_an_unknown_phase_is_unknown_not_healthy(self):
         obj = fixture("running-ready")
