@@ -500,14 +500,14 @@ class RLExperimentSpec(KubeModel):
     # after expansion (admission cannot parse the shorthand); without it, unset fields take the
     # models' defaults, exactly as the pydantic side does.
     model_config = _cel(
-        (f"has(self.allocation) || {_RP}.accelerator.type == 'cpu' || !has({_RP}.accelerator.count) || "
-         f"{_RP}.accelerator.count == {_or(_RP + '.tensorParallelSize', 1)} * {_or(_RP + '.pipelineParallelSize', 1)}",
+        ((f"has(self.allocation) || {_RP}.accelerator.type == 'cpu' || !has({_RP}.accelerator.count) || "
+          f"{_RP}.accelerator.count == {_or(_RP + '.tensorParallelSize', 1)} * {_or(_RP + '.pipelineParallelSize', 1)}"),
          "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize", ".rollout.accelerator.count"),
-        (f"has(self.allocation) || !has({_TP}.data) || {_TP}.data * {_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)} * {_or(_TP + '.context', 1)} == "
-         f"{_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)",
+        ((f"has(self.allocation) || !has({_TP}.data) || {_TP}.data * {_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)} * {_or(_TP + '.context', 1)} == "
+          f"{_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)"),
          "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count", ".trainer.parallelism"),
-        (f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
-         f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1 && {_or(_TP + '.expert', 1)} == 1)",
+        ((f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
+          f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1 && {_or(_TP + '.expert', 1)} == 1)"),
          "tensor, pipeline and expert parallelism need trainer.backend megatron", ".trainer.backend"),
     )
 

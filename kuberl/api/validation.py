@@ -132,7 +132,7 @@ def prune_and_default(schema: dict[str, Any], value: Any, path: str, errors: lis
 # ---------------------------------------------------------------------------------------------
 
 
-def _schema_error(err: jsonschema.ValidationError) -> ValidationError:
+def schema_error(err: jsonschema.ValidationError) -> ValidationError:
     path = ""
     for part in err.absolute_path:
         path = _join(path, part)
@@ -176,7 +176,7 @@ def _schema_validator() -> jsonschema.Draft4Validator:
 def check_schema(doc: dict[str, Any]) -> list[ValidationError]:
     """Errors of `doc` (already pruned and defaulted) against the CRD's openAPIV3Schema."""
     errors = sorted(_schema_validator().iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
-    return [_schema_error(e) for e in errors]
+    return [schema_error(e) for e in errors]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 
 from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.allocation import parse_allocation
-from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
 from kuberl.api.v1alpha1 import FieldError
+from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
 
 
 def make_spec(**overrides) -> dict:

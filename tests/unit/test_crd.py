@@ -16,7 +16,13 @@ import yaml
 
 from kuberl.api import crd as crd_mod
 from kuberl.api.crd import ALLOCATED_FIELDS, CRD_FILENAME, build_crd, render_crd
-from kuberl.api.validation import _schema_error, compile_rule, evaluate_rule, iter_rules, prune_and_default
+from kuberl.api.validation import (
+    compile_rule,
+    evaluate_rule,
+    iter_rules,
+    prune_and_default,
+    schema_error,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / CRD_FILENAME
@@ -187,7 +193,7 @@ def default_problems(schema: dict[str, Any], default: Any) -> list[str]:
     pruned = prune_and_default(schema, copy.deepcopy(default), "default", errors)
     p = [str(e) for e in errors]
     for err in jsonschema.Draft4Validator(schema).iter_errors(pruned):
-        p.append(str(_schema_error(err)))
+        p.append(str(schema_error(err)))
     return p
 
 
