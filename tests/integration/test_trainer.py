@@ -284,8 +284,11 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         text = log.read_text()
         assert code == 0, text[-4000:]
         assert "resumed from" in text and "step 2, policy version 2" in text
-        steps = [r["step"] for r in metrics(workdir)]
-        assert steps == [1, 2, 3, 3, 4], "step 3 is re-trained once from the checkpoint; nothing else repeats"
+        rows = metrics(workdir)
+        assert [r["step"] for r in rows] == [1, 2, 3, 3, 4], "step 3 is re-trained once from the checkpoint; nothing else repeats"
+        # Same weights, optimizer state and redelivered groups: the re-trained step computes the same loss.
+        assert rows[3]["loss"] == pytest.approx(rows[2]["loss"], rel=1e-4, abs=1e-6)
+        assert rows[3]["policy_version"] == rows[2]["policy_version"] == 3
         progress = await bus.get_state("progress")
         assert progress["done"] and progress["step"] == 4 and progress["policy_version"] == 4
         weights = await bus.get_state("weights")
