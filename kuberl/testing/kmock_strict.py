@@ -257,10 +257,13 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             raise ApiError(404, "NotFound", f"{rt.plural} is namespaced: the path needs /namespaces/{{namespace}}/")
         if method == "GET":
             obj = self._must(rt, namespace, name)
+            if sub is None and "as=Table" in accept:
+                return aiohttp.web.json_response(ks.table(rt, [obj], q.get("includeObject", "Metadata"), str(self._rv)))
             return aiohttp.web.json_response(self._scale_of(rt, obj) if sub == "scale" else obj)
         if method in ("PUT", "PATCH"):
+            existed = self.get_object(rt.key, namespace, name) is not None
             obj = self._write(rt, namespace, name, sub, method, request, q)
-            return aiohttp.web.json_response(obj, headers=self._warnings(obj))
+            return aiohttp.web.json_response(obj, status=200 if existed else 201, headers=self._warnings(obj))
         if method == "DELETE":
             obj = self._must(rt, namespace, name)
             opts = self._body(request, allow_empty=True) or {}
