@@ -116,6 +116,15 @@ class TestAllocation:
         s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"replicas": 4, "engine": "sglang"}))
         assert s.rollout.replicas == 4
 
+    def test_with_autoscaling_the_shorthand_only_sets_the_starting_replicas(self):
+        # The autoscaler and `kubectl scale` write spec.rollout.replicas; that must not contradict d4.
+        auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 8}
+        assert RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"autoscaling": auto})).rollout.replicas == 4
+        scaled = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"autoscaling": auto, "replicas": 6}))
+        assert scaled.rollout.replicas == 6
+        with pytest.raises(pydantic.ValidationError, match="must lie within"):
+            RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"autoscaling": auto, "replicas": 9}))
+
     @pytest.mark.parametrize("overrides, path, ours, theirs", [
         ({"rollout": {"replicas": 2}}, "rollout.replicas", "4", "2"),
         ({"rollout": {"engine": "vllm"}}, "rollout.engine", "sglang", "vllm"),
