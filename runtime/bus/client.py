@@ -57,7 +57,7 @@ class Bus:
     def __init__(self, nc: NATS, names: BusNames, *, max_payload: int, ticket_ack_wait: float | None,
                  group_ack_wait: float | None, max_bytes: int | None, publish_timeout: float, url: str) -> None:
         self.nc = nc
-        self.js = nc.jetstream(timeout=10.0)
+        self.js = nc.jetstream(timeout=5.0)
         self.names = names
         self.max_payload = max_payload
         self.ticket_ack_wait = ticket_ack_wait
@@ -74,6 +74,10 @@ class Bus:
         self._trainer_generation = 0
         self._assembler = ChunkAssembler()
         self.bad_messages = 0  # undecodable messages terminated (each logged)
+        self.reconnects = 0
+
+    def _on_reconnect(self) -> None:
+        self.reconnects += 1
 
     # -- connecting -----------------------------------------------------------------------------
 
@@ -103,7 +107,9 @@ class Bus:
             if v is not None and not v > 0:
                 raise ValueError(f"{what} must be > 0 seconds, got {v!r}")
         token = token if token is not None else (os.environ.get("KUBERL_BUS_TOKEN") or None)
-        nc = await open_connection(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}")
+        hooks: list[Callable[[], None]] = []
+        nc = await open_connection(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}",
+                                   on_reconnect=lambda: [h() for h in hooks])
         try:
             limit = nc.max_payload
             if max_payload is not None:
@@ -111,6 +117,7 @@ class Bus:
             bus = cls(nc, names, max_payload=limit, ticket_ack_wait=ticket_ack_wait, group_ack_wait=group_ack_wait,
                       max_bytes=parse_size(max_bytes, "max_bytes") if max_bytes is not None else None,
                       publish_timeout=publish_timeout, url=redact(url))
+            hooks.append(bus._on_reconnect)
             await bus._check_jetstream()
             await (bus._create() if create else bus._bind())
             return bus
@@ -229,7 +236,9 @@ class Bus:
                 raise BusError(f"{what}: {getattr(exc, 'description', None) or exc} (code {getattr(exc, 'err_code', None)})") from None
 
     async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], what: str) -> api.PubAck:
-        return await self._retry(what, lambda: self.js.publish(subject, payload, headers=headers))
+        # A request sent while reconnecting can vanish: wait for its answer only as long as the payload needs.
+        timeout = 2.0 + len(payload) / 10e6
+        return await self._retry(what, lambda: self.js.publish(subject, payload, headers=headers, timeout=timeout))
 
     # -- tickets ---------------------------------------------------------------------------------
 
@@ -409,19 +418,33 @@ class Bus:
         return await self._retry(f"write state {key!r}", lambda: self._kv.put(key, data))
 
     async def watch_state(self, key: str) -> AsyncIterator[dict[str, Any]]:
-        """Every value the key takes, starting with the current one (if set). Deletions are skipped."""
+        """Every value the key takes, starting with the current one (if set). Deletions are skipped.
+
+        After a reconnect the watch is re-created (a restarted server forgets it) and values already
+        seen (same KV revision) are not yielded twice.
+        """
         self._check_key(key)
-        watcher = await self._kv.watch(key)
-        try:
-            async for entry in watcher:
-                if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
-                    continue  # None marks "caught up with the history"
-                yield _loads(entry.value, key)
-        finally:
+        last_revision = 0
+        while True:
+            generation = self.reconnects
+            watcher = await self._retry(f"watch state {key!r}", lambda: self._kv.watch(key))
             try:
-                await watcher.stop()
-            except Exception:
-                pass
+                while generation == self.reconnects:
+                    try:
+                        entry = await watcher.updates(timeout=1.0)
+                    except nats.errors.TimeoutError:
+                        continue
+                    if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
+                        continue  # None marks "caught up with the history"
+                    if entry.revision <= last_revision:
+                        continue
+                    last_revision = entry.revision
+                    yield _loads(entry.value, key)
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
 
     # -- weights (object store) ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -28,8 +29,10 @@ def redact(url: str) -> str:
     return url
 
 
-async def open_connection(url: str, token: str | None, wait: float, name: str) -> NATS:
-    """Connect, retrying for `wait` seconds; then reconnect forever on later disconnects."""
+async def open_connection(url: str, token: str | None, wait: float, name: str,
+                          on_reconnect: Callable[[], None] | None = None) -> NATS:
+    """Connect, retrying for `wait` seconds; then reconnect forever on later disconnects
+    (calling `on_reconnect` each time the connection is back)."""
     nc = NATS()
     last: list[BaseException] = []
     state = {"logged": 0.0}
@@ -48,6 +51,8 @@ async def open_connection(url: str, token: str | None, wait: float, name: str) -
 
     async def reconnected_cb() -> None:
         log.info("bus %s: reconnected", redact(url))
+        if on_reconnect is not None:
+            on_reconnect()
 
     opts: dict[str, Any] = dict(
         servers=[url], name=name, connect_timeout=min(5.0, max(wait, 0.5)), allow_reconnect=True,

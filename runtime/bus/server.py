@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -180,8 +181,9 @@ class NatsServer:
         return f"NatsServer(url={self.url!r}, pid={self.pid}, store_dir={self.store_dir!r})"
 
 
-def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, log_path: str) -> None:
-    """Wait until the server accepts a connection and announces JetStream in its INFO line."""
+def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, log_path: str, server_name: str) -> None:
+    """Wait until *our* server (its INFO names `server_name`: another process may hold the port)
+    accepts a connection and announces JetStream."""
     deadline = time.monotonic() + timeout
     target = "127.0.0.1" if host in ("0.0.0.0", "") else host
     last: Exception | None = None
@@ -193,10 +195,11 @@ def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, lo
             with socket.create_connection((target, port), timeout=1.0) as s:
                 s.settimeout(1.0)
                 line = s.recv(4096).decode(errors="replace")
-            if line.startswith("INFO ") and '"jetstream":true' in line.replace(" ", ""):
+            info = json.loads(line[5:]) if line.startswith("INFO ") else {}
+            if info.get("server_name") == server_name and info.get("jetstream"):
                 return
-            last = NatsServerError(f"unexpected greeting {line[:200]!r}")
-        except OSError as exc:
+            last = NatsServerError(f"another server answers there: {line[:200]!r}")
+        except (OSError, ValueError) as exc:
             last = exc
         time.sleep(0.05)
     raise NatsServerError(f"nats-server on {target}:{port} not ready after {timeout:.0f}s ({last})")
@@ -217,17 +220,18 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
     store = store_dir or os.path.join(workdir, "store")
     os.makedirs(store, exist_ok=True)
     attempts = 1 if port is not None else 3  # a free port may be taken between probe and bind
+    name = server_name or f"kuberl-{uuid.uuid4().hex[:12]}"
     for attempt in range(attempts):
         p = port if port is not None else free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1")
         conf = os.path.join(workdir, "nats.conf")
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(render_config(host=host, port=p, store_dir=store, max_payload=payload, token=token, server_name=server_name))
+            f.write(render_config(host=host, port=p, store_dir=store, max_payload=payload, token=token, server_name=name))
         log_path = os.path.join(workdir, "nats.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            _wait_ready(proc, host, p, start_timeout, log_path)
+            _wait_ready(proc, host, p, start_timeout, log_path, name)
         except NatsServerError:
             if proc.poll() is None:
                 proc.kill()
@@ -246,6 +250,18 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
 def main(args: argparse.Namespace) -> int:
     """`kuberl bus`: nats-server in the foreground (in a pod); SIGTERM/SIGINT are forwarded to it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    holder: dict[str, NatsServer] = {}
+    stop_signal: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        # Installed before the server starts: a SIGTERM during start-up must not leave it orphaned.
+        stop_signal.append(signum)
+        server = holder.get("server")
+        if server is not None and server.alive():
+            os.kill(server.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     try:
         server = start_nats_server(
             port=args.port, store_dir=args.store_dir, max_payload=args.max_payload,
@@ -254,28 +270,21 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, NatsServerError) as exc:
         print(f"kuberl bus: {exc}", file=sys.stderr)
         return 2
-
-    def forward(signum: int, _frame: object) -> None:
-        if server.alive():
-            os.kill(server.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    holder["server"] = server
+    if stop_signal:
+        os.kill(server.pid, stop_signal[0])
     print(f"kuberl bus: nats-server pid {server.pid} on port {server.port}, store {server.store_dir}", flush=True)
     # Relay the server's log so `kubectl logs` shows it.
     with open(server.log_path, "rb") as f:
         while True:
+            alive = server.alive()
             chunk = f.read()
             if chunk:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
-            if not server.alive():
-                rest = f.read()
-                if rest:
-                    sys.stdout.buffer.write(rest)
-                    sys.stdout.flush()
+            if not alive:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
     code = server.proc.wait()
     server.stop(remove_store=False)
     return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else code
