@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, Phase, RLExperiment
+from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, Phase, RLExperiment, RLExperimentStatus
 from kuberl.operator import metrics, naming
 from kuberl.operator.kube import KubeClient, KubeError
 from kuberl.operator.labels import EventReason
@@ -64,7 +64,12 @@ def parse_experiment(body: Any) -> RLExperiment:
                      "labels": dict(meta.get("labels") or {}), "annotations": dict(meta.get("annotations") or {})},
         "spec": dict(body.get("spec") or {}),
     }
-    return RLExperiment.model_validate(manifest)
+    exp = RLExperiment.model_validate(manifest)
+    try:  # the last status helps compute_status keep lastTransitionTime; a malformed one is ignored
+        exp.status = RLExperimentStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        exp.status = None
+    return exp
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -400,9 +405,24 @@ async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
         if status.get("phase") == Phase.SUSPENDED:
             await event(body, "Normal", EventReason.RESUMED.value, "resumed: the trainer continues from its last checkpoint")
     metrics.record_phase(f"{ns}/{name}", new["phase"])
+    await report_pod_problems(body, observed_problems(observed), memo)
     if ttl_expired(exp.spec.ttl_seconds_after_finished, new.get("completionTime"), t):
         await event(body, "Normal", "Deleted", f"ttlSecondsAfterFinished={exp.spec.ttl_seconds_after_finished} passed: deleting")
         await kube().delete("RLExperiment", ns, name)
+
+
+def observed_problems(observed: Any) -> list[tuple[str, str, str]]:
+    return list(getattr(observed, "pod_problems", None) or [])
+
+
+async def report_pod_problems(body: Any, problems: list[tuple[str, str, str]], memo: Any) -> None:
+    """One Warning event per new (pod, reason): image pulls, config errors, crash loops, unschedulable."""
+    reported = memo.setdefault("reported_problems", set())
+    for pod, reason, message in problems:
+        if (pod, reason) not in reported:
+            reported.add((pod, reason))
+            kind = EventReason.IMAGE_PULL_FAILED.value if reason in ("ImagePullBackOff", "ErrImagePull", "InvalidImageName") else reason
+            await event(body, "Warning", kind, f"pod {pod}: {reason}: {message}".strip())
 
 
 async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, observed: Any,

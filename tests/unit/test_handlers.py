@@ -26,9 +26,14 @@ def body(name: str = "demo", **spec_overrides: object) -> dict:
 
 
 class TestParsingTheBody:
-    def test_a_valid_body_becomes_the_model_with_its_namespace_and_without_status(self) -> None:
+    def test_a_valid_body_becomes_the_model_with_its_namespace_and_last_status(self) -> None:
         exp = h.parse_experiment(body())
-        assert (exp.name, exp.namespace, exp.status) == ("demo", "team-a", None)
+        assert (exp.name, exp.namespace, exp.status.phase) == ("demo", "team-a", "Running")
+
+    def test_a_malformed_status_is_ignored_rather_than_blocking_the_experiment(self) -> None:
+        b = body()
+        b["status"] = {"phase": "Sleeping", "kopf": {"junk": 1}}
+        assert h.parse_experiment(b).status is None
 
     def test_a_name_too_long_for_child_names_names_metadata_name_in_the_message(self) -> None:
         with pytest.raises(ValidationError) as info:
