@@ -1,0 +1,149 @@
+"""The Trainer's bus-side stages (issue_tickets, collect) driven with in-memory groups, no servers.
+
+The real bus is exercised in tests/integration/test_trainer.py; here a list stands in for the stream so
+the accounting rules can be checked one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kuberl.api import RLExperiment
+from kuberl.runtime.bus import Sample, Ticket, TrajectoryGroup
+from kuberl.runtime.trainer.dist import DistInfo
+from kuberl.runtime.trainer.tickets import TicketBook
+from kuberl.runtime.trainer.trainer import Trainer
+
+B, N = 2, 2
+
+
+class MemoryBus:
+    """The TrainerBusIO methods the collect stage uses, over Python lists."""
+
+    def __init__(self) -> None:
+        self.stream: list[TrajectoryGroup] = []
+        self.tickets: list[dict[str, Any]] = []
+        self.control: dict[str, Any] = {}
+        self.book: dict[str, Any] | None = None
+        self.answer = None  # ticket -> group: plays the agents for tickets not answered yet
+        self._answered = 0
+
+    async def publish_tickets(self, tickets):
+        self.tickets += tickets
+        return len(tickets)
+
+    async def put_tickets(self, state):
+        self.book = state
+
+    async def get_control(self):
+        return self.control
+
+    async def fetch_groups(self, max_n, timeout):
+        if self.answer is not None:
+            self.stream += [self.answer(tk) for tk in self.tickets[self._answered:]]
+            self._answered = len(self.tickets)
+        got, self.stream = self.stream[:max_n], self.stream[max_n:]
+        return [(g, f"lease-{g.group_id}") for g in got]
+
+
+def make_trainer(tmp_path, *, eta=0, dynamic=False) -> Trainer:
+    exp = RLExperiment.model_validate({
+        "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "unit"},
+        "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit", "size": 20},
+                 "algorithm": {"name": "dapo" if dynamic else "grpo", "samplesPerPrompt": N, "batchSize": B, "dynamicSampling": dynamic},
+                 "staleness": {"maxHeadOffpolicyness": eta}, "training": {"totalSteps": 5}},
+    })
+    t = Trainer(exp, bus_url="nats://unused:4222", workdir=tmp_path)
+    t.info = DistInfo(0, 1, 0, torch.device("cpu"))
+    t.book = TicketBook(num_items=20, batch_size=B, eta=eta, total_groups=5 * B)
+    t.bus = MemoryBus()
+    return t
+
+
+def group(ticket: dict, version: int = 0, rewards=(1.0, 0.0), rejected: bool = False) -> TrajectoryGroup:
+    tk = Ticket(**ticket)
+    samples = [] if rejected else [Sample(input_ids=[1, 2], output_ids=[3, 4], logprobs=[-1.0, -1.0], versions=[version] * 2,
+                                          loss_mask=[1, 1], reward=r) for r in rewards]
+    return TrajectoryGroup(group_id=tk.ticket_id, ticket=tk, samples=samples, rejected=rejected)
+
+
+async def test_issue_tickets_fills_the_bound_and_no_more(tmp_path):
+    t = make_trainer(tmp_path, eta=1)
+    assert await t.stage_issue_tickets() == (1 + 0 + 1) * B
+    assert await t.stage_issue_tickets() == 0
+    t.version = 1
+    assert await t.stage_issue_tickets() == B
+    assert t.bus.book["issued"] == 3 * B
+
+
+async def test_collect_returns_b_groups_and_holds_their_leases_for_the_checkpoint(tmp_path):
+    t = make_trainer(tmp_path)
+    await t.stage_issue_tickets()
+    t.bus.stream = [group(tk) for tk in t.bus.tickets]
+    plan = await t.stage_collect()
+    assert [g["group_id"] for g in plan["groups"]] == [tk["ticket_id"] for tk in t.bus.tickets]
+    assert t.held == [f"lease-{tk['ticket_id']}" for tk in t.bus.tickets]
+    assert plan["wait_seconds"] >= 0
+
+
+async def test_a_rejected_group_is_replaced_by_a_new_ticket(tmp_path):
+    t = make_trainer(tmp_path)
+    t.bus.answer = lambda tk: group(tk, rejected=tk["ticket_id"] == t.bus.tickets[0]["ticket_id"])
+    await t.stage_issue_tickets()
+    plan = await t.stage_collect()
+    assert len(plan["groups"]) == B and t.bus.tickets[0]["ticket_id"] not in [g["group_id"] for g in plan["groups"]]
+    assert t.book.rejected == 1 and t.book.issued == B + 1
+    assert len(t.held) == B + 1, "the rejected group's lease is acknowledged with the next checkpoint too"
+
+
+async def test_a_group_older_than_v_minus_eta_is_dropped_and_counted(tmp_path):
+    t = make_trainer(tmp_path, eta=1)
+    t.version = 3
+    t.book.issued = 6  # as if three batches were issued at versions 0..2
+    t.book.consumed = 6
+    await t.stage_issue_tickets()
+    tickets = list(t.bus.tickets)
+    t.bus.stream = [group(tickets[0], version=1), group(tickets[1], version=2), group(tickets[2], version=3)]
+    plan = await t.stage_collect()
+    assert [g["group_id"] for g in plan["groups"]] == [tickets[1]["ticket_id"], tickets[2]["ticket_id"]]
+    assert t.dropped_stale == 1 and t.book.dropped == 1
+
+
+async def test_dynamic_sampling_rejects_groups_whose_rewards_are_all_equal(tmp_path):
+    t = make_trainer(tmp_path, dynamic=True)
+    t.bus.answer = lambda tk: group(tk, rewards=(1.0, 1.0) if tk["ticket_id"] == t.bus.tickets[0]["ticket_id"] else (1.0, 0.0))
+    await t.stage_issue_tickets()
+    plan = await t.stage_collect()
+    assert t.book.rejected == 1 and t.book.issued == B + 1 and len(plan["groups"]) == B
+    assert all(len({s["reward"] for s in g["samples"]}) > 1 for g in plan["groups"])
+
+
+async def test_a_new_checkpoint_request_interrupts_collection_and_keeps_the_groups_so_far(tmp_path):
+    t = make_trainer(tmp_path)
+    await t.stage_issue_tickets()
+    t.bus.stream = [group(t.bus.tickets[0])]
+    t.bus.control = {"checkpoint_request": "suspend-1", "stop": False}
+    assert await t.stage_collect() == {"checkpoint_request": "suspend-1"}
+    t.answered_request = "suspend-1"  # what stage_checkpoint records
+    t.bus.stream = [group(t.bus.tickets[0]), group(t.bus.tickets[1])]
+    plan = await t.stage_collect()
+    assert len(plan["groups"]) == B
+
+
+async def test_control_stop_and_sigterm_end_collection(tmp_path):
+    t = make_trainer(tmp_path)
+    t.bus.control = {"stop": True}
+    assert await t.stage_collect() == {"stop": "control.stop"}
+    t.bus.control = {}
+    t.stop_reason = "SIGTERM"
+    assert await t.stage_collect() == {"stop": "SIGTERM"}
+
+
+async def test_waiting_longer_than_collect_timeout_fails_with_a_reason(tmp_path):
+    t = make_trainer(tmp_path)
+    t.collect_timeout = 0.0
+    with pytest.raises(TimeoutError, match="no trajectory group arrived"):
+        await t.stage_collect()

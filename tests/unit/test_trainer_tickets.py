@@ -1,0 +1,83 @@
+"""The ticket book: AReaL's staleness bound, with the trainer as the authority."""
+
+from __future__ import annotations
+
+import pytest
+
+from kuberl.runtime.trainer.tickets import TicketBook
+
+
+def book(**kw) -> TicketBook:
+    return TicketBook(**{"num_items": 10, "batch_size": 4, "eta": 1, "seed": 1, **kw})
+
+
+class TestTheBound:
+    def test_at_version_v_at_most_eta_plus_v_plus_one_batches_are_started(self):
+        b = book(eta=2)
+        assert len(b.next_tickets(0)) == 3 * 4
+        assert b.next_tickets(0) == []  # nothing more until the version moves
+        assert len(b.next_tickets(1)) == 4
+        assert b.started == (2 + 1 + 1) * 4
+
+    def test_eta_zero_is_synchronous(self):
+        b = book(eta=0)
+        assert len(b.next_tickets(0)) == 4
+        b.on_consumed(4)
+        assert len(b.next_tickets(1)) == 4
+
+    def test_rejected_and_dropped_groups_give_their_slot_back(self):
+        b = book(eta=0)
+        b.next_tickets(0)
+        b.on_rejected()
+        b.on_dropped()
+        assert len(b.next_tickets(0)) == 2
+        assert b.issued == 6 and b.started == 4
+
+    def test_max_concurrent_limits_groups_in_flight(self):
+        b = book(eta=5, max_concurrent=3)
+        assert len(b.next_tickets(0)) == 3
+        b.on_consumed(2)
+        assert len(b.next_tickets(0)) == 2
+
+    def test_no_more_groups_are_started_than_training_uses(self):
+        b = book(eta=5, total_groups=6)
+        assert len(b.next_tickets(0)) == 6
+        b.on_rejected()
+        assert len(b.next_tickets(9)) == 1
+
+
+class TestTicketsAndData:
+    def test_each_epoch_visits_every_item_once_in_a_seeded_order(self):
+        b = book(eta=100)
+        tickets = b.next_tickets(0)[:20]
+        first, second = tickets[:10], tickets[10:]
+        assert sorted(t["index"] for t in first) == list(range(10)) == sorted(t["index"] for t in second)
+        assert [t["index"] for t in first] != [t["index"] for t in second]
+        assert {t["epoch"] for t in first} == {0} and {t["epoch"] for t in second} == {1}
+        assert [t["index"] for t in book(eta=100).next_tickets(0)[:10]] == [t["index"] for t in first]
+
+    def test_ticket_ids_are_deterministic_so_reissuing_after_a_restart_dedupes(self):
+        a = book(eta=0)
+        issued = a.next_tickets(0)
+        restored = book(eta=0)
+        restored.load_state({"issued": 0, "rejected": 0, "dropped": 0, "consumed": 0})
+        assert restored.next_tickets(0) == issued
+        assert issued[0]["ticket_id"] == f"e0-i{issued[0]['index']}-0"
+
+    def test_state_round_trips(self):
+        a = book()
+        a.next_tickets(0)
+        a.on_rejected()
+        a.on_consumed(2)
+        b = book()
+        b.load_state(a.state())
+        assert (b.issued, b.rejected, b.dropped, b.consumed, b.epoch) == (a.issued, a.rejected, a.dropped, a.consumed, a.epoch)
+        assert a.state()["position"] == 8 and a.state()["started"] == 7
+
+    def test_a_state_without_a_counter_is_refused_by_name(self):
+        with pytest.raises(ValueError, match="missing 'consumed'"):
+            book().load_state({"issued": 1, "rejected": 0, "dropped": 0})
+
+    def test_an_empty_data_set_is_refused(self):
+        with pytest.raises(ValueError, match="at least one item"):
+            book(num_items=0)

@@ -1,0 +1,75 @@
+"""Weight export in Hugging Face layout: transformers loads it back, writes are atomic, old versions pruned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kuberl.runtime.trainer.weights import export_weights, list_versions, load_weights
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from kuberl.runtime.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0)
+
+
+def _perturbed_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    return model.state_dict()
+
+
+def test_exported_weights_load_with_transformers_and_give_the_same_logits(tmp_path, tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = _perturbed_state(tiny)
+    path = export_weights(state, tmp_path / "weights", 3, source_dir=tiny)
+    assert path == tmp_path / "weights" / "v3"
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)  # tokenizer files travel with the weights
+    ids = torch.tensor([tok("12 + 3 =")["input_ids"]])
+    reference = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    reference.load_state_dict(state)
+    assert torch.allclose(loaded(ids).logits, reference(ids).logits, atol=1e-6)
+
+
+def test_a_dtype_cast_is_applied_to_tensors_and_config(tmp_path, tiny):
+    import json
+
+    path = export_weights(_perturbed_state(tiny), tmp_path, 1, source_dir=tiny, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in load_weights(path).values())
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_only_the_newest_versions_are_kept_and_a_republished_old_version_survives(tmp_path, tiny):
+    state = _perturbed_state(tiny)
+    for v in range(5):
+        export_weights(state, tmp_path, v, source_dir=tiny, keep=2)
+    assert list_versions(tmp_path) == [3, 4]
+    export_weights(state, tmp_path, 1, source_dir=tiny, keep=2)  # a trainer restarted from an older checkpoint
+    assert 1 in list_versions(tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary folders left behind"
+
+
+def test_a_failed_export_leaves_no_version_behind(tmp_path, tiny):
+    with pytest.raises(TypeError, match="'bad' is a str"):
+        export_weights({"bad": "not a tensor"}, tmp_path, 7, source_dir=tiny)
+    assert list_versions(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_export_without_a_config_says_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="weights v2: no config.json"):
+        export_weights({"w": torch.ones(1)}, tmp_path / "w", 2)
+
+
+def test_loading_a_folder_without_weights_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_weights(tmp_path)
