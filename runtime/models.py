@@ -41,6 +41,9 @@ TINY_CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TINY_VOCAB_TARGET = 320  # 256 byte symbols + 3 specials + a few merges (digit runs, task words)
 
 
@@ -54,11 +57,15 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(vocab_size: int = TINY_VOCAB_TARGET):
     """A byte-level BPE tokenizer (every byte string round-trips) with Qwen's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Qwen2's pre-tokenization: its split pattern (one token per digit), then bytes -> symbols.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -1,0 +1,89 @@
+"""`kuberl engine --config FILE --port P`: start the inference server (vLLM or SGLang) for spec.rollout.
+
+The engine container of each rollout pod runs this (and `kuberl run` does locally). It resolves the
+model (builtin: built into $KUBERL_WORKDIR/models, or a temp folder), picks launch settings, then
+execs the server so it becomes the container's main process (signals and exit codes go straight to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+
+from pydantic import ValidationError
+
+from kuberl.api import RLExperiment, load_experiment
+from kuberl.api.v1alpha1 import AcceleratorType
+
+log = logging.getLogger("kuberl.engine")
+
+# Context for the builtin tiny model (its prompts are ~25 tokens, responses up to maxNewTokens).
+BUILTIN_MAX_MODEL_LEN = 512
+
+
+def engine_settings(exp: RLExperiment) -> dict:
+    """Launch keyword arguments for the engine class's build_server_command, from the spec."""
+    from kuberl.runtime.inference.vllm import on_cpu
+
+    spec = exp.spec
+    cpu = spec.rollout.accelerator.type == AcceleratorType.CPU or on_cpu()
+    settings: dict = {
+        "tensor_parallel_size": spec.rollout.tensor_parallel_size,
+        "pipeline_parallel_size": spec.rollout.pipeline_parallel_size,
+        # bf16 on this CPU dies with SIGILL unless AMX is initialised in every worker: float32 is safe.
+        "dtype": "float32" if cpu else spec.model.dtype,
+        "seed": spec.seed,
+        "extra_args": list(spec.rollout.engine_args),
+        "max_model_len": None,
+        "max_num_seqs": None,
+    }
+    if spec.model.builtin is not None:
+        settings["max_model_len"] = BUILTIN_MAX_MODEL_LEN
+    if cpu:
+        # One agent keeps concurrency groups x samplesPerPrompt sequences in flight.
+        settings["max_num_seqs"] = max(1, min(256, spec.rollout.concurrency * spec.algorithm.samples_per_prompt))
+    return settings
+
+
+def model_workdir(flag: str | None) -> str:
+    return flag or os.environ.get("KUBERL_WORKDIR") or os.path.join(tempfile.gettempdir(), "kuberl")
+
+
+def server_command(exp: RLExperiment, model_path: str, port: int, host: str) -> tuple[list[str], dict[str, str]]:
+    """The server command line and environment for spec.rollout.engine."""
+    engine = exp.spec.rollout.engine
+    settings = engine_settings(exp)
+    if engine == "vllm":
+        from kuberl.runtime.inference import vllm
+
+        return vllm.build_server_command(model_path, port=port, host=host, **settings), vllm.server_env()
+    if engine == "sglang":
+        from kuberl.runtime.inference import sglang
+
+        return sglang.build_server_command(model_path, port=port, host=host, **settings), dict(os.environ)
+    raise ValueError(f"rollout.engine: unknown engine {engine!r}")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s", datefmt="%H:%M:%S")
+    try:
+        exp = load_experiment(args.config)
+    except (ValueError, ValidationError, OSError) as exc:
+        print(f"kuberl engine: {exc}", file=sys.stderr)
+        return 2
+    from kuberl.runtime.models import ModelResolutionError, resolve_model
+
+    try:
+        model_path = resolve_model(exp.spec.model, model_workdir(getattr(args, "workdir", None)))
+    except ModelResolutionError as exc:
+        print(f"kuberl engine: {exc}", file=sys.stderr)
+        return 2
+    cmd, env = server_command(exp, model_path, args.port, args.host)
+    log.info("exec: %s", " ".join(cmd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached

@@ -1,0 +1,227 @@
+"""The rollout agent: takes tickets from the bus, runs the workflow on its engine, publishes trajectory groups.
+
+Runs next to one inference engine (`kuberl rollout`, one per rollout pod). It follows the `weights`
+KV key (pause the engine, load, resume, on every update), holds at most rollout.concurrency tickets at
+once (heartbeating each with in_progress), applies DAPO dynamic sampling, and stops cleanly on cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
+from kuberl.runtime.bus.names import KEY_WEIGHTS
+from kuberl.runtime.data import Item
+from kuberl.runtime.inference.base import EngineError, InferenceEngine
+from kuberl.runtime.rollout.workflows import EpisodeContext, RolloutWorkflow
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 10.0  # well under the tickets' ack_wait (30 s)
+BUS_WEIGHTS_KEEP = 2  # local copies of bus-mode weights kept (the one loaded and the one before)
+
+
+def default_agent_id() -> str:
+    return os.environ.get("KUBERL_AGENT_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class AgentStats:
+    published: int = 0
+    rejected: int = 0
+    failed: int = 0
+    weight_updates: int = 0
+    samples: int = 0
+    reward_sum: float = 0.0
+    started: float = 0.0
+
+
+class RolloutAgent:
+    """One agent: bus + engine + workflow + data set items."""
+
+    def __init__(self, exp: RLExperiment, bus: Bus, engine: InferenceEngine, workflow: RolloutWorkflow, items: list[Item], *,
+                 workdir: str | Path, agent_id: str | None = None, weights_cache: str | Path | None = None,
+                 log_every: float = 30.0) -> None:
+        self.exp = exp
+        self.bus = bus
+        self.engine = engine
+        self.workflow = workflow
+        self.items = items
+        self.workdir = Path(workdir)
+        self.agent_id = agent_id or default_agent_id()
+        # bus mode: where downloaded weights go; the engine must see the same path (a shared emptyDir in a pod).
+        self.weights_cache = Path(weights_cache or os.environ.get("KUBERL_WEIGHTS_CACHE") or self.workdir / "agent-weights" / self.agent_id)
+        self.concurrency = exp.spec.rollout.concurrency
+        self.dynamic_sampling = exp.spec.algorithm.dynamic_sampling
+        self.stats = AgentStats()
+        self._update_lock = asyncio.Lock()
+        self._last_weights: dict[str, Any] | None = None
+        self._episodes: set[asyncio.Task] = set()
+        self.log_every = log_every
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def _weights_dir(self, w: dict[str, Any]) -> str:
+        version = int(w["version"])
+        if w.get("mode") == "bus":
+            prefix = w.get("object") or f"v{version}"
+            dest = self.weights_cache / prefix
+            if not (dest / "config.json").is_file():
+                await self.bus.get_weights(prefix, dest)
+            self._prune_cache(keep=dest)
+            return str(dest)
+        path = w.get("path")
+        if not path:
+            raise ValueError(f"weights key for v{version} has mode disk but no path: {w}")
+        p = Path(path)
+        return str(p if p.is_absolute() else self.workdir / p)
+
+    def _prune_cache(self, keep: Path) -> None:
+        if not self.weights_cache.is_dir():
+            return
+        others = sorted((d for d in self.weights_cache.iterdir() if d.is_dir() and d != keep), key=lambda d: d.stat().st_mtime)
+        for d in others[: max(len(others) - (BUS_WEIGHTS_KEEP - 1), 0)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def apply_weights(self, w: dict[str, Any]) -> None:
+        """Pause the engine, load the weights named by a `weights` KV value, resume."""
+        async with self._update_lock:
+            version = int(w["version"])
+            started = time.monotonic()
+            path = await self._weights_dir(w)  # download before pausing: generation goes on meanwhile
+            await self.engine.pause()
+            try:
+                await self.engine.update_weights_from_disk(path, version)
+            finally:
+                await self.engine.resume()
+            self._last_weights = w
+            self.stats.weight_updates += 1
+            log.info("agent %s: serving weights v%d (%s) after %.2f s", self.agent_id, version, w.get("mode"), time.monotonic() - started)
+
+    async def load_initial_weights(self) -> None:
+        """Before the first ticket: load the current weights if the trainer has published any."""
+        w = await self.bus.get_state(KEY_WEIGHTS)
+        if w is not None:
+            await self.apply_weights(w)
+        else:
+            log.info("agent %s: no weights published yet; serving the initial model as v%d", self.agent_id, self.engine.version)
+
+    async def follow_weights(self) -> None:
+        """Load on every update of the `weights` key (also an older version: a trainer restarted from a checkpoint)."""
+        async for w in self.bus.watch_state(KEY_WEIGHTS):
+            if w == self._last_weights:
+                continue  # the watch starts with the value load_initial_weights already applied
+            try:
+                await self.apply_weights(w)
+            except Exception:
+                log.exception("agent %s: loading weights v%s failed; still serving v%d", self.agent_id, w.get("version"), self.engine.version)
+
+    # -- episodes ------------------------------------------------------------------------------
+
+    @staticmethod
+    def all_rewards_equal(rewards: list[float]) -> bool:
+        return len(rewards) > 0 and max(rewards) - min(rewards) < 1e-9
+
+    async def _heartbeat(self, lease: Lease[Ticket]) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            with contextlib.suppress(Exception):
+                await lease.in_progress()
+
+    async def run_ticket(self, lease: Lease[Ticket]) -> TrajectoryGroup | None:
+        """Roll out one ticket and publish its group; the lease is acked once the bus has the group."""
+        ticket = lease.value
+        if not 0 <= ticket.index < len(self.items):
+            log.error("agent %s: ticket %s names item %d but the data set has %d items; dropping it",
+                      self.agent_id, ticket.ticket_id, ticket.index, len(self.items))
+            await lease.term()
+            return None
+        beat = asyncio.create_task(self._heartbeat(lease))
+        try:
+            ctx = EpisodeContext(ticket_id=ticket.ticket_id, seed=None)
+            samples = await self.workflow.arun_episode(self.engine, self.items[ticket.index], ctx)
+            rewards = [s.reward for s in samples or []]
+            rejected = samples is None or not samples or (self.dynamic_sampling and self.all_rewards_equal(rewards))
+            group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, samples=[] if rejected else samples,
+                                    agent=self.agent_id, rejected=rejected)
+            await self.bus.publish_group(group)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(lease.nak())  # give it back now rather than after ack_wait
+            raise
+        except EngineError as exc:
+            if not exc.permanent:
+                return await self._give_back(lease, exc)
+            # The engine refuses this item for good (e.g. prompt longer than the context): reject it so
+            # its slot returns to the trainer instead of bouncing between agents forever.
+            log.error("agent %s: ticket %s (item %d) rejected: %s", self.agent_id, ticket.ticket_id, ticket.index, exc)
+            rejected, rewards = True, []
+            group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, agent=self.agent_id, rejected=True)
+            await self.bus.publish_group(group)
+        except Exception as exc:
+            return await self._give_back(lease, exc)
+        finally:
+            beat.cancel()
+        await lease.ack()
+        if rejected:
+            self.stats.rejected += 1
+        else:
+            self.stats.published += 1
+            self.stats.samples += len(rewards)
+            self.stats.reward_sum += sum(rewards)
+        return group
+
+    async def _give_back(self, lease: Lease[Ticket], exc: Exception) -> None:
+        self.stats.failed += 1
+        log.error("agent %s: ticket %s failed, giving it back: %s", self.agent_id, lease.value.ticket_id, exc, exc_info=exc)
+        with contextlib.suppress(Exception):
+            await lease.nak(delay=5.0)
+        return None
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_every)
+            s = self.stats
+            rate = (s.published + s.rejected) / max(time.monotonic() - s.started, 1e-9)
+            mean = s.reward_sum / s.samples if s.samples else float("nan")
+            log.info("agent %s: %d groups published, %d rejected, %d failed (%.2f groups/s), mean reward %.3f, v%d, %d in flight",
+                     self.agent_id, s.published, s.rejected, s.failed, rate, mean, self.engine.version, len(self._episodes))
+
+    async def run(self, max_tickets: int | None = None) -> AgentStats:
+        """Take tickets until cancelled (or `max_tickets` are done); then cancel the episodes in flight."""
+        self.stats.started = time.monotonic()
+        await self.load_initial_weights()
+        follower = asyncio.create_task(self.follow_weights(), name="follow-weights")
+        reporter = asyncio.create_task(self._report(), name="report")
+        slots = asyncio.Semaphore(self.concurrency)
+        taken = 0
+        try:
+            while max_tickets is None or taken < max_tickets:
+                if follower.done():
+                    follower.result()  # re-raise: without weight updates the agent must not go on
+                await slots.acquire()
+                lease = await self.bus.pull_ticket(timeout=1.0)
+                if lease is None:
+                    slots.release()
+                    continue
+                taken += 1
+                task = asyncio.create_task(self.run_ticket(lease), name=f"ticket-{lease.value.ticket_id}")
+                self._episodes.add(task)
+                task.add_done_callback(lambda t: (self._episodes.discard(t), slots.release()))
+            if self._episodes:
+                await asyncio.gather(*list(self._episodes), return_exceptions=True)
+        finally:
+            for t in [follower, reporter, *self._episodes]:
+                t.cancel()
+            await asyncio.gather(follower, reporter, *self._episodes, return_exceptions=True)
+        return self.stats

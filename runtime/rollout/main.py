@@ -1,0 +1,106 @@
+"""`kuberl rollout --config FILE`: the rollout agent of one rollout pod (or of one local replica in `kuberl run`).
+
+Engine: attaches to $KUBERL_ENGINE_URL (the pod's engine container), or starts its own engine when it
+is unset. Bus: --bus-url, $KUBERL_BUS_URL or spec.bus.external.url. Exit codes: 0 stopped (SIGTERM),
+1 failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+
+from pydantic import ValidationError
+
+from kuberl.api import RLExperiment, load_experiment
+
+log = logging.getLogger("kuberl.rollout")
+
+
+def resolve_bus_url(exp: RLExperiment, flag: str | None) -> str:
+    url = flag or os.environ.get("KUBERL_BUS_URL") or (exp.spec.bus.external.url if exp.spec.bus.external else None)
+    if not url:
+        raise ValueError("bus URL: pass --bus-url, set $KUBERL_BUS_URL, or set spec.bus.external.url (e.g. nats://127.0.0.1:4222)")
+    return url
+
+
+def make_engine(exp: RLExperiment, model_path: str, url: str | None):
+    """The engine client: attached to `url`, or launching its own server on a free port."""
+    from kuberl.runtime.inference.base import engine_class
+    from kuberl.runtime.inference.main import engine_settings
+
+    cls = engine_class(exp.spec.rollout.engine)
+    if url:
+        return cls(url=url)
+    settings = engine_settings(exp)
+    settings.pop("seed", None)
+    return cls(model_path, **settings)
+
+
+async def run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: str | None, max_tickets: int | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from kuberl.runtime.bus import Bus
+    from kuberl.runtime.data import load_items
+    from kuberl.runtime.inference.main import BUILTIN_MAX_MODEL_LEN
+    from kuberl.runtime.models import resolve_model
+    from kuberl.runtime.rollout.agent import RolloutAgent
+    from kuberl.runtime.rollout.workflows import make_workflow
+
+    spec = exp.spec
+    model_path = resolve_model(spec.model, workdir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    items = load_items(spec.dataset, seed=spec.seed)
+    max_total = BUILTIN_MAX_MODEL_LEN if spec.model.builtin is not None else None
+    workflow = make_workflow(spec, tokenizer, max_total_tokens=max_total)
+    engine = make_engine(exp, model_path, engine_url)
+    log.info("experiment %s: %d items, engine %s at %s, bus %s", exp.name, len(items), spec.rollout.engine, engine.url, bus_url)
+    bus = await Bus.connect(bus_url, exp.name, max_payload=spec.bus.max_payload, name=f"kuberl-rollout-{os.getpid()}")
+    try:
+        await engine.start()
+        agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir)
+        stats = await agent.run(max_tickets=max_tickets)
+        log.info("agent stopped: %s", stats)
+    finally:
+        await engine.stop()
+        await bus.close()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s [rollout] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("nats", "httpx", "transformers", "urllib3", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        exp = load_experiment(args.config)
+        bus_url = resolve_bus_url(exp, getattr(args, "bus_url", None))
+    except (ValueError, ValidationError, OSError) as exc:
+        print(f"kuberl rollout: {exc}", file=sys.stderr)
+        return 2
+    workdir = getattr(args, "workdir", None) or os.environ.get("KUBERL_WORKDIR") or os.path.join(tempfile.gettempdir(), "kuberl")
+    os.makedirs(workdir, exist_ok=True)
+    engine_url = os.environ.get("KUBERL_ENGINE_URL") or None
+
+    async def runner() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        # SIGTERM (pod deletion, `kuberl run` stopping): cancel, so in-flight tickets are given back.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await run_agent(exp, bus_url, workdir, engine_url)
+        except asyncio.CancelledError:
+            log.info("stopping on signal")
+            return 0
+
+    try:
+        return asyncio.run(runner())
+    except Exception:
+        log.exception("rollout agent failed")
+        return 1

@@ -1,0 +1,233 @@
+"""Rollout workflows (AReaL's RolloutWorkflow): one data set item -> the samples of one trajectory group.
+
+The rollout agent calls `workflow.arun_episode(engine, item, ctx)`; it returns the group's Samples or
+None to reject the item. Partial rollouts: a generation cut short by a weight update (finish_reason
+abort) continues from prompt + tokens so far once the engine resumes, and every token keeps the
+version of the weights that produced it (`PartialGeneration`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
+from kuberl.runtime.bus.messages import Sample
+from kuberl.runtime.data import Item
+from kuberl.runtime.inference.base import GenerateRequest, GenerateResult, InferenceEngine
+from kuberl.runtime.rewards import RewardFn, resolve_reward, score
+
+MAX_CONTINUATIONS = 1000  # aborts one generation may survive (each is one weight update)
+DEFAULT_FEEDBACK = "Your answer is not correct. Try again."
+
+
+@dataclass
+class SamplingConfig:
+    """How each response is sampled (from spec.algorithm)."""
+
+    n: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_total_tokens: int | None = None  # prompt + response limit (the engine's context)
+
+
+@dataclass
+class EpisodeContext:
+    """Per-episode facts the agent passes in: the ticket's id, and a base seed (None = unseeded)."""
+
+    ticket_id: str = ""
+    seed: int | None = None
+
+
+class RolloutWorkflow(Protocol):
+    async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: EpisodeContext) -> list[Sample] | None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial rollouts: continuation bookkeeping (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+class PartialGeneration:
+    """Tokens of one response as it is generated in one or more pieces.
+
+    A piece that ends with finish_reason abort (a weight update paused the engine) leaves the response
+    unfinished: `next_request()` asks for the rest from prompt + tokens so far, with the remaining budget.
+    Each token is stamped with the version of the piece that produced it.
+    """
+
+    def __init__(self, prompt_ids: list[int], base: GenerateRequest) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.base = base
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.pieces = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.base.max_new_tokens - len(self.output_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_request(self) -> GenerateRequest:
+        if self.done:
+            raise RuntimeError("generation already finished")
+        seed = None if self.base.seed is None else self.base.seed + self.pieces
+        return GenerateRequest(
+            input_ids=self.prompt_ids + self.output_ids, max_new_tokens=self.remaining,
+            temperature=self.base.temperature, top_p=self.base.top_p,
+            stop_token_ids=list(self.base.stop_token_ids), seed=seed,
+        )
+
+    def add(self, res: GenerateResult) -> None:
+        if len(res.output_ids) > self.remaining:
+            raise ValueError(f"engine returned {len(res.output_ids)} tokens, more than the {self.remaining} asked for")
+        self.pieces += 1
+        self.output_ids += res.output_ids
+        self.logprobs += res.logprobs
+        self.versions += [res.version] * len(res.output_ids)
+        if res.finish_reason != "abort":
+            self.finish_reason = res.finish_reason
+        elif self.remaining <= 0:
+            self.finish_reason = "length"
+
+
+async def generate_continuing(engine: InferenceEngine, prompt_ids: list[int], req: GenerateRequest) -> PartialGeneration:
+    """Generate one response, continuing after each abort until it stops or reaches max_new_tokens."""
+    gen = PartialGeneration(prompt_ids, req)
+    while not gen.done:
+        if gen.pieces > MAX_CONTINUATIONS:
+            raise RuntimeError(f"generation aborted {gen.pieces} times; giving up")
+        gen.add(await engine.generate(gen.next_request()))
+    return gen
+
+
+# ---------------------------------------------------------------------------------------------
+# Workflows
+# ---------------------------------------------------------------------------------------------
+
+
+def _prompt_text(tokenizer: Any, prompt: str, use_chat_template: bool) -> str:
+    if use_chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class RLVRWorkflow:
+    """Single turn: chat-templated prompt -> n sampled responses -> verifiable reward each."""
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn, sampling: SamplingConfig, *, use_chat_template: bool = True,
+                 reward_name: str = "reward") -> None:
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.reward_name = reward_name
+        self.sampling = sampling
+        self.use_chat_template = use_chat_template
+
+    def _request(self, prompt_ids: list[int], max_new: int, seed: int | None) -> GenerateRequest:
+        s = self.sampling
+        if s.max_total_tokens is not None:
+            max_new = min(max_new, s.max_total_tokens - len(prompt_ids))
+        if max_new < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under the engine's {s.max_total_tokens}-token context")
+        return GenerateRequest(input_ids=prompt_ids, max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
+                               stop_token_ids=list(s.stop_token_ids), seed=seed)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _one(self, engine: InferenceEngine, item: Item, prompt_ids: list[int], seed: int | None) -> Sample:
+        gen = await generate_continuing(engine, prompt_ids, self._request(prompt_ids, self.sampling.max_new_tokens, seed))
+        reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
+        return Sample(input_ids=prompt_ids, output_ids=gen.output_ids, logprobs=gen.logprobs, versions=gen.versions,
+                      loss_mask=[1] * len(gen.output_ids), reward=reward, num_turns=1, finish_reason=gen.finish_reason or "stop")
+
+    async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: EpisodeContext) -> list[Sample] | None:
+        prompt_ids = _encode(self.tokenizer, _prompt_text(self.tokenizer, item.prompt, self.use_chat_template))
+        seeds = [None if ctx.seed is None else ctx.seed * 1000 + i * 17 for i in range(self.sampling.n)]
+        return list(await asyncio.gather(*(self._one(engine, item, prompt_ids, s) for s in seeds)))
+
+
+class MultiTurnWorkflow(RLVRWorkflow):
+    """Retry with feedback until correct (reward 1) or max_turns; reward *= turn_discount per extra turn.
+
+    The feedback turn's tokens are part of output_ids with loss_mask 0 and version -1 (not generated).
+    """
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn, sampling: SamplingConfig, *, max_turns: int,
+                 turn_discount: float, use_chat_template: bool = True, feedback: str = DEFAULT_FEEDBACK,
+                 reward_name: str = "reward") -> None:
+        super().__init__(tokenizer, reward_fn, sampling, use_chat_template=use_chat_template, reward_name=reward_name)
+        self.max_turns = max_turns
+        self.turn_discount = turn_discount
+        self.feedback = feedback
+
+    def feedback_ids(self, ended_with_eos: bool) -> list[int]:
+        """Tokens that close the assistant turn (unless its eos already did) and add the user's feedback."""
+        if not self.use_chat_template:
+            return _encode(self.tokenizer, f"\n{self.feedback}\n")
+        marker = "\x00ANSWER\x00"
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+        before = self.tokenizer.apply_chat_template(msgs, tokenize=False)
+        after = self.tokenizer.apply_chat_template(msgs + [{"role": "user", "content": self.feedback}], tokenize=False,
+                                                   add_generation_prompt=True)
+        suffix = after[before.index(marker) + len(marker):]
+        eos = self.tokenizer.eos_token or ""
+        if ended_with_eos and eos and suffix.startswith(eos):
+            suffix = suffix[len(eos):]
+        return _encode(self.tokenizer, suffix)
+
+    async def _one(self, engine: InferenceEngine, item: Item, prompt_ids: list[int], seed: int | None) -> Sample:
+        out: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        mask: list[int] = []
+        reward, turns, finish = 0.0, 0, "stop"
+        eos_ids = set(self.sampling.stop_token_ids) | {self.tokenizer.eos_token_id}
+        for turn in range(1, self.max_turns + 1):
+            turns = turn
+            context = prompt_ids + out
+            try:
+                req = self._request(context, self.sampling.max_new_tokens, None if seed is None else seed + turn)
+            except ValueError:
+                break  # no room left for another turn: keep what we have
+            gen = await generate_continuing(engine, context, req)
+            out += gen.output_ids
+            lps += gen.logprobs
+            vers += gen.versions
+            mask += [1] * len(gen.output_ids)
+            finish = gen.finish_reason or "stop"
+            reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
+            if reward >= 1.0 or turn == self.max_turns:
+                break
+            fb = self.feedback_ids(bool(gen.output_ids) and gen.output_ids[-1] in eos_ids)
+            out += fb
+            lps += [0.0] * len(fb)
+            vers += [-1] * len(fb)
+            mask += [0] * len(fb)
+        return Sample(input_ids=prompt_ids, output_ids=out, logprobs=lps, versions=vers, loss_mask=mask,
+                      reward=reward * self.turn_discount ** (turns - 1), num_turns=turns, finish_reason=finish)
+
+
+def make_workflow(spec: RLExperimentSpec, tokenizer: Any, *, max_total_tokens: int | None = None) -> RLVRWorkflow:
+    """The workflow spec.workflow asks for, with sampling settings from spec.algorithm."""
+    a, w = spec.algorithm, spec.workflow
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = SamplingConfig(n=a.samples_per_prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                              top_p=a.top_p, stop_token_ids=stop, max_total_tokens=max_total_tokens)
+    reward = resolve_reward(w.reward)
+    if w.type == WorkflowType.MULTI_TURN:
+        return MultiTurnWorkflow(tokenizer, reward, sampling, max_turns=w.max_turns, turn_discount=w.turn_discount,
+                                 use_chat_template=w.use_chat_template, reward_name=w.reward)
+    return RLVRWorkflow(tokenizer, reward, sampling, use_chat_template=w.use_chat_template, reward_name=w.reward)
