@@ -11,18 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Bus": "client", "BusError": "client", "GroupTooLargeError": "client", "Lease": "client",
+    "Bus": "client", "BusError": "client", "BusFullError": "client", "GroupTooLargeError": "client", "Lease": "client",
     "MessageError": "messages", "Sample": "messages", "Ticket": "messages", "TrajectoryGroup": "messages",
     "BusNames": "names",
     "NatsServer": "server", "NatsServerError": "server", "start_nats_server": "server",
 }
 __all__ = [
-    "Bus", "BusError", "BusNames", "GroupTooLargeError", "Lease", "MessageError", "NatsServer", "NatsServerError",
+    "Bus", "BusError", "BusFullError", "BusNames", "GroupTooLargeError", "Lease", "MessageError", "NatsServer", "NatsServerError",
     "Sample", "Ticket", "TrajectoryGroup", "start_nats_server",
 ]
 
 if TYPE_CHECKING:
-    from kuberl.runtime.bus.client import Bus, BusError, GroupTooLargeError, Lease
+    from kuberl.runtime.bus.client import Bus, BusError, BusFullError, GroupTooLargeError, Lease
     from kuberl.runtime.bus.messages import MessageError, Sample, Ticket, TrajectoryGroup
     from kuberl.runtime.bus.names import BusNames
     from kuberl.runtime.bus.server import NatsServer, NatsServerError, start_nats_server

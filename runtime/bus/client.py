@@ -25,7 +25,7 @@ from nats.js import api
 from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
-from kuberl.runtime.bus.errors import BusError, GroupTooLargeError
+from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
 from kuberl.runtime.bus.messages import MessageError, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, split_chunks
 from kuberl.runtime.bus.names import (
@@ -33,7 +33,7 @@ from kuberl.runtime.bus.names import (
 )
 from kuberl.runtime.bus.server import parse_max_payload, parse_size
 
-__all__ = ["Bus", "BusError", "GroupTooLargeError", "Lease"]
+__all__ = ["Bus", "BusError", "BusFullError", "GroupTooLargeError", "Lease"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,6 +49,7 @@ _TRANSIENT = (
     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
     asyncio.TimeoutError,
 )
+_FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
 
 
 class Bus:
@@ -67,8 +68,8 @@ class Bus:
         self.url = url
         self._kv: Any = None
         self._obj: Any = None
-        self._ticket_sub: Any = None
-        self._group_sub: Any = None
+        self._subs: dict[str, Any] = {}  # consumer name -> pull subscription
+        self._may_create = True
         self._ticket_lock = asyncio.Lock()
         self._group_lock = asyncio.Lock()
         self._trainer_generation = 0
@@ -119,6 +120,7 @@ class Bus:
                       publish_timeout=publish_timeout, url=redact(url))
             hooks.append(bus._on_reconnect)
             await bus._check_jetstream()
+            bus._may_create = create
             await (bus._create() if create else bus._bind())
             return bus
         except BaseException:
@@ -225,6 +227,14 @@ class Bus:
         while True:
             try:
                 return await fn()
+            except nats.js.errors.ServiceUnavailableError as exc:
+                if exc.err_code in _FULL:
+                    raise BusFullError(f"{what}: the stream is full ({exc.description}): the trainer is not keeping up "
+                                       "with the agents; retry later, or raise the bus size") from None
+                if time.monotonic() + delay > deadline:
+                    raise BusError(f"{what}: bus at {self.url} unavailable for {self.publish_timeout:.0f}s ({exc.description})") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
             except _TRANSIENT as exc:
                 if time.monotonic() + delay > deadline:
                     raise BusError(f"{what}: bus at {self.url} not answering for {self.publish_timeout:.0f}s ({type(exc).__name__})") from None
@@ -254,30 +264,72 @@ class Bus:
             new += sum(not a.duplicate for a in acks)
         return new
 
-    async def _ticket_subscription(self) -> Any:
-        if self._ticket_sub is None:
-            self._ticket_sub = await self.js.pull_subscribe_bind(AGENTS_CONSUMER, stream=self.names.tickets_stream)
-        return self._ticket_sub
-
     async def pull_ticket(self, timeout: float = 5.0) -> Lease[Ticket] | None:
-        """Take the next ticket (no other agent gets it unless this lease expires); None on timeout."""
+        """Take the next ticket (no other agent gets it unless this lease expires); None on timeout.
+
+        While working on it, call `lease.in_progress()` more often than ticket_ack_wait (or use
+        `async with lease.keep_alive(): ...`); ack when its group is published.
+        """
+        got = await self.pull_tickets(1, timeout)
+        return got[0] if got else None
+
+    async def pull_tickets(self, max_n: int, timeout: float = 5.0) -> list[Lease[Ticket]]:
+        """Take up to max_n tickets, waiting at most `timeout` for the first; returns what is there then."""
+        if max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {max_n}")
         deadline = time.monotonic() + timeout
+        out: list[Lease[Ticket]] = []
         async with self._ticket_lock:  # one pull request at a time per subscription (shared inbox)
-            sub = await self._ticket_subscription()
-            while (left := deadline - time.monotonic()) > 0.001:
-                try:
-                    msgs = await sub.fetch(1, timeout=left)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return None
-                except nats.errors.ConnectionReconnectingError:
-                    await asyncio.sleep(min(0.5, max(left, 0)))
-                    continue
-                for m in msgs:
+            while not out and (left := deadline - time.monotonic()) > 0.01:
+                for m in await self._fetch(AGENTS_CONSUMER, max_n, left):
                     try:
-                        return Lease(decode_ticket(m.data), [m])
+                        out.append(Lease(decode_ticket(m.data), [m]))
                     except MessageError as exc:
                         await self._poison(m, exc)
-            return None
+        return out
+
+    async def _fetch(self, consumer: str, batch: int, timeout: float) -> list[Msg]:
+        """One pull request; [] on timeout or a transient problem (the callers loop until their deadline)."""
+        sub = self._subs.get(consumer)
+        try:
+            if sub is None:
+                stream, _ = self._consumer_config(consumer)
+                sub = self._subs[consumer] = await self.js.pull_subscribe_bind(consumer, stream=stream)
+            return await sub.fetch(batch, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
+            if self.nc.is_closed:
+                raise BusError(f"the bus connection to {self.url} is closed") from None
+            log.debug("pull from %s: %s", consumer, type(exc).__name__)
+        except nats.js.errors.APIError as exc:
+            # The consumer went away (deleted, or a server that lost its state): bind again, or re-create it.
+            log.warning("bus: pull from consumer %r failed (%s); re-binding", consumer, exc)
+            await self._recover_consumer(consumer)
+        await asyncio.sleep(min(0.5, max(timeout, 0.0)))
+        return []
+
+    async def _recover_consumer(self, consumer: str) -> None:
+        sub = self._subs.pop(consumer, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        stream, cfg = self._consumer_config(consumer)
+        try:
+            await self.js.consumer_info(stream, consumer)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return  # not reachable now: the next pull tries again
+        if not self._may_create:
+            raise BusError(f"consumer {consumer!r} of experiment {self.names.experiment!r} no longer exists on {self.url}")
+        await self._add_consumer(stream, cfg)
+        if consumer == TRAINER_CONSUMER:  # a new consumer redelivers everything unacked
+            self._trainer_generation += 1
+            self._assembler = ChunkAssembler()
 
     async def _poison(self, m: Msg, exc: Exception) -> None:
         self.bad_messages += 1
@@ -294,7 +346,8 @@ class Bus:
         """Publish a group (msg id = group_id). Returns False if the bus already had this group.
 
         A group above max_payload goes as chunks on the chunk subject followed by a header message;
-        the trainer's `pull_groups` reassembles it. Raises GroupTooLargeError if it can never fit.
+        the trainer's `pull_groups` reassembles it. Raises GroupTooLargeError if it can never fit, and
+        BusFullError while the stream is full (nothing is dropped: retry later).
         """
         gid = group.group_id
         payload = encode(group)
@@ -330,11 +383,6 @@ class Bus:
             except Exception as exc:  # the reader's orphan sweep removes what we could not
                 log.debug("could not delete orphan chunk seq %d: %s", s, exc)
 
-    async def _group_subscription(self) -> Any:
-        if self._group_sub is None:
-            self._group_sub = await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names.traj_stream)
-        return self._group_sub
-
     async def pull_groups(self, max_n: int, timeout: float = 5.0) -> list[Lease[TrajectoryGroup]]:
         """Up to max_n groups, waiting at most `timeout` seconds for them (fewer, or none, on timeout).
 
@@ -345,15 +393,8 @@ class Bus:
         out: list[Lease[TrajectoryGroup]] = []
         deadline = time.monotonic() + timeout
         async with self._group_lock:
-            sub = await self._group_subscription()
-            while len(out) < max_n and (left := deadline - time.monotonic()) > 0.001:
-                try:
-                    msgs = await sub.fetch(max_n - len(out), timeout=left)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    break
-                except nats.errors.ConnectionReconnectingError:
-                    await asyncio.sleep(min(0.5, max(left, 0)))
-                    continue
+            while len(out) < max_n and (left := deadline - time.monotonic()) > 0.01:
+                msgs = await self._fetch(TRAINER_CONSUMER, max_n - len(out), left)
                 for m in msgs:
                     ready = self._assembler.add(m)
                     if ready is None:
@@ -377,12 +418,12 @@ class Bus:
         """
         stream, cfg = self._consumer_config(TRAINER_CONSUMER)
         async with self._group_lock:
-            if self._group_sub is not None:
+            sub = self._subs.pop(TRAINER_CONSUMER, None)
+            if sub is not None:
                 try:
-                    await self._group_sub.unsubscribe()
+                    await sub.unsubscribe()
                 except Exception:
                     pass
-                self._group_sub = None
             try:
                 await self.js.delete_consumer(stream, TRAINER_CONSUMER)
             except nats.js.errors.NotFoundError:

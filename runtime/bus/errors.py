@@ -9,3 +9,7 @@ class BusError(RuntimeError):
 
 class GroupTooLargeError(BusError):
     """A trajectory group that can never fit the trajectory stream."""
+
+
+class BusFullError(BusError):
+    """A stream reached its size limit (the trainer is not keeping up): retry later or enlarge the bus."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Generic, TypeVar
 
 import nats.errors
@@ -53,6 +56,27 @@ class Lease(Generic[T]):
         if not self._stale():
             for m in self._msgs:
                 await m.in_progress()
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, interval: float = 10.0) -> AsyncIterator[Lease[T]]:
+        """`async with lease.keep_alive(): ...` sends in_progress every `interval` seconds meanwhile
+        (keep it below the consumer's ack_wait: 30 s for tickets)."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.in_progress()
+                except Exception as exc:  # a lost beat only risks a redelivery; keep working
+                    log.warning("in_progress for %r failed: %s", self.value, exc)
+
+        task = asyncio.create_task(beat())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def term(self) -> None:
         """Never redeliver (poison message)."""

@@ -10,7 +10,7 @@ import random
 import pytest
 import pytest_asyncio
 
-from kuberl.runtime.bus import Bus, BusError, GroupTooLargeError, Sample, Ticket, TrajectoryGroup
+from kuberl.runtime.bus import Bus, BusError, BusFullError, GroupTooLargeError, Sample, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.messages import encode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -172,6 +172,22 @@ class TestGroups:
         finally:
             await bus.close()
 
+    async def test_a_full_stream_refuses_groups_loudly_and_takes_them_again_once_drained(self, nats_server, experiment_name):
+        bus = await Bus.connect(nats_server.url, experiment_name, max_bytes="60KB")
+        try:
+            published = 0
+            with pytest.raises(BusFullError, match="the stream is full"):
+                for i in range(100):
+                    await bus.publish_group(group(i, tokens=1500))
+                    published += 1
+            assert 0 < published < 100
+            assert (await bus.stream_info())["groups_pending"] == published
+            for lease in await bus.pull_groups(published, timeout=2):
+                await lease.ack()
+            assert await bus.publish_group(group(published, tokens=1500))
+        finally:
+            await bus.close()
+
     async def test_reset_trainer_consumer_redelivers_unacked_groups_at_once(self, bus):
         for i in range(3):
             await bus.publish_group(group(i))
@@ -287,3 +303,38 @@ class TestConnecting:
         monkeypatch.delenv("KUBERL_BUS_URL")
         with pytest.raises(BusError, match="KUBERL_BUS_URL"):
             await Bus.connect(None, experiment_name)
+
+
+class TestLeaseHelpers:
+    async def test_keep_alive_holds_a_ticket_while_work_runs(self, bus):
+        await bus.publish_tickets([ticket(0)])
+        lease = await bus.pull_ticket(timeout=2)
+        async with lease.keep_alive(interval=0.3):
+            await asyncio.sleep(2.0)  # twice the ack_wait of 1 s
+            assert await bus.pull_ticket(timeout=0.2) is None
+        await lease.ack()
+        assert (await bus.stream_info())["tickets_pending"] == 0
+
+    async def test_pull_tickets_takes_several_at_once(self, bus):
+        await bus.publish_tickets([ticket(i) for i in range(5)])
+        leases = await bus.pull_tickets(3, timeout=2)
+        assert [lease.value.index for lease in leases] == [0, 1, 2]
+
+
+class TestConsumerRecovery:
+    async def test_a_deleted_agents_consumer_is_recreated_by_the_next_pull(self, bus):
+        await bus.publish_tickets([ticket(0)])
+        assert await bus.pull_ticket(timeout=0.5) is not None
+        await bus.js.delete_consumer(bus.names.tickets_stream, "agents")
+        lease = await bus.pull_ticket(timeout=5)
+        assert lease is not None and lease.value.index == 0  # unacked, so it comes again
+
+    async def test_a_deleted_trainer_consumer_is_recreated_and_old_leases_are_void(self, bus):
+        await bus.publish_group(group(1))
+        [old] = await bus.pull_groups(1, timeout=2)
+        await bus.js.delete_consumer(bus.names.traj_stream, "trainer")
+        [new] = await bus.pull_groups(1, timeout=5)
+        await old.ack()  # void: must not remove the message
+        assert new.value.group_id == "e0-i1-1" and (await bus.stream_info())["groups_pending"] == 1
+        await new.ack()
+        assert (await bus.stream_info())["groups_pending"] == 0
