@@ -84,9 +84,10 @@ class Trainer:
         from kuberl.runtime.data import load_items
         from kuberl.runtime.models import resolve_model
 
-        self.info = D.init_distributed()
-        for note in self.cfg.notes:
-            log.info("algorithm: %s", note) if self.info.is_main else None
+        self.info = getattr(self, "info", None) or D.init_distributed()
+        if self.info.is_main:
+            for note in self.cfg.notes:
+                log.info("algorithm: %s", note)
         self.model_dir = resolve_model(self.spec.model, self.workdir)
         on_gpu = self.info.device.type == "cuda"
         # Master weights in float32; on CPU everything stays float32 (bf16 matmuls are slow or unsupported here).
@@ -120,25 +121,30 @@ class Trainer:
         return min(steps, self.max_steps) if self.max_steps is not None else steps
 
     def _resume(self) -> Path | None:
-        latest = ck.latest_checkpoint(self.ckpt_root)
-        if latest is None:
-            return None
-        state = ck.load_trainer_state(latest.path)
         main = self.info.is_main
-        model_sd = ck.read_torch(latest.path, "model.pt") if main else {}
-        optim_sd = ck.read_torch(latest.path, "optimizer.pt") if main else {}
+        # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files).
+        found = None
+        if main and (latest := ck.latest_checkpoint(self.ckpt_root)) is not None:
+            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"))
+        found = D.broadcast_object(found, self.info)
+        if found is None:
+            return None
+        path, state, sched = found
+        model_sd = ck.read_torch(path, "model.pt") if main else {}
+        optim_sd = ck.read_torch(path, "optimizer.pt") if main else {}
         D.load_full_state(self.model, self.optimizer, model_sd, optim_sd)
-        self.scheduler.load_state_dict(ck.read_torch(latest.path, "scheduler.pt"))
-        rng = latest.path / f"rng-rank{self.info.rank}.pt"
+        self.scheduler.load_state_dict(sched)
+        rng = Path(path) / f"rng-rank{self.info.rank}.pt"
         if rng.is_file():  # absent when the world size grew since the checkpoint
-            ck.restore_rng_state(ck.read_torch(latest.path, rng.name))
+            ck.restore_rng_state(ck.read_torch(path, rng.name))
         self.step, self.version = int(state["step"]), int(state["version"])
         self.dropped_stale = int(state.get("dropped_stale", 0))
         self.answered_request = state.get("answered_request")
         self.book.load_state(state["tickets"])
         self.last_checkpoint = state.get("checkpoint")
-        log.info("resumed from %s: step %d, policy version %d", latest.path, self.step, self.version) if main else None
-        return latest.path
+        if main:
+            log.info("resumed from %s: step %d, policy version %d", path, self.step, self.version)
+        return Path(path)
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -148,10 +154,13 @@ class Trainer:
         """Train until totalSteps; returns the process exit code (0 done or stopped, 1 failed, 143 SIGTERM)."""
         self.bus: TrainerBusIO | None = None
         try:
-            self.setup()
+            self.info = D.init_distributed()
             if self.info.is_main:
+                # Connect first, so that a failing set-up (model, data set, checkpoint) is reported in progress.failed.
                 self.bus = await TrainerBusIO.connect(self.bus_url, self.exp.name, token=self.bus_token)
                 self._install_sigterm()
+            self.setup()
+            if self.bus is not None:
                 await self.bus.start(resumed=self.resumed_from is not None)
             await self.stage_publish_weights()  # v0 on a fresh start; the checkpoint's version on resume
             await self.stage_report(None)
@@ -163,7 +172,8 @@ class Trainer:
             log.info("final weights sha256 %s", digest)  # every rank logs it: they must agree
             if self.stop_reason is None:
                 await self.stage_report(None, done=True)
-            log.info("training %s at step %d", "stopped (" + self.stop_reason + ")" if self.stop_reason else "done", self.step) if self.info.is_main else None
+            if self.info.is_main:
+                log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
             return 143 if self.stop_reason == "SIGTERM" else 0
         except Exception as exc:
             log.exception("trainer failed")
@@ -452,7 +462,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def _progress_base(self, done: bool = False) -> dict[str, Any]:
-        return {"step": self.step, "total_steps": getattr(self, "total_steps", None), "epoch": self.book.epoch if hasattr(self, "book") else 0,
+        return {"step": self.step, "total_steps": getattr(self, "total_steps", None), "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
                 "staleness_max": None, "dropped_stale": self.dropped_stale, "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,

@@ -303,3 +303,21 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         await bus.close()
+
+
+async def test_a_trainer_that_cannot_start_reports_why_in_progress_failed_and_exits_non_zero(tmp_path, bus_url):
+    name = "tr-fails"
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    manifest = write_manifest(tmp_path / "exp.yaml", name, empty, steps=1)
+    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
+    bus = await Bus.connect(bus_url, name)
+    try:
+        proc = start_trainer(manifest, bus_url, workdir, log)
+        code = await asyncio.to_thread(finish, proc, log, 120)
+        assert code == 1
+        progress = await bus.get_state("progress")
+        assert progress["done"] is False
+        assert "model.path" in progress["failed"] and "has no config.json" in progress["failed"], progress["failed"]
+    finally:
+        await bus.close()

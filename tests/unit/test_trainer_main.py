@@ -1,0 +1,73 @@
+"""`kuberl trainer`: arguments and environment; bad input gives exit code 2 and a message naming it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from kuberl.cli import main as cli_main
+from kuberl.runtime.trainer.main import resolve_bus_url, resolve_workdir
+
+
+def manifest(tmp_path, bus: dict | None = None):
+    doc = {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "m"},
+           "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}, "training": {"totalSteps": 1}}}
+    if bus is not None:
+        doc["spec"]["bus"] = bus
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_bus_url_comes_from_the_flag_then_the_environment_then_an_external_bus(tmp_path, monkeypatch):
+    from kuberl.api import load_experiment
+
+    exp = load_experiment(manifest(tmp_path, {"external": {"url": "nats://ext:4222"}}))
+    monkeypatch.setenv("KUBERL_BUS_URL", "nats://env:4222")
+    assert resolve_bus_url(exp, "nats://flag:4222") == "nats://flag:4222"
+    assert resolve_bus_url(exp, None) == "nats://env:4222"
+    monkeypatch.delenv("KUBERL_BUS_URL")
+    assert resolve_bus_url(exp, None) == "nats://ext:4222"
+
+
+def test_an_embedded_bus_without_a_url_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KUBERL_BUS_URL", raising=False)
+    assert cli_main(["trainer", "--config", str(manifest(tmp_path)), "--workdir", str(tmp_path)]) == 2
+    assert "bus URL: pass --bus-url, set $KUBERL_BUS_URL" in capsys.readouterr().err
+
+
+def test_a_missing_workdir_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KUBERL_WORKDIR", raising=False)
+    assert cli_main(["trainer", "--config", str(manifest(tmp_path)), "--bus-url", "nats://x:4222"]) == 2
+    assert "workdir: pass --workdir or set $KUBERL_WORKDIR" in capsys.readouterr().err
+    monkeypatch.setenv("KUBERL_WORKDIR", "/w")
+    assert resolve_workdir(None) == "/w"
+
+
+def test_an_invalid_manifest_names_the_field(tmp_path, capsys):
+    path = manifest(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"] = {"batchSize": 0}
+    path.write_text(yaml.safe_dump(doc))
+    assert cli_main(["trainer", "--config", str(path), "--bus-url", "nats://x:4222", "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.algorithm.batchSize" in err and "greater than or equal to 1" in err
+
+
+def test_a_missing_manifest_is_named(tmp_path, capsys):
+    assert cli_main(["trainer", "--config", str(tmp_path / "nope.yaml"), "--bus-url", "nats://x:4222", "--workdir", str(tmp_path)]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_torchrun_environment_is_read_and_checked(monkeypatch):
+    from kuberl.runtime.trainer import dist
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"\$RANK=3 and \$WORLD_SIZE=2"):
+        dist.init_distributed()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match=r"\$RANK: 'x' is not an integer"):
+        dist.init_distributed()
