@@ -1,0 +1,64 @@
+"""Pure builders: RLExperiment -> the Kubernetes objects that run it (plain dicts, no client, no clock).
+
+Called by the kopf handlers (O2), which adopt (owner references) and apply what these return, and by
+tests that validate it offline. `build_children` gives every child in apply order.
+"""
+
+from __future__ import annotations
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator.builders.bus import build_bus_secret, build_bus_services, build_bus_statefulset, render_nats_conf
+from kuberl.operator.builders.common import Obj, default_image
+from kuberl.operator.builders.config import build_config_map, resolved_manifest
+from kuberl.operator.builders.network import build_network_policy
+from kuberl.operator.builders.rbac import build_rbac
+from kuberl.operator.builders.rollout import build_rollout_service, build_rollout_statefulset, rollout_replicas
+from kuberl.operator.builders.storage import build_checkpoint_pvc, checkpoint_access_mode
+from kuberl.operator.builders.trainer import build_trainer_job, build_trainer_service, trainer_command
+
+__all__ = [
+    "build_bus_secret",
+    "build_bus_services",
+    "build_bus_statefulset",
+    "build_checkpoint_pvc",
+    "build_children",
+    "build_config_map",
+    "build_network_policy",
+    "build_rbac",
+    "build_rollout_service",
+    "build_rollout_statefulset",
+    "build_trainer_job",
+    "build_trainer_service",
+    "checkpoint_access_mode",
+    "default_image",
+    "render_nats_conf",
+    "resolved_manifest",
+    "rollout_replicas",
+    "trainer_command",
+]
+
+
+def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None) -> list[Obj]:
+    """Every child of `exp`, in apply order (what others depend on first).
+
+    Order: RBAC, ConfigMap, bus Secret, checkpoint PVC, bus Services, NetworkPolicy, bus StatefulSet,
+    rollout Service + StatefulSet, trainer Service + Job. The bus Secret is included only when
+    `bus_token` is given (embedded bus): the handlers generate the token once, create the Secret, and
+    never rebuild it with a new token. `rollout_replicas` is the autoscaler's choice (default: the spec).
+    """
+    children: list[Obj] = [*build_rbac(exp), build_config_map(exp)]
+    embedded = exp.spec.bus.external is None
+    if embedded and bus_token is not None:
+        children.append(build_bus_secret(exp, bus_token))
+    pvc = build_checkpoint_pvc(exp)
+    if pvc is not None:
+        children.append(pvc)
+    if embedded:
+        children += build_bus_services(exp)
+        policy = build_network_policy(exp)
+        if policy is not None:
+            children.append(policy)
+        children.append(build_bus_statefulset(exp))
+    children += [build_rollout_service(exp), build_rollout_statefulset(exp, rollout_replicas)]
+    children += [build_trainer_service(exp), build_trainer_job(exp)]
+    return children

@@ -1,0 +1,221 @@
+"""The embedded trajectory bus: NATS JetStream StatefulSet, its Services and its credentials Secret.
+
+Called by builders.build_children and the kopf handlers (O2). With spec.bus.external none of these
+objects exist; pods then reach the external URL with the user's credentials Secret.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+from kubernetes.utils.quantity import parse_quantity
+
+from kuberl.api.v1alpha1 import AcceleratorSpec, AcceleratorType, EmbeddedBusSpec, RLExperiment
+from kuberl.operator import labels as L
+from kuberl.operator import naming
+from kuberl.operator.builders.common import Obj, container_security_context, metadata, pod_security_context, stable_hash, with_spec_hash
+
+NATS_IMAGE = "nats:2.15-alpine"
+NATS_CONF_KEY = "nats.conf"
+NATS_CONF_DIR = "/etc/nats"
+JETSTREAM_DIR = "/data/jetstream"
+# JetStream may fill this share of its volume; the rest is headroom for the file system and compaction.
+JETSTREAM_STORE_SHARE = Decimal("0.9")
+# NATS clients refuse payloads above 64 MiB; the server's own hard limit.
+NATS_MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+LAME_DUCK_SECONDS = 30  # nats-server refuses less than 30 s
+PID_DIR = "/var/run/nats"
+PID_FILE = f"{PID_DIR}/nats.pid"  # the preStop hook signals lame-duck mode through it
+
+
+def _embedded(exp: RLExperiment) -> EmbeddedBusSpec:
+    if exp.spec.bus.embedded is None:
+        raise ValueError(f"{exp.namespace}/{exp.name}: spec.bus.external is set; there is no embedded bus to build")
+    return exp.spec.bus.embedded
+
+
+def _bytes(value: int | str, path: str) -> int:
+    try:
+        return int(parse_quantity(value))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {value!r} is not a Kubernetes quantity") from exc
+
+
+def _quote(text: str) -> str:
+    # NATS config strings accept JSON escapes; quoting keeps values like "12e5" or "-x" strings.
+    return json.dumps(text)
+
+
+def render_nats_conf(exp: RLExperiment, token: str) -> str:
+    """nats.conf: client port, monitoring, max_payload, token auth, JetStream storage, cluster routes (> 1 server).
+
+    The server name comes from the command line (`--name $(POD_NAME)`): NATS's `$VAR` substitution
+    parses values, and a pod name such as `12-bus-0` would not survive it.
+    """
+    bus = _embedded(exp)
+    max_payload = _bytes(exp.spec.bus.max_payload, "spec.bus.maxPayload")
+    if max_payload > NATS_MAX_PAYLOAD_LIMIT:
+        raise ValueError(f"spec.bus.maxPayload: {exp.spec.bus.max_payload!r} is above NATS's 64Mi limit")
+    store = int(_bytes(bus.storage, "spec.bus.embedded.storage") * JETSTREAM_STORE_SHARE)
+    lines = [
+        f"port: {naming.BUS_CLIENT_PORT}",
+        f"http_port: {naming.BUS_MONITOR_PORT}",
+        f"max_payload: {max_payload}",
+        f"lame_duck_duration: \"{LAME_DUCK_SECONDS}s\"",
+        f"pid_file: {_quote(PID_FILE)}",
+        "authorization {",
+        f"  token: {_quote(token)}",
+        "}",
+        "jetstream {",
+        f"  store_dir: {_quote(JETSTREAM_DIR)}",
+        f"  max_file_store: {store}",
+        "}",
+    ]
+    if bus.replicas > 1:
+        headless = naming.bus_headless_name(exp)
+        routes = [f"nats://{pod}.{headless}.{exp.namespace}.svc:{naming.BUS_CLUSTER_PORT}" for pod in naming.bus_pod_names(exp)]
+        lines += [
+            "cluster {",
+            f"  name: {_quote(exp.name)}",
+            f"  port: {naming.BUS_CLUSTER_PORT}",
+            "  routes: [",
+            *(f"    {_quote(r)}" for r in routes),
+            "  ]",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def build_bus_secret(exp: RLExperiment, token: str) -> Obj:
+    """Secret `{exp}-bus-credentials`: key `token` (clients) and `nats.conf` (the servers)."""
+    if not token or any(c.isspace() or c in "\"\\" for c in token):
+        raise ValueError("bus token must be a non-empty string without whitespace, quotes or backslashes")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(exp, naming.bus_secret_name(exp), L.Component.BUS),
+        "type": "Opaque",
+        "stringData": {"token": token, NATS_CONF_KEY: render_nats_conf(exp, token)},
+    }
+
+
+def _probe(path: str, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "monitor"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def build_bus_statefulset(exp: RLExperiment) -> Obj:
+    """NATS JetStream StatefulSet: 1, 3 or 5 servers, one PVC each, non-root, probed on /healthz."""
+    bus = _embedded(exp)
+    name = naming.bus_name(exp)
+    selector = L.selector_labels(exp, L.Role.BUS)
+    # Hash nats.conf without the token: pods roll when the server config changes, and no secret
+    # value (or a hash of it) reaches the StatefulSet.
+    conf_hash = stable_hash(render_nats_conf(exp, "redacted"))
+    container: Obj = {
+        "name": "nats",
+        "image": bus.image or NATS_IMAGE,
+        "args": ["--config", f"{NATS_CONF_DIR}/{NATS_CONF_KEY}", "--name", "$(POD_NAME)"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [
+            {"name": "client", "containerPort": naming.BUS_CLIENT_PORT},
+            {"name": "cluster", "containerPort": naming.BUS_CLUSTER_PORT},
+            {"name": "monitor", "containerPort": naming.BUS_MONITOR_PORT},
+        ],
+        "volumeMounts": [
+            {"name": "config", "mountPath": NATS_CONF_DIR, "readOnly": True},
+            {"name": "data", "mountPath": "/data"},
+            {"name": "pid", "mountPath": PID_DIR},
+        ],
+        # JetStream may take a while to recover its streams after a restart: startup gives it 5 min.
+        "startupProbe": _probe("/healthz", 5, 60),
+        "livenessProbe": _probe("/healthz?js-enabled-only=true", 30, 3),
+        "readinessProbe": _probe("/healthz?js-enabled-only=true", 10, 3),
+        # Lame-duck mode moves clients to the other servers before this one stops.
+        "lifecycle": {"preStop": {"exec": {"command": ["nats-server", f"-sl=ldm={PID_FILE}"]}}},
+        "securityContext": {**container_security_context(), "readOnlyRootFilesystem": True},
+    }
+    resources = {part: {k: str(v) for k, v in getattr(bus.resources, part).items()} for part in ("requests", "limits")}
+    resources = {k: v for k, v in resources.items() if v}
+    if resources:
+        container["resources"] = resources
+    pvc_spec: Obj = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(bus.storage)}}}
+    if bus.storage_class_name:
+        pvc_spec["storageClassName"] = bus.storage_class_name
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(exp, name, L.Component.BUS),
+        "spec": {
+            "replicas": 0 if exp.spec.suspend else bus.replicas,
+            "serviceName": naming.bus_headless_name(exp),
+            # All servers start together: a JetStream cluster needs a quorum before any is healthy.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            # Deleting the experiment deletes the JetStream volumes; suspending (scale to 0) keeps them.
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+            "template": {
+                "metadata": {
+                    "labels": L.child_labels(exp, L.Component.BUS),
+                    "annotations": {L.BUS_CONFIG_HASH_ANNOTATION: conf_hash, L.DEFAULT_CONTAINER_ANNOTATION: "nats"},
+                },
+                "spec": {
+                    "serviceAccountName": naming.service_account_name(exp),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": LAME_DUCK_SECONDS + 30,
+                    "securityContext": pod_security_context(AcceleratorSpec(type=AcceleratorType.CPU, count=0)),
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "config",
+                            "secret": {"secretName": naming.bus_secret_name(exp), "items": [{"key": NATS_CONF_KEY, "path": NATS_CONF_KEY}]},
+                        },
+                        {"name": "pid", "emptyDir": {}},
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [
+                {"metadata": {"name": "data", "labels": L.child_labels(exp, L.Component.BUS)}, "spec": pvc_spec}
+            ],
+        },
+    }
+    return with_spec_hash(sts)
+
+
+def build_bus_services(exp: RLExperiment) -> list[Obj]:
+    """Client Service `{exp}-bus` (4222) and headless `{exp}-bus-headless` (per-pod DNS for routes)."""
+    _embedded(exp)
+    selector = L.selector_labels(exp, L.Role.BUS)
+    client = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(exp, naming.bus_name(exp), L.Component.BUS),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "client", "port": naming.BUS_CLIENT_PORT, "targetPort": "client", "protocol": "TCP"}],
+        },
+    }
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(exp, naming.bus_headless_name(exp), L.Component.BUS),
+        "spec": {
+            "clusterIP": "None",
+            # Routes must resolve before the servers are ready: they become ready only once clustered.
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {"name": "client", "port": naming.BUS_CLIENT_PORT, "targetPort": "client", "protocol": "TCP"},
+                {"name": "cluster", "port": naming.BUS_CLUSTER_PORT, "targetPort": "cluster", "protocol": "TCP"},
+                {"name": "monitor", "port": naming.BUS_MONITOR_PORT, "targetPort": "monitor", "protocol": "TCP"},
+            ],
+        },
+    }
+    return [with_spec_hash(client), with_spec_hash(headless)]

@@ -1,0 +1,187 @@
+"""Pieces shared by the child builders: metadata, hashes, images, env, volumes, security, scheduling.
+
+Pure helpers for kuberl.operator.builders.* only; nothing here talks to the API or reads the environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import kuberl
+from kuberl.api.v1alpha1 import ACCELERATOR_RESOURCE, AcceleratorSpec, AcceleratorType, RLExperiment, SchedulingSpec
+from kuberl.operator import labels as L
+from kuberl.operator import naming
+
+CONFIG_MOUNT_DIR = "/etc/kuberl"
+CONFIG_KEY = "experiment.yaml"
+CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
+WORKDIR = "/checkpoints"  # KUBERL_WORKDIR in every runtime pod (contracts.md)
+CACHE_DIR = "/cache"  # HOME and caches (HF, vLLM, torch) on an emptyDir: the image may not own a home
+MODELS_DIR = "/models"  # spec.model.volume is mounted at /models/<claim>
+DATASETS_DIR = "/datasets"  # spec.dataset.volume is mounted at /datasets/<claim>
+IMAGE_REPOSITORY = "ghcr.io/kuberl"
+RUNTIME_UID = 1000  # the runtime images run as this user (images/ Dockerfiles)
+
+Obj = dict[str, Any]
+
+
+def stable_hash(value: Any) -> str:
+    """16 hex chars of sha256 over canonical JSON: equal inputs, equal hash, on every machine."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def metadata(exp: RLExperiment, name: str, component: L.Component) -> Obj:
+    return {"name": name, "namespace": exp.namespace, "labels": L.child_labels(exp, component)}
+
+
+def with_spec_hash(obj: Obj) -> Obj:
+    """Stamp kuberl.io/spec-hash = hash of the object without that annotation."""
+    obj = copy.deepcopy(obj)
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations.pop(L.SPEC_HASH_ANNOTATION, None)
+    annotations[L.SPEC_HASH_ANNOTATION] = stable_hash(obj)
+    return obj
+
+
+# --- images -----------------------------------------------------------------------------------
+def default_image(engine: str, accelerator: AcceleratorType | str) -> str:
+    """The KubeRL runtime image for an engine and accelerator: runtime-npu (ascend), runtime-cpu (cpu),
+    else runtime-<engine>. Tagged with the operator's own version so pods match the operator."""
+    accel = AcceleratorType(accelerator)
+    flavour = {AcceleratorType.ASCEND: "npu", AcceleratorType.CPU: "cpu"}.get(accel, str(engine))
+    return f"{IMAGE_REPOSITORY}/runtime-{flavour}:{kuberl.__version__}"
+
+
+def image_of(exp: RLExperiment, sched: SchedulingSpec, accelerator: AcceleratorSpec) -> str:
+    return sched.image or default_image(exp.spec.rollout.engine, accelerator.type)
+
+
+# --- resources --------------------------------------------------------------------------------
+def container_resources(sched: SchedulingSpec, accelerator: AcceleratorSpec) -> Obj:
+    """The spec's requests/limits plus accelerators, requests == limits (extended resources demand it)."""
+    requests = {k: str(v) for k, v in sched.resources.requests.items()}
+    limits = {k: str(v) for k, v in sched.resources.limits.items()}
+    resource = accelerator_resource(accelerator)
+    if resource:
+        requests[resource] = limits[resource] = str(accelerator.count)
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def accelerator_resource(accelerator: AcceleratorSpec) -> str | None:
+    """Extended resource name the pod asks for, or None (cpu, or a count of 0)."""
+    if accelerator.type == AcceleratorType.CPU or accelerator.count == 0:
+        return None
+    return ACCELERATOR_RESOURCE[AcceleratorType(accelerator.type)]
+
+
+# --- env --------------------------------------------------------------------------------------
+def secret_env(name: str, secret: str, key: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def bus_env(exp: RLExperiment) -> list[Obj]:
+    """KUBERL_BUS_URL and KUBERL_BUS_TOKEN (from the embedded bus Secret or external credentialsSecret)."""
+    env: list[Obj] = [{"name": "KUBERL_BUS_URL", "value": naming.bus_url(exp)}]
+    external = exp.spec.bus.external
+    if external is None:
+        env.append(secret_env("KUBERL_BUS_TOKEN", naming.bus_secret_name(exp), "token"))
+    elif external.credentials_secret is not None:
+        ref = external.credentials_secret
+        env.append(secret_env("KUBERL_BUS_TOKEN", ref.name, ref.key))
+    return env
+
+
+def runtime_env(exp: RLExperiment) -> list[Obj]:
+    """Env of every runtime container: bus, workdir, caches, hub token where set."""
+    env = bus_env(exp) + [
+        {"name": "KUBERL_WORKDIR", "value": WORKDIR},
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    hub = exp.spec.model.hub_token_secret
+    if hub is not None:
+        env.append(secret_env("HF_TOKEN", hub.name, hub.key))
+    return env
+
+
+# --- volumes ----------------------------------------------------------------------------------
+def config_volume(exp: RLExperiment) -> Obj:
+    return {"name": "config", "configMap": {"name": naming.config_map_name(exp)}}
+
+
+def config_mount() -> Obj:
+    return {"name": "config", "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}
+
+
+def shm_volume() -> Obj:
+    # NCCL, torch DataLoader workers and vLLM use /dev/shm; the container default is 64 MiB.
+    return {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+
+
+def shm_mount() -> Obj:
+    return {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def cache_volume() -> Obj:
+    return {"name": "cache", "emptyDir": {}}
+
+
+def cache_mount() -> Obj:
+    return {"name": "cache", "mountPath": CACHE_DIR}
+
+
+def data_volumes(exp: RLExperiment) -> tuple[list[Obj], list[Obj]]:
+    """Volumes and read-only mounts for spec.model.volume and spec.dataset.volume (at /models|/datasets/<claim>)."""
+    volumes: list[Obj] = []
+    mounts: list[Obj] = []
+    for vol_name, ref, root in (("model", exp.spec.model.volume, MODELS_DIR), ("dataset", exp.spec.dataset.volume, DATASETS_DIR)):
+        if ref is None:
+            continue
+        volumes.append({"name": vol_name, "persistentVolumeClaim": {"claimName": ref.claim_name, "readOnly": True}})
+        mount: Obj = {"name": vol_name, "mountPath": f"{root}/{ref.claim_name}", "readOnly": True}
+        if ref.sub_path:
+            mount["subPath"] = ref.sub_path
+        mounts.append(mount)
+    return volumes, mounts
+
+
+# --- security ---------------------------------------------------------------------------------
+def pod_security_context(accelerator: AcceleratorSpec) -> Obj:
+    """Non-root with a fixed uid/gid (and fsGroup so volumes are writable); Ascend driver files belong to
+    root and HwHiAiUser, so NPU pods keep the image's user."""
+    ctx: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if accelerator.type != AcceleratorType.ASCEND:
+        ctx.update(runAsNonRoot=True, runAsUser=RUNTIME_UID, runAsGroup=RUNTIME_UID, fsGroup=RUNTIME_UID)
+    return ctx
+
+
+def container_security_context() -> Obj:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+# --- scheduling -------------------------------------------------------------------------------
+def scheduling_fields(sched: SchedulingSpec) -> Obj:
+    """nodeSelector, tolerations, affinity, priorityClassName, as set in the spec."""
+    out: Obj = {}
+    if sched.node_selector:
+        out["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        out["tolerations"] = copy.deepcopy(sched.tolerations)
+    if sched.affinity:
+        out["affinity"] = copy.deepcopy(sched.affinity)
+    if sched.priority_class_name:
+        out["priorityClassName"] = sched.priority_class_name
+    return out
+
+
+def pull_policy(sched: SchedulingSpec) -> Obj:
+    return {"imagePullPolicy": sched.image_pull_policy} if sched.image_pull_policy else {}

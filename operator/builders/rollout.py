@@ -1,0 +1,157 @@
+"""The rollout StatefulSet (engine + rollout-agent pods) and its headless Service.
+
+Called by builders.build_children and by the kopf handlers (O2), which pass the autoscaler's replica
+count. Commands, env and paths follow docs/design/contracts.md.
+"""
+
+from __future__ import annotations
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator import labels as L
+from kuberl.operator import naming
+from kuberl.operator.builders.common import (
+    CONFIG_PATH,
+    WORKDIR,
+    Obj,
+    cache_mount,
+    cache_volume,
+    config_mount,
+    config_volume,
+    container_resources,
+    container_security_context,
+    data_volumes,
+    image_of,
+    metadata,
+    pod_security_context,
+    pull_policy,
+    runtime_env,
+    scheduling_fields,
+    shm_mount,
+    shm_volume,
+    with_spec_hash,
+)
+from kuberl.operator.builders.config import config_hash
+
+ENGINE_CONTAINER = "engine"
+AGENT_CONTAINER = "rollout-agent"
+# The agent tokenizes, scores rewards and talks to the bus: light next to the engine.
+AGENT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
+# Loading a large model (download + weights + CUDA graphs) can take many minutes: 30 min before a restart.
+ENGINE_STARTUP_SECONDS = 1800
+
+
+def rollout_replicas(exp: RLExperiment, replicas: int | None = None) -> int:
+    """Replicas the StatefulSet gets: 0 when suspended, else the autoscaler's choice, else spec.rollout.replicas."""
+    if exp.spec.suspend:
+        return 0
+    if replicas is None:
+        return exp.spec.rollout.replicas
+    if replicas < 0:
+        raise ValueError(f"rollout replicas must be >= 0, got {replicas}")
+    return replicas
+
+
+def _workdir_volume(exp: RLExperiment) -> Obj:
+    """disk sync: the checkpoint PVC (the trainer writes weights there, engines read them).
+    bus sync: a pod-local emptyDir where the agent puts downloaded weights for its engine."""
+    if exp.spec.weight_sync.mode == "disk":
+        return {"name": "workdir", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp), "readOnly": True}}
+    return {"name": "workdir", "emptyDir": {}}
+
+
+def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) -> Obj:
+    """StatefulSet `{exp}-rollout`; `replicas` (the autoscaler's choice) overrides spec.rollout.replicas."""
+    spec = exp.spec.rollout
+    name = naming.rollout_name(exp)
+    image = image_of(exp, spec, spec.accelerator)
+    env = runtime_env(exp)
+    data_vols, data_mounts = data_volumes(exp)
+    disk_sync = exp.spec.weight_sync.mode == "disk"
+    health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    engine: Obj = {
+        "name": ENGINE_CONTAINER,
+        "image": image,
+        **pull_policy(spec),
+        "command": ["kuberl", "engine", "--config", CONFIG_PATH, "--port", str(naming.ENGINE_PORT)],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": ENGINE_STARTUP_SECONDS // 10},
+        "readinessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 5},
+        "resources": container_resources(spec, spec.accelerator),
+        "volumeMounts": [
+            config_mount(),
+            shm_mount(),
+            cache_mount(),
+            # The engine reads new weights from the workdir; it never writes there.
+            {"name": "workdir", "mountPath": WORKDIR, "readOnly": True},
+            *data_mounts,
+        ],
+        "securityContext": container_security_context(),
+    }
+    agent: Obj = {
+        "name": AGENT_CONTAINER,
+        "image": image,
+        **pull_policy(spec),
+        "command": ["kuberl", "rollout", "--config", CONFIG_PATH],
+        "env": [
+            *env,
+            {"name": "KUBERL_ENGINE_URL", "value": f"http://127.0.0.1:{naming.ENGINE_PORT}"},
+            {"name": "KUBERL_AGENT_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "resources": AGENT_RESOURCES,
+        "volumeMounts": [
+            config_mount(),
+            cache_mount(),
+            # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
+            {"name": "workdir", "mountPath": WORKDIR, "readOnly": disk_sync},
+            *data_mounts,
+        ],
+        "securityContext": container_security_context(),
+    }
+    if not engine["resources"]:
+        del engine["resources"]
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(exp, name, L.Component.ROLLOUT),
+        "spec": {
+            "replicas": rollout_replicas(exp, replicas),
+            "serviceName": name,
+            # Replicas are interchangeable; start and stop them all at once when scaling.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": L.selector_labels(exp, L.Role.ROLLOUT)},
+            "template": {
+                "metadata": {
+                    "labels": L.child_labels(exp, L.Component.ROLLOUT),
+                    "annotations": {L.CONFIG_HASH_ANNOTATION: config_hash(exp), L.DEFAULT_CONTAINER_ANNOTATION: AGENT_CONTAINER},
+                },
+                "spec": {
+                    "serviceAccountName": naming.service_account_name(exp),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security_context(spec.accelerator),
+                    **scheduling_fields(spec),
+                    "containers": [engine, agent],
+                    "volumes": [config_volume(exp), shm_volume(), cache_volume(), _workdir_volume(exp), *data_vols],
+                },
+            },
+        },
+    }
+    return with_spec_hash(sts)
+
+
+def build_rollout_service(exp: RLExperiment) -> Obj:
+    """Headless Service `{exp}-rollout`: stable DNS for each engine pod (the StatefulSet's serviceName)."""
+    return with_spec_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata(exp, naming.rollout_name(exp), L.Component.ROLLOUT),
+            "spec": {
+                "clusterIP": "None",
+                "selector": L.selector_labels(exp, L.Role.ROLLOUT),
+                "ports": [{"name": "http", "port": naming.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )

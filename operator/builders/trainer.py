@@ -1,0 +1,144 @@
+"""The trainer: an indexed Job (one pod per node, torchrun with static rendezvous) and its headless Service.
+
+Called by builders.build_children and the kopf handlers (O2).
+
+Restarts: the Job has backoffLimit 0 and restartPolicy Never. With static rendezvous a failed rank
+leaves the others hanging, so retrying one pod (what the Job controller would do) cannot recover;
+instead the operator re-creates the whole Job after failurePolicy.backoffSeconds (doubling), up to
+failurePolicy.maxRestarts times, and the trainer resumes from the last checkpoint.
+Suspension: spec.suspend sets the Job's own `spec.suspend`, which stops its pods and keeps the Job.
+"""
+
+from __future__ import annotations
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator import labels as L
+from kuberl.operator import naming
+from kuberl.operator.builders.common import (
+    CONFIG_PATH,
+    WORKDIR,
+    Obj,
+    cache_mount,
+    cache_volume,
+    config_mount,
+    config_volume,
+    container_resources,
+    container_security_context,
+    data_volumes,
+    image_of,
+    metadata,
+    pod_security_context,
+    pull_policy,
+    runtime_env,
+    scheduling_fields,
+    shm_mount,
+    shm_volume,
+    with_spec_hash,
+)
+from kuberl.operator.builders.config import config_hash
+
+TRAINER_CONTAINER = "trainer"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+
+
+def trainer_command(exp: RLExperiment) -> list[str]:
+    """The torchrun command of contracts.md; the node rank comes from the Job completion index."""
+    t = exp.spec.trainer
+    return [
+        "torchrun",
+        "--nnodes", str(t.nodes),
+        "--nproc-per-node", str(max(t.accelerator.count, 1)),
+        "--node-rank", "$(JOB_COMPLETION_INDEX)",
+        "--rdzv-backend", "static",
+        "--master-addr", naming.trainer_master_address(exp),
+        "--master-port", str(naming.TRAINER_MASTER_PORT),
+        "--no-python",
+        "kuberl", "trainer", "--config", CONFIG_PATH,
+    ]  # fmt: skip
+
+
+def build_trainer_job(exp: RLExperiment) -> Obj:
+    """Indexed Job `{exp}-trainer`: completions = parallelism = trainer.nodes, suspended with the experiment."""
+    t = exp.spec.trainer
+    name = naming.trainer_name(exp)
+    data_vols, data_mounts = data_volumes(exp)
+    container: Obj = {
+        "name": TRAINER_CONTAINER,
+        "image": image_of(exp, t, t.accelerator),
+        **pull_policy(t),
+        "command": trainer_command(exp),
+        "env": [
+            # Declared here (the Job controller adds it too) so $(JOB_COMPLETION_INDEX) in the command
+            # expands from a variable the pod spec itself names.
+            {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
+            *runtime_env(exp),
+        ],
+        "ports": [{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"}],
+        "volumeMounts": [
+            config_mount(),
+            shm_mount(),
+            cache_mount(),
+            {"name": "checkpoints", "mountPath": WORKDIR},
+            *data_mounts,
+        ],
+        "securityContext": container_security_context(),
+    }
+    resources = container_resources(t, t.accelerator)
+    if resources:
+        container["resources"] = resources
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata(exp, name, L.Component.TRAINER),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": t.nodes,
+            "parallelism": t.nodes,
+            "backoffLimit": 0,  # the operator restarts the whole Job (module docstring)
+            "suspend": exp.spec.suspend,
+            # Job pods get their own label selector from the Job controller.
+            "template": {
+                "metadata": {
+                    "labels": L.child_labels(exp, L.Component.TRAINER),
+                    "annotations": {L.CONFIG_HASH_ANNOTATION: config_hash(exp), L.DEFAULT_CONTAINER_ANNOTATION: TRAINER_CONTAINER},
+                },
+                "spec": {
+                    "restartPolicy": "Never",
+                    # Pod DNS `{job}-{index}.{service}`: rank 0 is the torchrun master.
+                    "subdomain": naming.trainer_name(exp),
+                    "serviceAccountName": naming.service_account_name(exp),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security_context(t.accelerator),
+                    **scheduling_fields(t),
+                    "containers": [container],
+                    "volumes": [
+                        config_volume(exp),
+                        shm_volume(),
+                        cache_volume(),
+                        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp)}},
+                        *data_vols,
+                    ],
+                },
+            },
+        },
+    }
+    return with_spec_hash(job)
+
+
+def build_trainer_service(exp: RLExperiment) -> Obj:
+    """Headless Service `{exp}-trainer` for torchrun rendezvous; lists pods before they are ready."""
+    return with_spec_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata(exp, naming.trainer_name(exp), L.Component.TRAINER),
+            "spec": {
+                "clusterIP": "None",
+                # The master must resolve while every rank is still starting (none is ready yet).
+                "publishNotReadyAddresses": True,
+                "selector": L.selector_labels(exp, L.Role.TRAINER),
+                "ports": [{"name": "rendezvous", "port": naming.TRAINER_MASTER_PORT, "targetPort": "rendezvous", "protocol": "TCP"}],
+            },
+        }
+    )

@@ -1,0 +1,155 @@
+"""Label and annotation keys, roles, condition reasons and event reasons: documented constants (KubeRay constant.go).
+
+The builders stamp these labels on every child; the kopf handlers (O2) select children with
+`selector_labels` and emit events with `EventReason`; status.py sets conditions with `Reason`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from kuberl.operator.naming import ExperimentRef, experiment_name
+
+# --- label keys -------------------------------------------------------------------------------
+# kuberl.io/experiment: name of the owning RLExperiment. On every child; pods of one experiment are
+# found (and admitted by the bus NetworkPolicy) by this label alone.
+EXPERIMENT_LABEL = "kuberl.io/experiment"
+# kuberl.io/role: bus | rollout | trainer, on pods and the objects that select them.
+ROLE_LABEL = "kuberl.io/role"
+# Recommended labels (kubernetes.io/docs/concepts/overview/working-with-objects/common-labels).
+APP_NAME_LABEL = "app.kubernetes.io/name"
+APP_INSTANCE_LABEL = "app.kubernetes.io/instance"
+APP_COMPONENT_LABEL = "app.kubernetes.io/component"
+APP_MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+APP_PART_OF_LABEL = "app.kubernetes.io/part-of"
+
+APP_NAME = "kuberl"
+MANAGED_BY = "kuberl-operator"
+PART_OF = "kuberl"
+
+# Labels the operator's own pods carry (the Helm chart must set them): the bus NetworkPolicy admits
+# them so the operator can read training progress from the bus KV.
+OPERATOR_POD_LABELS = {APP_NAME_LABEL: APP_NAME, APP_COMPONENT_LABEL: "operator"}
+
+# --- annotation keys --------------------------------------------------------------------------
+# kuberl.io/spec-hash: sha256 (16 hex) of the child as built, without this annotation. The handlers
+# compare it with the live object's to tell whether a child needs an update (or, for the trainer Job
+# whose pod template is immutable, a re-creation) without diffing server-defaulted fields.
+SPEC_HASH_ANNOTATION = "kuberl.io/spec-hash"
+# kuberl.io/config-hash: on pod templates; hash of experiment.yaml so a config change rolls the pods
+# that read it (ConfigMap mounts update in place, the processes would not notice).
+CONFIG_HASH_ANNOTATION = "kuberl.io/config-hash"
+# kuberl.io/bus-config-hash: on the NATS pod template; hash of nats.conf (which holds no secret).
+BUS_CONFIG_HASH_ANNOTATION = "kuberl.io/bus-config-hash"
+# Ask kubectl to open this container by default in `kubectl logs/exec`.
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
+
+
+class Role(StrEnum):
+    """Value of kuberl.io/role: which part of the experiment a pod (or the object selecting it) serves."""
+
+    BUS = "bus"  # NATS JetStream servers
+    ROLLOUT = "rollout"  # inference engine + rollout agent pods
+    TRAINER = "trainer"  # torchrun trainer pods
+
+
+class Component(StrEnum):
+    """Value of app.kubernetes.io/component: the roles, plus the children that are not pods."""
+
+    BUS = "bus"
+    ROLLOUT = "rollout"
+    TRAINER = "trainer"
+    CONFIG = "config"  # the experiment ConfigMap
+    STORAGE = "storage"  # the checkpoint PVC
+    RBAC = "rbac"  # ServiceAccount, Role, RoleBinding
+    NETWORK = "network"  # NetworkPolicy
+
+
+def selector_labels(exp: ExperimentRef, role: Role | str) -> dict[str, str]:
+    """The immutable selector of a role's pods (StatefulSet/Service selectors): experiment + role."""
+    return {EXPERIMENT_LABEL: experiment_name(exp), ROLE_LABEL: str(Role(role))}
+
+
+def selector_string(exp: ExperimentRef, role: Role | str) -> str:
+    """`selector_labels` as a label-selector string (status.selector for the /scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(exp, role).items())
+
+
+def experiment_labels(exp: ExperimentRef) -> dict[str, str]:
+    """Selects every child of one experiment."""
+    return {EXPERIMENT_LABEL: experiment_name(exp)}
+
+
+def child_labels(exp: ExperimentRef, component: Component | str) -> dict[str, str]:
+    """All labels of a child: recommended app.kubernetes.io/* plus kuberl.io/experiment (and role for pods)."""
+    component = Component(component)
+    labels = {
+        APP_NAME_LABEL: APP_NAME,
+        APP_INSTANCE_LABEL: experiment_name(exp),
+        APP_COMPONENT_LABEL: str(component),
+        APP_MANAGED_BY_LABEL: MANAGED_BY,
+        APP_PART_OF_LABEL: PART_OF,
+        EXPERIMENT_LABEL: experiment_name(exp),
+    }
+    if component.value in {r.value for r in Role}:
+        labels[ROLE_LABEL] = component.value
+    return labels
+
+
+# --- condition reasons (metav1.Condition.reason, CamelCase) -----------------------------------
+class Reason(StrEnum):
+    """Why a condition has its status. Condition types and phases live in kuberl.api.v1alpha1."""
+
+    # Validated
+    SPEC_VALID = "SpecValid"  # the spec passed the models' checks
+    VALIDATION_FAILED = "ValidationFailed"  # the spec cannot run; the message names the field
+    # Waiting for something the user must provide (Ready=False, Progressing=False)
+    SECRET_NOT_FOUND = "SecretNotFound"  # hub token or external bus credentials Secret (or its key) is missing
+    CLAIM_NOT_FOUND = "ClaimNotFound"  # checkpoint.existingClaim / model or dataset volume PVC is missing
+    IMAGE_PULL_FAILED = "ImagePullFailed"  # a pod cannot pull its image (ErrImagePull, ImagePullBackOff, InvalidImageName)
+    INSUFFICIENT_ACCELERATORS = "InsufficientAccelerators"  # a pod asks for more accelerators than any node has
+    UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a pod (message from PodScheduled)
+    CONTAINER_CONFIG_ERROR = "ContainerConfigError"  # kubelet CreateContainerConfigError (e.g. a Secret key missing)
+    # Lifecycle
+    CREATING = "Creating"  # children are being created
+    WAITING_FOR_BUS = "WaitingForBus"  # NATS servers not ready yet
+    WAITING_FOR_ROLLOUT = "WaitingForRollout"  # no inference replica ready yet
+    WAITING_FOR_TRAINER = "WaitingForTrainer"  # trainer pods not running yet
+    TRAINING = "Training"  # all roles up, the trainer reports progress
+    ALL_REPLICAS_READY = "AllReplicasReady"  # Degraded=False: every role at its desired count
+    REPLICAS_NOT_READY = "ReplicasNotReady"  # Degraded=True: fewer rollout or bus pods ready than desired
+    CRASH_LOOP = "CrashLoopBackOff"  # Degraded=True: a container keeps crashing
+    TRAINER_RESTARTING = "TrainerRestarting"  # the trainer failed; the operator restarts it from the last checkpoint
+    SUSPENDED = "Suspended"  # spec.suspend is true and the pods are gone
+    SUSPENDING = "Suspending"  # spec.suspend is true, pods still stopping
+    NOT_SUSPENDED = "NotSuspended"
+    TRAINING_COMPLETE = "TrainingComplete"  # the trainer finished every step
+    NOT_COMPLETE = "NotComplete"
+    TRAINER_FAILED = "TrainerFailed"  # the trainer reported a failure or its Job failed for good
+    MAX_RESTARTS_EXCEEDED = "MaxRestartsExceeded"  # failurePolicy.maxRestarts trainer restarts used up
+    NO_FAILURE = "NoFailure"
+
+
+# --- event reasons (core/v1 Event.reason) ------------------------------------------------------
+class EventReason(StrEnum):
+    """Reasons of the Events the operator emits on an RLExperiment."""
+
+    CREATED = "Created"  # a child was created
+    UPDATED = "Updated"  # a child was changed to match the spec
+    RECREATED = "Recreated"  # a child with immutable fields (trainer Job) was replaced
+    SCALED_UP = "ScaledUp"  # the autoscaler added rollout replicas (message: why)
+    SCALED_DOWN = "ScaledDown"  # the autoscaler removed rollout replicas (message: why)
+    CHECKPOINT_REQUESTED = "CheckpointRequested"  # asked the trainer for a checkpoint (before suspending)
+    CHECKPOINT_SAVED = "CheckpointSaved"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    TRAINER_RESTARTED = "TrainerRestarted"  # the trainer Job was re-created after a failure
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    # Unrunnable specs: the same words as the condition reasons, so events and conditions match.
+    VALIDATION_FAILED = Reason.VALIDATION_FAILED.value
+    SECRET_NOT_FOUND = Reason.SECRET_NOT_FOUND.value
+    CLAIM_NOT_FOUND = Reason.CLAIM_NOT_FOUND.value
+    IMAGE_PULL_FAILED = Reason.IMAGE_PULL_FAILED.value
+    INSUFFICIENT_ACCELERATORS = Reason.INSUFFICIENT_ACCELERATORS.value
+    UNSCHEDULABLE = Reason.UNSCHEDULABLE.value
