@@ -27,6 +27,7 @@ from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
+from kuberl.runtime.bus.topology import Topology
 from kuberl.runtime.bus.messages import MessageError, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, split_chunks
 from kuberl.runtime.bus.names import (
     AGENTS_CONSUMER, H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID, H_SIZE, KV_KEY, TRAINER_CONSUMER, BusNames,
@@ -39,9 +40,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEADER_ROOM = 4096  # bytes kept free under max_payload for headers and the protocol line
-DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
-DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
-DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
 # Transient conditions while the server restarts or the client reconnects: publishes are retried
 # (safe, the msg id dedupes) until publish_timeout.
 _TRANSIENT = (
@@ -52,7 +50,7 @@ _TRANSIENT = (
 _FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
 
 
-class Bus:
+class Bus(Topology):
     """A connection to one experiment's bus objects. Create with `await Bus.connect(...)`."""
 
     def __init__(self, nc: NATS, names: BusNames, *, max_payload: int, ticket_ack_wait: float | None,
@@ -126,88 +124,6 @@ class Bus:
         except BaseException:
             await nc.close()
             raise
-
-    async def _check_jetstream(self) -> None:
-        try:
-            await self.js.account_info()
-        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
-            raise BusError(f"the NATS server at {self.url} has no JetStream ({type(exc).__name__}): "
-                           "start nats-server with -js (or `jetstream {}` in its config)") from None
-
-    def _stream_config(self, which: str) -> api.StreamConfig:
-        n = self.names
-        common = dict(retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE,
-                      discard=api.DiscardPolicy.NEW, duplicate_window=DUPLICATE_WINDOW, num_replicas=1)
-        if which == "tickets":
-            return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
-        return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
-                                max_bytes=self.max_bytes or -1, **common)
-
-    def _consumer_config(self, name: str) -> tuple[str, api.ConsumerConfig]:
-        n = self.names
-        base = dict(ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
-                    max_deliver=-1, max_ack_pending=-1, name=name, durable_name=name)
-        if name == AGENTS_CONSUMER:
-            return n.tickets_stream, api.ConsumerConfig(
-                ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)
-        # No filter: the trainer reads groups and their chunks in stream order.
-        return n.traj_stream, api.ConsumerConfig(ack_wait=self.group_ack_wait or DEFAULT_GROUP_ACK_WAIT, **base)
-
-    async def _create(self) -> None:
-        for which, explicit in (("tickets", False), ("traj", self.max_bytes is not None)):
-            cfg = self._stream_config(which)
-            try:
-                info = await self.js.stream_info(cfg.name)
-            except nats.js.errors.NotFoundError:
-                try:
-                    info = await self.js.add_stream(cfg)
-                except nats.js.errors.BadRequestError:  # created meanwhile by another role
-                    info = await self.js.stream_info(cfg.name)
-            else:
-                if explicit and info.config.max_bytes != cfg.max_bytes:
-                    try:
-                        info = await self.js.update_stream(cfg)
-                    except nats.js.errors.APIError as exc:
-                        raise BusError(f"cannot resize stream {cfg.name}: {exc.description}") from None
-            if which == "traj" and (info.config.max_bytes or -1) > 0:
-                self.max_bytes = info.config.max_bytes
-        for name, explicit in ((AGENTS_CONSUMER, self.ticket_ack_wait), (TRAINER_CONSUMER, self.group_ack_wait)):
-            stream, cfg = self._consumer_config(name)
-            try:
-                info = await self.js.consumer_info(stream, name)
-            except nats.js.errors.NotFoundError:
-                await self._add_consumer(stream, cfg)
-            else:
-                if explicit is not None and abs((info.config.ack_wait or 0) - explicit) > 1e-3:
-                    await self._add_consumer(stream, cfg)  # create-or-update: ack_wait may change
-                elif name == TRAINER_CONSUMER:
-                    self.group_ack_wait = info.config.ack_wait  # keep it across reset_trainer_consumer
-        self._kv = await self.js.create_key_value(bucket=self.names.kv_bucket, history=1, storage=api.StorageType.FILE)
-        self._obj = await self.js.create_object_store(bucket=self.names.weights_bucket, storage=api.StorageType.FILE)
-
-    async def _add_consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
-        try:
-            await self.js.add_consumer(stream, cfg)
-        except nats.js.errors.APIError as exc:
-            raise BusError(f"cannot create consumer {cfg.name} on {stream}: {exc.description}") from None
-
-    async def _bind(self) -> None:
-        n = self.names
-        try:
-            for which in ("tickets", "traj"):
-                info = await self.js.stream_info(self._stream_config(which).name)
-                if which == "traj" and (info.config.max_bytes or -1) > 0:
-                    self.max_bytes = info.config.max_bytes
-            for name in (AGENTS_CONSUMER, TRAINER_CONSUMER):
-                stream, _ = self._consumer_config(name)
-                info = await self.js.consumer_info(stream, name)
-                if name == TRAINER_CONSUMER and self.group_ack_wait is None:
-                    self.group_ack_wait = info.config.ack_wait
-            self._kv = await self.js.key_value(n.kv_bucket)
-            self._obj = await self.js.object_store(n.weights_bucket)
-        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
-            raise BusError(f"the bus objects of experiment {n.experiment!r} do not exist on {self.url} "
-                           "(streams, consumers, KV bucket): start the trainer first, or connect with create=True") from None
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -326,7 +242,7 @@ class Bus:
             return  # not reachable now: the next pull tries again
         if not self._may_create:
             raise BusError(f"consumer {consumer!r} of experiment {self.names.experiment!r} no longer exists on {self.url}")
-        await self._add_consumer(stream, cfg)
+        await self._create()  # idempotent: re-creates whatever is missing (the stream too, after a reset)
         if consumer == TRAINER_CONSUMER:  # a new consumer redelivers everything unacked
             self._trainer_generation += 1
             self._assembler = ChunkAssembler()
@@ -431,6 +347,35 @@ class Bus:
             await self._add_consumer(stream, cfg)
             self._trainer_generation += 1
             self._assembler = ChunkAssembler()
+
+    async def reset_experiment(self) -> None:
+        """Delete and re-create every bus object of the experiment: for a fresh start (no checkpoint).
+
+        Needed because ticket ids repeat across runs and the streams deduplicate them for an hour.
+        Agents re-bind by themselves; call it before they start watching state.
+        """
+        n = self.names
+        async with self._ticket_lock, self._group_lock:
+            for sub in self._subs.values():
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+            self._subs.clear()
+            for stream in (n.tickets_stream, n.traj_stream):
+                try:
+                    await self.js.delete_stream(stream)
+                except nats.js.errors.NotFoundError:
+                    pass
+            for delete, bucket in ((self.js.delete_key_value, n.kv_bucket), (self.js.delete_object_store, n.weights_bucket)):
+                try:
+                    await delete(bucket)
+                except nats.js.errors.NotFoundError:
+                    pass
+            await self._create()
+            self._trainer_generation += 1
+            self._assembler = ChunkAssembler()
+        log.info("bus: reset every object of experiment %s", n.experiment)
 
     # -- shared state (KV) -----------------------------------------------------------------------
 

@@ -338,3 +338,22 @@ class TestConsumerRecovery:
         assert new.value.group_id == "e0-i1-1" and (await bus.stream_info())["groups_pending"] == 1
         await new.ack()
         assert (await bus.stream_info())["groups_pending"] == 0
+
+
+class TestFreshStart:
+    async def test_reset_experiment_forgets_messages_state_and_dedupe_ids(self, nats_server, experiment_name, bus):
+        agent = await Bus.connect(nats_server.url, experiment_name)
+        try:
+            await bus.publish_tickets([ticket(0), ticket(1)])
+            assert (await agent.pull_ticket(timeout=2)).value.index == 0
+            await bus.publish_group(group(0))
+            await bus.put_state("progress", {"step": 3})
+            await bus.reset_experiment()
+            assert await bus.get_state("progress") is None
+            assert await bus.stream_info() == dict.fromkeys(
+                ["tickets_pending", "tickets_waiting", "tickets_in_flight", "groups_pending", "groups_waiting", "groups_unacked", "traj_bytes"], 0)
+            assert await bus.publish_tickets([ticket(0)]) == 1  # the old id is not deduplicated any more
+            assert (await agent.pull_ticket(timeout=5)).value.index == 0  # the agent re-binds by itself
+            assert await agent.publish_group(group(0))
+        finally:
+            await agent.close()

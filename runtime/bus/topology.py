@@ -1,0 +1,115 @@
+"""Creating or binding one experiment's JetStream objects (streams, durable consumers, KV, object store).
+
+The base class of Bus: `_create()` makes whatever is missing without undoing settings another role
+chose; `_bind()` only checks they exist. Settings follow docs/design/contracts.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from kuberl.runtime.bus.errors import BusError
+from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
+
+DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
+DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
+DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
+
+
+class Topology:
+    """Mixin: needs `js`, `names`, `url`, `max_bytes`, `ticket_ack_wait`, `group_ack_wait`."""
+
+    js: Any
+    names: BusNames
+    url: str
+    max_bytes: int | None
+    ticket_ack_wait: float | None
+    group_ack_wait: float | None
+    _kv: Any
+    _obj: Any
+
+    async def _check_jetstream(self) -> None:
+        try:
+            await self.js.account_info()
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+            raise BusError(f"the NATS server at {self.url} has no JetStream ({type(exc).__name__}): "
+                           "start nats-server with -js (or `jetstream {}` in its config)") from None
+
+    def _stream_config(self, which: str) -> api.StreamConfig:
+        n = self.names
+        common = dict(retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE,
+                      discard=api.DiscardPolicy.NEW, duplicate_window=DUPLICATE_WINDOW, num_replicas=1)
+        if which == "tickets":
+            return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
+        return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
+                                max_bytes=self.max_bytes or -1, **common)
+
+    def _consumer_config(self, name: str) -> tuple[str, api.ConsumerConfig]:
+        n = self.names
+        base = dict(ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+                    max_deliver=-1, max_ack_pending=-1, name=name, durable_name=name)
+        if name == AGENTS_CONSUMER:
+            return n.tickets_stream, api.ConsumerConfig(
+                ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)
+        # No filter: the trainer reads groups and their chunks in stream order.
+        return n.traj_stream, api.ConsumerConfig(ack_wait=self.group_ack_wait or DEFAULT_GROUP_ACK_WAIT, **base)
+
+    async def _create(self) -> None:
+        for which, explicit in (("tickets", False), ("traj", self.max_bytes is not None)):
+            cfg = self._stream_config(which)
+            try:
+                info = await self.js.stream_info(cfg.name)
+            except nats.js.errors.NotFoundError:
+                try:
+                    info = await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError:  # created meanwhile by another role
+                    info = await self.js.stream_info(cfg.name)
+            else:
+                if explicit and info.config.max_bytes != cfg.max_bytes:
+                    try:
+                        info = await self.js.update_stream(cfg)
+                    except nats.js.errors.APIError as exc:
+                        raise BusError(f"cannot resize stream {cfg.name}: {exc.description}") from None
+            if which == "traj" and (info.config.max_bytes or -1) > 0:
+                self.max_bytes = info.config.max_bytes
+        for name, explicit in ((AGENTS_CONSUMER, self.ticket_ack_wait), (TRAINER_CONSUMER, self.group_ack_wait)):
+            stream, cfg = self._consumer_config(name)
+            try:
+                info = await self.js.consumer_info(stream, name)
+            except nats.js.errors.NotFoundError:
+                await self._add_consumer(stream, cfg)
+            else:
+                if explicit is not None and abs((info.config.ack_wait or 0) - explicit) > 1e-3:
+                    await self._add_consumer(stream, cfg)  # create-or-update: ack_wait may change
+                elif name == TRAINER_CONSUMER:
+                    self.group_ack_wait = info.config.ack_wait  # keep it across reset_trainer_consumer
+        self._kv = await self.js.create_key_value(bucket=self.names.kv_bucket, history=1, storage=api.StorageType.FILE)
+        self._obj = await self.js.create_object_store(bucket=self.names.weights_bucket, storage=api.StorageType.FILE)
+
+    async def _add_consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
+        try:
+            await self.js.add_consumer(stream, cfg)
+        except nats.js.errors.APIError as exc:
+            raise BusError(f"cannot create consumer {cfg.name} on {stream}: {exc.description}") from None
+
+    async def _bind(self) -> None:
+        n = self.names
+        try:
+            for which in ("tickets", "traj"):
+                info = await self.js.stream_info(self._stream_config(which).name)
+                if which == "traj" and (info.config.max_bytes or -1) > 0:
+                    self.max_bytes = info.config.max_bytes
+            for name in (AGENTS_CONSUMER, TRAINER_CONSUMER):
+                stream, _ = self._consumer_config(name)
+                info = await self.js.consumer_info(stream, name)
+                if name == TRAINER_CONSUMER and self.group_ack_wait is None:
+                    self.group_ack_wait = info.config.ack_wait
+            self._kv = await self.js.key_value(n.kv_bucket)
+            self._obj = await self.js.object_store(n.weights_bucket)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            raise BusError(f"the bus objects of experiment {n.experiment!r} do not exist on {self.url} "
+                           "(streams, consumers, KV bucket): start the trainer first, or connect with create=True") from None
