@@ -40,14 +40,15 @@ LABEL org.opencontainers.image.title="kuberl-runtime-cpu" \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --user-group --create-home --home-dir /home/kuberl kuberl
+ && useradd --uid 1000 --user-group --create-home --home-dir /home/kuberl kuberl
 COPY --from=build /opt/kuberl /opt/kuberl
 ENV PATH=/opt/kuberl/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/home/kuberl/.cache/huggingface \
     KUBERL_WORKDIR=/checkpoints \
     VLLM_TARGET_DEVICE=cpu
-USER 10001:10001
+# uid 1000 = RUNTIME_UID of the operator's pod builders (runAsUser).
+USER 1000:1000
 WORKDIR /home/kuberl
 # 8000: the engine's HTTP server (kuberl engine --port), 29500: torchrun rendezvous.
 EXPOSE 8000 29500

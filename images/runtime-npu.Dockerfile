@@ -50,11 +50,13 @@ ENV ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/home/kuberl/.cache/huggingface \
     KUBERL_WORKDIR=/checkpoints
-# The Ascend driver files on the node belong to HwHiAiUser (uid/gid 1000 by Ascend's default);
-# the runtime user joins that group so it may open /dev/davinci*.
-RUN (getent group HwHiAiUser || groupadd --gid 1000 HwHiAiUser) \
- && useradd --uid 10001 --gid HwHiAiUser --create-home --home-dir /home/kuberl kuberl
-USER 10001:1000
+# The Ascend driver files on the node belong to HwHiAiUser, uid/gid 1000 as Ascend's install guide
+# sets them up; the runtime runs as that uid (the operator keeps the image's user on NPU pods), so it
+# may open /dev/davinci*. CANN images may already define the user.
+RUN (getent group 1000 >/dev/null || groupadd --gid 1000 HwHiAiUser) \
+ && (getent passwd 1000 >/dev/null || useradd --uid 1000 --gid 1000 --no-create-home HwHiAiUser) \
+ && mkdir -p /home/kuberl && chown 1000:1000 /home/kuberl
+USER 1000:1000
 WORKDIR /home/kuberl
 # 29500: torchrun rendezvous.
 EXPOSE 29500
