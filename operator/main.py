@@ -47,6 +47,8 @@ def main(args: argparse.Namespace) -> int:
 
     kopf.configure(log_format=kopf.LogFormat.JSON, verbose=bool(os.environ.get("KUBERL_OPERATOR_DEBUG")))
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # kopf logs every successful timer run at INFO: once per experiment per interval is noise.
+    logging.getLogger("kopf.objects").addFilter(lambda r: not r.getMessage().startswith("Timer 'monitor' succeeded"))
     namespaces = list(args.namespace or [])
     clusterwide = not namespaces
     metrics.serve(args.metrics_port)

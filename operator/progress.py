@@ -23,6 +23,15 @@ def kv_bucket(experiment: str) -> str:
     return f"kuberl_{experiment.upper().replace('-', '_')}"
 
 
+async def _quiet(exc: Exception) -> None:
+    """nats-py logs every connection error with a traceback; an absent bus is normal while it starts."""
+    log.debug("nats: %s", exc)
+
+
+async def _quiet_event() -> None:
+    return None
+
+
 class BusReader:
     """One cached NATS connection per (url, token); reads progress, writes control requests."""
 
@@ -48,7 +57,8 @@ class BusReader:
                     return None
                 try:
                     nc = await nats.connect(url, token=token, connect_timeout=self.connect_timeout,
-                                            max_reconnect_attempts=1, allow_reconnect=False, name="kuberl-operator")
+                                            max_reconnect_attempts=1, allow_reconnect=False, name="kuberl-operator",
+                                            error_cb=_quiet, disconnected_cb=_quiet_event, closed_cb=_quiet_event)
                 except Exception as exc:  # no server, DNS not ready, auth: all mean "no progress yet"
                     self._failed_at[key] = time.monotonic()
                     log.debug("bus %s not reachable: %s", url, exc)

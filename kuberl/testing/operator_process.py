@@ -36,7 +36,9 @@ class OperatorProcess:
 
     def __enter__(self) -> OperatorProcess:
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "kuberl.cli", "operator", "--standalone",
+        # $KUBERL_TEST_OPERATOR_CMD runs another entry point (e.g. an installed `kuberl`) instead.
+        prefix = os.environ.get("KUBERL_TEST_OPERATOR_CMD", "").split() or [sys.executable, "-m", "kuberl.cli"]
+        cmd = [*prefix, "operator", "--standalone",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
