@@ -128,6 +128,7 @@ class Reason(StrEnum):
     TRAINER_FAILED = "TrainerFailed"  # the trainer reported a failure or its Job failed for good
     MAX_RESTARTS_EXCEEDED = "MaxRestartsExceeded"  # failurePolicy.maxRestarts trainer restarts used up
     NO_FAILURE = "NoFailure"
+    AS_EXPECTED = "AsExpected"  # Degraded=False: nothing wrong
 
 
 # --- event reasons (core/v1 Event.reason) ------------------------------------------------------
