@@ -8,7 +8,8 @@
 # other KubeRL image pins. Until one does, run the rollout on GPU (or CPU) nodes, or build an
 # engine image from the vllm-ascend release that matches your CANN (docs/guides: "Ascend").
 
-# CANN images from the Ascend project: <cann>-<chip>-<os>-<python>.
+# CANN images from the Ascend project: <cann>-<chip>-<os>-<python>. Pick the CANN release that the
+# torch-npu version below is built for (Ascend/pytorch release notes) and the chip of your nodes.
 ARG CANN_IMAGE=quay.io/ascend/cann:8.3.rc1-910b-ubuntu22.04-py3.11
 
 # ---- build: torch (CPU wheel; torch-npu adds the device) + torch-npu + kuberl[runtime,npu] ---
