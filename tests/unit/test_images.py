@@ -103,14 +103,6 @@ class TestDockerfile:
         assert m, f"{path.name}: USER {users[-1]!r} is not numeric (runAsNonRoot cannot verify names)"
         assert int(m.group(1)) != 0, f"{path.name}: USER is root"
 
-    def test_runtime_images_run_as_the_uid_the_operator_sets_on_pods(self, path):
-        """The pod builders set runAsUser (fsGroup) to RUNTIME_UID; the image's user is the same uid."""
-        if not path.name.startswith("runtime-"):
-            pytest.skip("the operator image runs under the Helm chart's securityContext")
-        common = pytest.importorskip("kuberl.operator.builders.common", reason="operator builders not present yet")
-        user = [rest for word, rest in final_stage(path) if word == "USER"][-1]
-        assert int(user.split(":")[0]) == common.RUNTIME_UID, f"{path.name}: USER {user} vs RUNTIME_UID {common.RUNTIME_UID}"
-
     def test_pinned_versions_agree_with_pyproject(self, path):
         reqs = pyproject_requirements()
         args = arg_defaults(path)
@@ -155,6 +147,15 @@ class TestDockerfile:
     def test_image_tag_in_the_build_hint_matches_the_file_name(self, path):
         stem = path.name.removesuffix(".Dockerfile")
         assert f"-t ghcr.io/kuberl/{stem}:" in path.read_text()
+
+
+@pytest.mark.parametrize("path", [p for p in dockerfiles() if p.name.startswith("runtime-")], ids=lambda p: p.name)
+def test_runtime_images_run_as_the_uid_the_operator_sets_on_pods(path):
+    """The pod builders set runAsUser (fsGroup) to RUNTIME_UID; the image's user is the same uid.
+    (The operator image runs under the Helm chart's securityContext instead.)"""
+    common = pytest.importorskip("kuberl.operator.builders.common", reason="operator builders not present yet")
+    user = [rest for word, rest in final_stage(path) if word == "USER"][-1]
+    assert int(user.split(":")[0]) == common.RUNTIME_UID, f"{path.name}: USER {user} vs RUNTIME_UID {common.RUNTIME_UID}"
 
 
 def test_default_images_of_the_operator_have_dockerfiles():
