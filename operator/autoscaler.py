@@ -63,13 +63,14 @@ class ScaleSignals:
     age_seconds: float | None = None  # how old the report is; None = unknown (taken as fresh)
 
     @classmethod
-    def from_progress(cls, exp: RLExperiment, progress: Mapping[str, Any] | None, now: datetime) -> ScaleSignals:
-        """Signals from the bus `progress` value (contracts.md); missing fields become None."""
+    def from_progress(cls, progress: Mapping[str, Any] | None, exp: RLExperiment, now: datetime | None = None) -> ScaleSignals:
+        """Signals from the bus `progress` value (contracts.md); missing fields become None. With
+        `now`, the report's age is known (from progress.time) and a stale report counts as no signal."""
         p = progress or {}
         wait = p.get("trainer_wait_fraction")
         buffered = p.get("groups_buffered")
         age = None
-        if isinstance(p.get("time"), (int, float)):
+        if now is not None and isinstance(p.get("time"), (int, float)):
             age = _aware(now).timestamp() - float(p["time"])
         return cls(
             trainer_wait_fraction=float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) else None,

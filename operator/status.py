@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
-from kuberl.operator import naming
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.builders.rollout import rollout_replicas
 from kuberl.operator.labels import EventReason, Reason, Role, selector_string
+
+from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 
 __all__ = [
     "EventReason",
@@ -65,14 +65,33 @@ class ObservedChildren:
     # {"nvidia.com/gpu": 8}; None when unknown (then no accelerator check is made).
     accelerators_per_node: Mapping[str, int] | None = None
     validation_errors: tuple[str, ...] = ()  # e.g. a builder's ValueError on this spec
-    trainer_restarts: int = 0  # how many times the handlers re-created the trainer Job
+    # Problems the handlers found themselves, as (reason, message), e.g. from their own Secret/PVC
+    # checks; reasons should be labels.Reason values.
+    blockers: tuple[tuple[str, str], ...] = ()
+    # How many times the handlers re-created the trainer Job; None = take status.restarts.
+    trainer_restarts: int | None = None
+
+    @classmethod
+    def from_objects(
+        cls,
+        *,
+        rollout: Mapping[str, Any] | None = None,
+        job: Mapping[str, Any] | None = None,
+        bus: Mapping[str, Any] | None = None,
+        pod_problems: Iterable[PodProblem | tuple[str, str, str]] = (),
+        blockers: Iterable[tuple[str, str]] = (),
+        **more: Any,
+    ) -> ObservedChildren:
+        """Build from objects as read; pod problems may be (pod, reason, message) tuples."""
+        problems = tuple(p if isinstance(p, PodProblem) else PodProblem(*p) for p in pod_problems)
+        return cls(bus=bus, rollout=rollout, trainer=job, pod_problems=problems, blockers=tuple(tuple(b) for b in blockers), **more)
 
 
 @dataclass(frozen=True)
 class Problem:
     """Why the experiment cannot run as it stands: a condition reason and a message naming the field."""
 
-    reason: Reason
+    reason: Reason | str  # a Reason; a handler's own CamelCase reason passes through as it is
     message: str
 
 
@@ -136,6 +155,8 @@ def explain_unrunnable(exp: RLExperiment, observed: ObservedChildren) -> list[Pr
     """
     ns = exp.namespace
     problems = [Problem(Reason.VALIDATION_FAILED, e) for e in observed.validation_errors]
+    for reason, message in observed.blockers:
+        problems.append(Problem(Reason(reason) if reason in Reason._value2member_map_ else reason, message))
     for path, name, key in referenced_secrets(exp):
         if name in observed.missing_secrets:
             problems.append(Problem(Reason.SECRET_NOT_FOUND, f"{path}: Secret {name!r} not found in namespace {ns!r}"))
@@ -175,15 +196,19 @@ def _rfc3339(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _condition(old: Mapping[str, Mapping[str, Any]], type_: ConditionType, true: bool, reason: Reason, message: str, generation: int | None, now: str) -> dict[str, Any]:
+def _condition(old: Mapping[str, Mapping[str, Any]], type_: ConditionType, true: bool, reason: Reason | str, message: str, generation: int | None, now: str) -> dict[str, Any]:
     """A metav1.Condition; lastTransitionTime kept while the status (True/False) stays the same."""
     status = "True" if true else "False"
     prev = old.get(type_.value)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status and prev.get("lastTransitionTime") else now
-    cond: dict[str, Any] = {"type": type_.value, "status": status, "reason": reason.value, "message": message, "lastTransitionTime": since}
+    cond: dict[str, Any] = {"type": type_.value, "status": status, "reason": str(reason), "message": message, "lastTransitionTime": since}
     if generation is not None:
         cond["observedGeneration"] = generation
     return cond
+
+
+def _restarts(observed: ObservedChildren, old: Mapping[str, Any]) -> int:
+    return observed.trainer_restarts if observed.trainer_restarts is not None else _int(old.get("restarts"))
 
 
 def _generation(exp: RLExperiment) -> int | None:
@@ -303,11 +328,11 @@ def _last_checkpoint(progress: Mapping[str, Any] | None, old: Mapping[str, Any])
 @dataclass
 class _Verdict:
     phase: Phase
-    reason: Reason  # reason of Ready (and of Progressing when it is False)
+    reason: Reason | str  # reason of Ready (and of Progressing when it is False)
     message: str
     progressing: bool
-    degraded: tuple[Reason, str] | None = None
-    failed: tuple[Reason, str] | None = None
+    degraded: tuple[Reason | str, str] | None = None
+    failed: tuple[Reason | str, str] | None = None
     complete: bool = False
     suspended: tuple[Reason, str] | None = None
 
@@ -317,6 +342,7 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     generation = _generation(exp)
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
+    restarts = _restarts(observed, old)
     job_failed = _job_condition(job, "Failed")
     problems = explain_unrunnable(exp, observed)
     invalid = [p for p in problems if p.reason == Reason.VALIDATION_FAILED]
@@ -328,15 +354,16 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     if progress and progress.get("failed"):
         msg = f"the trainer reported: {progress['failed']}"
         return _Verdict(Phase.FAILED, Reason.TRAINER_FAILED, msg, False, failed=(Reason.TRAINER_FAILED, msg))
-    if job_failed and observed.trainer_restarts >= max_restarts:
-        msg = f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) after {observed.trainer_restarts} of failurePolicy.maxRestarts={max_restarts} restarts"
+    if job_failed and restarts >= max_restarts:
+        msg = f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts"
         return _Verdict(Phase.FAILED, Reason.MAX_RESTARTS_EXCEEDED, msg, False, failed=(Reason.MAX_RESTARTS_EXCEEDED, msg))
     # 3. Training finished.
     if _job_condition(job, "Complete") or (progress and progress.get("done")):
         return _Verdict(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, "training finished", False, complete=True)
-    # 4. Finished phases stay finished while the spec is unchanged (the pods may be gone by now).
+    # 4. Finished phases stay finished while the spec is unchanged (the pods may be gone by now);
+    #    without a known generation they stay finished (the handlers never restart a finished run).
     old_phase = old.get("phase")
-    if old_phase in TERMINAL_PHASES and generation is not None and old.get("observedGeneration") == generation:
+    if old_phase in TERMINAL_PHASES and (generation is None or old.get("observedGeneration") in (None, generation)):
         failed_cond = next((c for c in old.get("conditions", []) if c.get("type") == ConditionType.FAILED and c.get("status") == "True"), None)
         if old_phase == Phase.SUCCEEDED:
             return _Verdict(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, "training finished", False, complete=True)
@@ -363,7 +390,7 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
         return _Verdict(Phase.PENDING, Reason.CREATING, f"creating {', '.join(missing)}", True)
     # 8. The trainer failed and the handlers restart it.
     if job_failed:
-        msg = f"trainer failed; restart {observed.trainer_restarts + 1} of {max_restarts} from the last checkpoint"
+        msg = f"trainer failed; restart {restarts + 1} of {max_restarts} from the last checkpoint"
         return _Verdict(Phase.RUNNING if started else Phase.INITIALIZING, Reason.TRAINER_RESTARTING, msg, True, degraded=(Reason.TRAINER_RESTARTING, msg))
     # 9. Up, or on the way.
     trainer_up = roles.trainer[0] >= roles.trainer[1] or (progress is not None and not progress.get("done"))
@@ -417,7 +444,7 @@ def compute_status(exp: RLExperiment, observed: ObservedChildren, progress: Mapp
         "trainer": _role_status(roles.trainer),
         "replicas": _int(((observed.rollout or {}).get("status") or {}).get("replicas")),
         "selector": selector_string(exp, Role.ROLLOUT),
-        "restarts": observed.trainer_restarts,
+        "restarts": _restarts(observed, old),
     }
     if generation is not None:
         status["observedGeneration"] = generation

@@ -6,15 +6,32 @@ tests that validate it offline. `build_children` gives every child in apply orde
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import RLExperiment
-from kuberl.operator.builders.bus import build_bus_secret, build_bus_services, build_bus_statefulset, render_nats_conf
+from kuberl.operator.builders.bus import (
+    build_bus_secret,
+    build_bus_services,
+    build_bus_statefulset,
+    render_nats_conf,
+)
 from kuberl.operator.builders.common import Obj, default_image
 from kuberl.operator.builders.config import build_config_map, resolved_manifest
 from kuberl.operator.builders.network import build_network_policy
 from kuberl.operator.builders.rbac import build_rbac
-from kuberl.operator.builders.rollout import build_rollout_service, build_rollout_statefulset, rollout_replicas
-from kuberl.operator.builders.storage import build_checkpoint_pvc, checkpoint_access_mode
-from kuberl.operator.builders.trainer import build_trainer_job, build_trainer_service, trainer_command
+from kuberl.operator.builders.rollout import (
+    build_rollout_service,
+    build_rollout_statefulset,
+    rollout_replicas,
+)
+from kuberl.operator.builders.storage import (
+    build_checkpoint_pvc,
+    checkpoint_access_mode,
+)
+from kuberl.operator.builders.trainer import (
+    build_trainer_job,
+    build_trainer_service,
+    trainer_command,
+)
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 __all__ = [
     "build_bus_secret",

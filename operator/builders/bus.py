@@ -9,12 +9,24 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
-from kubernetes.utils.quantity import parse_quantity
-
-from kuberl.api.v1alpha1 import AcceleratorSpec, AcceleratorType, EmbeddedBusSpec, RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
-from kuberl.operator.builders.common import Obj, container_security_context, metadata, pod_security_context, stable_hash, with_spec_hash
+from kuberl.operator.builders.common import (
+    Obj,
+    container_security_context,
+    metadata,
+    pod_security_context,
+    stable_hash,
+    with_spec_hash,
+)
+from kubernetes.utils.quantity import parse_quantity
+
+from kuberl.api.v1alpha1 import (
+    AcceleratorSpec,
+    AcceleratorType,
+    EmbeddedBusSpec,
+    RLExperiment,
+)
 
 NATS_IMAGE = "nats:2.15-alpine"
 NATS_CONF_KEY = "nats.conf"

@@ -10,10 +10,17 @@ import hashlib
 import json
 from typing import Any
 
-import kuberl
-from kuberl.api.v1alpha1 import ACCELERATOR_RESOURCE, AcceleratorSpec, AcceleratorType, RLExperiment, SchedulingSpec
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+
+import kuberl
+from kuberl.api.v1alpha1 import (
+    ACCELERATOR_RESOURCE,
+    AcceleratorSpec,
+    AcceleratorType,
+    RLExperiment,
+    SchedulingSpec,
+)
 
 CONFIG_MOUNT_DIR = "/etc/kuberl"
 CONFIG_KEY = "experiment.yaml"

@@ -5,10 +5,11 @@ Called by builders.build_children and the kopf handlers (O2); none with spec.bus
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 
 def build_network_policy(exp: RLExperiment) -> Obj | None:

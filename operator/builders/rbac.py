@@ -9,10 +9,11 @@ no escalation rights from the operator.
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 
 def build_rbac(exp: RLExperiment) -> list[Obj]:

@@ -6,7 +6,6 @@ count. Commands, env and paths follow docs/design/contracts.md.
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import (
@@ -31,6 +30,8 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.config import config_hash
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 ENGINE_CONTAINER = "engine"
 AGENT_CONTAINER = "rollout-agent"

@@ -11,7 +11,6 @@ Suspension: spec.suspend sets the Job's own `spec.suspend`, which stops its pods
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import (
@@ -36,6 +35,8 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.config import config_hash
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 TRAINER_CONTAINER = "trainer"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
