@@ -149,3 +149,8 @@ def decide_replicas(
         target = min(max(wanted, current + 1), math.ceil(max(current, 1) * policy.max_up_factor), a.max_replicas)
         return ScaleDecision(target, ScaleReason.SCALED_UP, f"{why}: {current} -> {target} replicas", current)
     return keep(ScaleReason.BALANCED, f"{state}: no change")
+
+
+def signals_from_progress(exp: RLExperiment, progress: Mapping[str, Any] | None, now: datetime | None = None) -> ScaleSignals:
+    """`ScaleSignals.from_progress`, experiment first (the handlers' spelling)."""
+    return ScaleSignals.from_progress(progress, exp, now)

@@ -1,0 +1,349 @@
+"""Specification of the RLExperiment status: phases, conditions, progress, unrunnable explanations."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from kuberl.operator.builders import (
+    build_bus_statefulset,
+    build_rollout_statefulset,
+    build_trainer_job,
+)
+from kuberl.operator.labels import Reason
+from kuberl.operator.status import (
+    ObservedChildren,
+    PodProblem,
+    compute_status,
+    explain_unrunnable,
+    invalid_status,
+    pod_problems,
+    status_changed,
+)
+
+from kuberl.api import RLExperiment, RLExperimentStatus
+
+NOW = datetime(2026, 11, 21, 20, 0, 0, tzinfo=UTC)
+LATER = NOW + timedelta(minutes=5)
+CRD = Path(__file__).resolve().parents[2] / "crds" / "kuberl.io_rlexperiments.yaml"
+
+BASE: dict[str, Any] = {
+    "apiVersion": "kuberl.io/v1alpha1",
+    "kind": "RLExperiment",
+    "metadata": {"name": "exp", "namespace": "team-a", "generation": 1},
+    "spec": {
+        "model": {"id": "Qwen/Qwen2.5-0.5B-Instruct"},
+        "dataset": {"id": "openai/gsm8k"},
+        "rollout": {"replicas": 2, "accelerator": {"type": "nvidia", "count": 1}},
+        "trainer": {"nodes": 1, "accelerator": {"type": "nvidia", "count": 2}},
+        "training": {"totalSteps": 100},
+        "failurePolicy": {"maxRestarts": 2},
+    },
+}
+
+
+def make_experiment(status: dict | None = None, generation: int = 1, **spec: Any) -> RLExperiment:
+    manifest = copy.deepcopy(BASE)
+    manifest["metadata"]["generation"] = generation
+    manifest["spec"].update(spec)
+    if status is not None:
+        manifest["status"] = status
+    return RLExperiment.model_validate(manifest)
+
+
+def with_status(exp: RLExperiment, status: dict) -> RLExperiment:
+    """The experiment as the handlers see it after patching `status`."""
+    return exp.model_copy(update={"status": RLExperimentStatus.model_validate(status)})
+
+
+def children(exp: RLExperiment, bus_ready: int = 1, rollout_ready: int = 2, trainer_ready: int = 1, job_conditions: list | None = None) -> ObservedChildren:
+    """Children as the API would return them, with the given readiness."""
+    bus = build_bus_statefulset(exp)
+    bus["status"] = {"replicas": bus["spec"]["replicas"], "readyReplicas": bus_ready}
+    rollout = build_rollout_statefulset(exp)
+    rollout["status"] = {"replicas": rollout["spec"]["replicas"], "readyReplicas": rollout_ready}
+    job = build_trainer_job(exp)
+    job["status"] = {"active": trainer_ready, "ready": trainer_ready, "conditions": job_conditions or []}
+    return ObservedChildren(bus=bus, rollout=rollout, trainer=job)
+
+
+PROGRESS = {
+    "step": 12, "total_steps": 100, "epoch": 0, "policy_version": 12, "reward_mean": 0.5312,
+    "samples_per_second": 41.5, "staleness_mean": 0.8, "staleness_max": 2, "dropped_stale": 3,
+    "trainer_wait_fraction": 0.1, "groups_buffered": 4, "done": False, "failed": None,
+    "checkpoint": {"step": 10, "policy_version": 10, "path": "checkpoints/step-00000010", "time": 1795000000.0},
+    "time": 1795000100.0,
+}  # fmt: skip
+
+
+def conditions(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def cond(status: dict, type_: str) -> tuple[str, str]:
+    c = conditions(status)[type_]
+    return c["status"], c["reason"]
+
+
+class TestPhases:
+    def test_an_experiment_without_children_is_pending_while_they_are_created(self) -> None:
+        s = compute_status(make_experiment(), ObservedChildren(), None, NOW)
+        assert s["phase"] == "Pending"
+        assert cond(s, "Ready") == ("False", "Creating") and cond(s, "Progressing") == ("True", "Creating")
+
+    def test_it_is_initializing_while_roles_come_up(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp, rollout_ready=0), None, NOW)
+        assert s["phase"] == "Initializing"
+        assert cond(s, "Ready") == ("False", "WaitingForRollout")
+        assert "rollout 0/2" in conditions(s)["Ready"]["message"]
+
+    def test_it_waits_for_the_bus_first(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp, bus_ready=0), None, NOW)
+        assert s["phase"] == "Initializing" and cond(s, "Ready")[1] == "WaitingForBus"
+
+    def test_it_runs_once_every_role_is_up(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), PROGRESS, NOW)
+        assert s["phase"] == "Running"
+        assert cond(s, "Ready") == ("True", "Training") and cond(s, "Degraded") == ("False", "AsExpected")
+        assert s["startTime"] == "2026-11-21T20:00:00Z"
+
+    def test_a_running_experiment_with_a_replica_down_is_degraded_not_ready(self) -> None:
+        exp = make_experiment()
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        s = compute_status(running, children(exp, rollout_ready=1), PROGRESS, LATER)
+        assert s["phase"] == "Running"
+        assert cond(s, "Degraded") == ("True", "ReplicasNotReady") and cond(s, "Ready")[0] == "False"
+        assert s["rollout"] == {"desired": 2, "ready": 1, "readyText": "1/2"}
+        assert s["startTime"] == "2026-11-21T20:00:00Z"  # kept from the first time it ran
+
+    def test_a_complete_job_means_succeeded(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp, job_conditions=[{"type": "Complete", "status": "True"}]), PROGRESS, NOW)
+        assert s["phase"] == "Succeeded"
+        assert cond(s, "Complete") == ("True", "TrainingComplete") and cond(s, "Progressing")[0] == "False"
+        assert s["completionTime"] == "2026-11-21T20:00:00Z"
+
+    def test_the_trainer_reporting_done_means_succeeded(self) -> None:
+        exp = make_experiment()
+        assert compute_status(exp, children(exp), {**PROGRESS, "done": True}, NOW)["phase"] == "Succeeded"
+
+    def test_succeeded_stays_succeeded_for_the_same_generation_once_pods_are_gone(self) -> None:
+        exp = make_experiment()
+        done = with_status(exp, compute_status(exp, children(exp, job_conditions=[{"type": "Complete", "status": "True"}]), PROGRESS, NOW))
+        s = compute_status(done, ObservedChildren(), None, LATER)
+        assert s["phase"] == "Succeeded" and s["completionTime"] == "2026-11-21T20:00:00Z"
+
+    def test_a_failed_job_with_restarts_left_is_a_restart_not_a_failure(self) -> None:
+        exp = make_experiment()
+        failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        s = compute_status(running, children(exp, trainer_ready=0, job_conditions=failed), PROGRESS, LATER)
+        assert s["phase"] == "Running"
+        assert cond(s, "Degraded") == ("True", "TrainerRestarting") and cond(s, "Failed")[0] == "False"
+
+    def test_a_failed_job_after_max_restarts_fails_the_experiment(self) -> None:
+        exp = make_experiment()
+        failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]
+        obs = children(exp, trainer_ready=0, job_conditions=failed)
+        s = compute_status(exp, ObservedChildren(bus=obs.bus, rollout=obs.rollout, trainer=obs.trainer, trainer_restarts=2), PROGRESS, NOW)
+        assert s["phase"] == "Failed"
+        assert cond(s, "Failed") == ("True", "MaxRestartsExceeded")
+        assert "maxRestarts=2" in conditions(s)["Failed"]["message"] and s["restarts"] == 2
+
+    def test_restarts_default_to_the_count_already_in_status(self) -> None:
+        exp = make_experiment(status={"restarts": 2})
+        failed = [{"type": "Failed", "status": "True"}]
+        s = compute_status(exp, children(exp, trainer_ready=0, job_conditions=failed), None, NOW)
+        assert s["phase"] == "Failed" and s["restarts"] == 2
+
+    def test_the_trainer_reporting_a_failure_fails_the_experiment(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), {**PROGRESS, "failed": "CUDA out of memory"}, NOW)
+        assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "TrainerFailed")
+        assert "CUDA out of memory" in conditions(s)["Failed"]["message"]
+
+    def test_suspended_while_pods_stop_then_suspended(self) -> None:
+        exp = make_experiment(suspend=True)
+        stopping = compute_status(exp, children(exp, bus_ready=1, rollout_ready=1, trainer_ready=0), None, NOW)
+        assert stopping["phase"] == "Suspended" and cond(stopping, "Suspended") == ("True", "Suspending")
+        stopped = compute_status(exp, children(exp, bus_ready=0, rollout_ready=0, trainer_ready=0), None, NOW)
+        assert cond(stopped, "Suspended") == ("True", "Suspended") and cond(stopped, "Ready")[0] == "False"
+        assert stopped["rollout"]["desired"] == 0 and stopped["trainer"]["desired"] == 0
+
+    def test_a_builder_error_is_a_validation_failure(self) -> None:
+        s = compute_status(make_experiment(), ObservedChildren(validation_errors=("spec.bus.maxPayload: '100Mi' is above NATS's 64Mi limit",)), None, NOW)
+        assert s["phase"] == "Failed" and cond(s, "Validated") == ("False", "ValidationFailed")
+        assert "spec.bus.maxPayload" in conditions(s)["Validated"]["message"]
+
+
+class TestConditions:
+    def test_every_condition_carries_the_generation_it_was_computed_for(self) -> None:
+        s = compute_status(make_experiment(generation=7), ObservedChildren(), None, NOW)
+        assert s["observedGeneration"] == 7
+        assert {c["observedGeneration"] for c in s["conditions"]} == {7}
+        assert set(conditions(s)) == {"Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Validated"}
+
+    def test_last_transition_time_holds_while_the_status_holds(self) -> None:
+        exp = make_experiment()
+        first = compute_status(exp, children(exp, rollout_ready=0), None, NOW)
+        # Reason changes (WaitingForRollout -> WaitingForBus) but Ready stays False: the time stays.
+        second = compute_status(with_status(exp, first), children(exp, bus_ready=0, rollout_ready=0), None, LATER)
+        assert conditions(second)["Ready"]["lastTransitionTime"] == "2026-11-21T20:00:00Z"
+        third = compute_status(with_status(exp, second), children(exp), PROGRESS, LATER)
+        assert conditions(third)["Ready"]["status"] == "True"
+        assert conditions(third)["Ready"]["lastTransitionTime"] == "2026-11-21T20:05:00Z"
+
+    def test_the_status_fits_the_crd_status_schema(self) -> None:
+        crd = yaml.safe_load(CRD.read_text())
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+        exp = make_experiment()
+        for s in (
+            compute_status(exp, ObservedChildren(), None, NOW),
+            compute_status(exp, children(exp), PROGRESS, NOW),
+            compute_status(make_experiment(suspend=True), children(exp, 0, 0, 0), None, NOW),
+            invalid_status(None, 3, ["spec.rollout.replicas: must be >= 0"], NOW),
+        ):
+            jsonschema.validate(s, schema)
+
+
+class TestProgressAndScale:
+    def test_progress_fields_come_from_the_bus(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), PROGRESS, NOW)
+        p = s["progress"]
+        assert p["steps"] == "12/100" and p["rewardText"] == "0.53" and p["policyVersion"] == 12
+        assert p["stalenessMax"] == 2 and p["droppedStale"] == 3 and p["samplesPerSecond"] == 41.5
+        assert p["updatedAt"].endswith("Z")
+        assert s["lastCheckpoint"] == {"step": 10, "policyVersion": 10, "path": "checkpoints/step-00000010", "time": datetime.fromtimestamp(1795000000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+    def test_total_steps_fall_back_to_the_spec(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), {"step": 3}, NOW)
+        assert s["progress"]["steps"] == "3/100"
+
+    def test_an_unreadable_bus_keeps_the_last_progress(self) -> None:
+        exp = make_experiment()
+        first = compute_status(exp, children(exp), PROGRESS, NOW)
+        again = compute_status(with_status(exp, first), children(exp), None, LATER)
+        assert again["progress"] == first["progress"] and again["lastCheckpoint"] == first["lastCheckpoint"]
+
+    def test_garbage_from_the_bus_does_not_crash_the_status(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), {"step": "x", "reward_mean": "nan?", "samples_per_second": -3, "checkpoint": "no", "time": "soon"}, NOW)
+        assert s["progress"]["step"] == 0 and "rewardText" not in s["progress"] and "samplesPerSecond" not in s["progress"]
+
+    def test_replicas_and_selector_serve_the_scale_subresource(self) -> None:
+        exp = make_experiment()
+        s = compute_status(exp, children(exp), PROGRESS, NOW)
+        assert s["replicas"] == 2
+        assert s["selector"] == "kuberl.io/experiment=exp,kuberl.io/role=rollout"
+
+
+class TestUnrunnable:
+    def test_a_missing_hub_token_secret_names_the_field_and_the_secret(self) -> None:
+        exp = make_experiment(model={"id": "meta/llama", "hubTokenSecret": {"name": "hf"}})
+        problems = explain_unrunnable(exp, ObservedChildren(missing_secrets=frozenset({"hf"})))
+        assert [p.reason for p in problems] == [Reason.SECRET_NOT_FOUND]
+        assert "spec.model.hubTokenSecret" in problems[0].message and "'hf'" in problems[0].message
+        s = compute_status(exp, ObservedChildren(missing_secrets=frozenset({"hf"})), None, NOW)
+        assert s["phase"] == "Pending" and cond(s, "Ready") == ("False", "SecretNotFound") and cond(s, "Progressing")[0] == "False"
+
+    def test_a_secret_without_the_key_is_explained(self) -> None:
+        exp = make_experiment(bus={"external": {"url": "nats://n:4222", "credentialsSecret": {"name": "creds", "key": "tok"}}})
+        problems = explain_unrunnable(exp, ObservedChildren(missing_secret_keys=frozenset({("creds", "tok")})))
+        assert problems[0].reason == Reason.SECRET_NOT_FOUND
+        assert "spec.bus.external.credentialsSecret" in problems[0].message and "no key 'tok'" in problems[0].message
+
+    def test_a_missing_existing_claim_is_explained(self) -> None:
+        exp = make_experiment(checkpoint={"existingClaim": "ckpt"})
+        problems = explain_unrunnable(exp, ObservedChildren(missing_claims=frozenset({"ckpt"})))
+        assert problems[0].reason == Reason.CLAIM_NOT_FOUND and "spec.checkpoint.existingClaim" in problems[0].message
+
+    def test_more_accelerators_than_any_node_has_is_explained(self) -> None:
+        exp = make_experiment(trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}})
+        problems = explain_unrunnable(exp, ObservedChildren(accelerators_per_node={"nvidia.com/gpu": 4}))
+        assert [p.reason for p in problems] == [Reason.INSUFFICIENT_ACCELERATORS]
+        assert "spec.trainer.accelerator.count" in problems[0].message and "8 nvidia.com/gpu" in problems[0].message
+        assert explain_unrunnable(exp, ObservedChildren(accelerators_per_node={"nvidia.com/gpu": 8})) == []
+        assert explain_unrunnable(exp, ObservedChildren()) == []  # unknown capacity: no claim either way
+
+    def test_image_pull_errors_are_read_from_pods(self) -> None:
+        pod = {
+            "metadata": {"name": "exp-rollout-0"},
+            "spec": {"containers": [{"name": "engine", "image": "ghcr.io/kuberl/runtime-sglang:nope"}]},
+            "status": {"containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]},
+        }
+        problems = pod_problems(pod)
+        assert problems == [PodProblem("exp-rollout-0", "ImagePullBackOff", "Back-off pulling image", "engine", "ghcr.io/kuberl/runtime-sglang:nope")]
+        explained = explain_unrunnable(make_experiment(), ObservedChildren(pod_problems=tuple(problems)))
+        assert explained[0].reason == Reason.IMAGE_PULL_FAILED and "runtime-sglang:nope" in explained[0].message
+
+    def test_unschedulable_pods_are_read_from_pods(self) -> None:
+        pod = {"metadata": {"name": "exp-trainer-0-abc"}, "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
+        problems = pod_problems(pod)
+        assert problems[0].reason == "Unschedulable"
+        assert explain_unrunnable(make_experiment(), ObservedChildren(pod_problems=tuple(problems)))[0].reason == Reason.UNSCHEDULABLE
+
+    def test_a_crash_loop_degrades_a_running_experiment(self) -> None:
+        exp = make_experiment()
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        obs = children(exp)
+        crash = PodProblem("exp-rollout-1", "CrashLoopBackOff", "back-off 5m0s", "rollout-agent")
+        s = compute_status(running, ObservedChildren(bus=obs.bus, rollout=obs.rollout, trainer=obs.trainer, pod_problems=(crash,)), PROGRESS, LATER)
+        assert s["phase"] == "Running" and cond(s, "Degraded") == ("True", "CrashLoopBackOff") and cond(s, "Ready")[0] == "False"
+
+    def test_handler_blockers_pass_through_from_objects(self) -> None:
+        obs = ObservedChildren.from_objects(pod_problems=[("p", "ErrImagePull", "not found")], blockers=[("SecretNotFound", "spec.model.hubTokenSecret: gone")])
+        reasons = [p.reason for p in explain_unrunnable(make_experiment(), obs)]
+        assert reasons == [Reason.SECRET_NOT_FOUND, Reason.IMAGE_PULL_FAILED]
+
+
+class TestStatusChanged:
+    def test_a_recomputed_status_with_nothing_new_is_no_change(self) -> None:
+        exp = make_experiment()
+        first = compute_status(exp, children(exp), PROGRESS, NOW)
+        assert not status_changed(first, compute_status(with_status(exp, first), children(exp), PROGRESS, LATER))
+
+    def test_only_last_transition_time_differing_is_no_change(self) -> None:
+        exp = make_experiment()
+        a = compute_status(exp, children(exp), PROGRESS, NOW)
+        b = copy.deepcopy(a)
+        for c in b["conditions"]:
+            c["lastTransitionTime"] = "2030-01-01T00:00:00Z"
+        assert a != b and not status_changed(a, b)
+        b["conditions"][0]["message"] = "something else"
+        assert status_changed(a, b)
+
+    def test_a_phase_change_is_a_change(self) -> None:
+        exp = make_experiment()
+        a = compute_status(exp, children(exp, rollout_ready=0), None, NOW)
+        assert status_changed(a, compute_status(with_status(exp, a), children(exp), PROGRESS, NOW))
+
+    def test_fields_of_other_writers_are_ignored(self) -> None:
+        exp = make_experiment()
+        new = compute_status(exp, children(exp), PROGRESS, NOW)
+        assert not status_changed({**new, "kopf": {"progress": {}}}, new)
+        assert status_changed(None, new)
+
+
+class TestInvalidSpec:
+    def test_an_invalid_manifest_fails_with_the_errors_as_the_message(self) -> None:
+        s = invalid_status({"phase": "Running"}, 4, ["spec.rollout.replicas: must be >= 0 (got -1)"], NOW)
+        assert s["phase"] == "Failed" and s["observedGeneration"] == 4
+        assert cond(s, "Validated") == ("False", "ValidationFailed")
+        assert "spec.rollout.replicas" in conditions(s)["Failed"]["message"]
+
+
+@pytest.mark.parametrize("progress", [None, PROGRESS])
+def test_compute_status_is_pure(progress: dict | None) -> None:
+    exp = make_experiment()
+    obs = children(exp)
+    assert compute_status(exp, obs, progress, NOW) == compute_status(exp, obs, progress, NOW)
