@@ -37,8 +37,8 @@ class TrainerBusIO:
     async def close(self) -> None:
         await self.bus.close()
 
-    async def publish_tickets(self, tickets: list[dict[str, Any]]) -> int:
-        return await self.bus.publish_tickets([Ticket(**t) for t in tickets])
+    async def publish_tickets(self, tickets: list[Ticket]) -> int:
+        return await self.bus.publish_tickets(tickets)
 
     async def put_tickets(self, state: dict[str, Any]) -> None:
         await self.bus.put_state(KEY_TICKETS, {**state, "time": time.time()})

@@ -108,7 +108,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.spec.algorithm)
         self.scheduler = build_scheduler(self.optimizer, self.spec.algorithm.optimizer, self.total_steps * self.spec.algorithm.ppo_minibatches)
         self.book = TicketBook(
-            num_items=self._num_items, batch_size=self.B, eta=self.eta, seed=self.spec.seed,
+            self._num_items, self.B, self.eta, seed=self.spec.seed,
             shuffle=self.spec.dataset.shuffle, max_concurrent=self.spec.staleness.max_concurrent_rollouts,
             total_groups=self.total_steps * self.B,
         )
@@ -219,7 +219,8 @@ class Trainer:
         stats = self.stage_ppo_update(batch)
         self.version += 1
         self.step += 1
-        self.book.on_consumed(batch.num_groups)
+        if self.info.is_main:  # the ticket book lives on rank 0, next to the bus
+            self.book.on_consumed(batch.num_groups)
         await self.stage_publish_weights()
         due = self.step % self.spec.checkpoint.every_steps == 0
         if D.broadcast_object(due, self.info):
@@ -246,7 +247,7 @@ class Trainer:
         if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
             self.book.on_rejected()
             return False
-        if group.head_version is not None and group.head_version < self.version - self.eta:
+        if self.book.bound.is_stale(group.head_version, self.version):
             # The safety net: the ticket gate makes this rare (slow agents, restarts).
             self.book.on_dropped()
             self.dropped_stale += 1

@@ -58,13 +58,12 @@ def make_trainer(tmp_path, *, eta=0, dynamic=False) -> Trainer:
     })
     t = Trainer(exp, bus_url="nats://unused:4222", workdir=tmp_path)
     t.info = DistInfo(0, 1, 0, torch.device("cpu"))
-    t.book = TicketBook(num_items=20, batch_size=B, eta=eta, total_groups=5 * B)
+    t.book = TicketBook(20, B, eta, total_groups=5 * B)
     t.bus = MemoryBus()
     return t
 
 
-def group(ticket: dict, version: int = 0, rewards=(1.0, 0.0), rejected: bool = False) -> TrajectoryGroup:
-    tk = Ticket(**ticket)
+def group(tk: Ticket, version: int = 0, rewards=(1.0, 0.0), rejected: bool = False) -> TrajectoryGroup:
     samples = [] if rejected else [Sample(input_ids=[1, 2], output_ids=[3, 4], logprobs=[-1.0, -1.0], versions=[version] * 2,
                                           loss_mask=[1, 1], reward=r) for r in rewards]
     return TrajectoryGroup(group_id=tk.ticket_id, ticket=tk, samples=samples, rejected=rejected)
@@ -84,17 +83,17 @@ async def test_collect_returns_b_groups_and_holds_their_leases_for_the_checkpoin
     await t.stage_issue_tickets()
     t.bus.stream = [group(tk) for tk in t.bus.tickets]
     plan = await t.stage_collect()
-    assert [g["group_id"] for g in plan["groups"]] == [tk["ticket_id"] for tk in t.bus.tickets]
-    assert t.held == [f"lease-{tk['ticket_id']}" for tk in t.bus.tickets]
+    assert [g["group_id"] for g in plan["groups"]] == [tk.ticket_id for tk in t.bus.tickets]
+    assert t.held == [f"lease-{tk.ticket_id}" for tk in t.bus.tickets]
     assert plan["wait_seconds"] >= 0
 
 
 async def test_a_rejected_group_is_replaced_by_a_new_ticket(tmp_path):
     t = make_trainer(tmp_path)
-    t.bus.answer = lambda tk: group(tk, rejected=tk["ticket_id"] == t.bus.tickets[0]["ticket_id"])
+    t.bus.answer = lambda tk: group(tk, rejected=tk.ticket_id == t.bus.tickets[0].ticket_id)
     await t.stage_issue_tickets()
     plan = await t.stage_collect()
-    assert len(plan["groups"]) == B and t.bus.tickets[0]["ticket_id"] not in [g["group_id"] for g in plan["groups"]]
+    assert len(plan["groups"]) == B and t.bus.tickets[0].ticket_id not in [g["group_id"] for g in plan["groups"]]
     assert t.book.rejected == 1 and t.book.issued == B + 1
     assert len(t.held) == B + 1, "the rejected group's lease is acknowledged with the next checkpoint too"
 
@@ -102,19 +101,19 @@ async def test_a_rejected_group_is_replaced_by_a_new_ticket(tmp_path):
 async def test_a_group_older_than_v_minus_eta_is_dropped_and_counted(tmp_path):
     t = make_trainer(tmp_path, eta=1)
     t.version = 3
-    t.book.issued = 6  # as if three batches were issued at versions 0..2
-    t.book.consumed = 6
+    t.book.bound.issued = 6  # as if three batches were issued at versions 0..2
+    t.book.bound.consumed = 6
     await t.stage_issue_tickets()
     tickets = list(t.bus.tickets)
     t.bus.stream = [group(tickets[0], version=1), group(tickets[1], version=2), group(tickets[2], version=3)]
     plan = await t.stage_collect()
-    assert [g["group_id"] for g in plan["groups"]] == [tickets[1]["ticket_id"], tickets[2]["ticket_id"]]
+    assert [g["group_id"] for g in plan["groups"]] == [tickets[1].ticket_id, tickets[2].ticket_id]
     assert t.dropped_stale == 1 and t.book.dropped == 1
 
 
 async def test_dynamic_sampling_rejects_groups_whose_rewards_are_all_equal(tmp_path):
     t = make_trainer(tmp_path, dynamic=True)
-    t.bus.answer = lambda tk: group(tk, rewards=(1.0, 1.0) if tk["ticket_id"] == t.bus.tickets[0]["ticket_id"] else (1.0, 0.0))
+    t.bus.answer = lambda tk: group(tk, rewards=(1.0, 1.0) if tk.ticket_id == t.bus.tickets[0].ticket_id else (1.0, 0.0))
     await t.stage_issue_tickets()
     plan = await t.stage_collect()
     assert t.book.rejected == 1 and t.book.issued == B + 1 and len(plan["groups"]) == B

@@ -49,20 +49,21 @@ class TestTheBound:
 class TestTicketsAndData:
     def test_each_epoch_visits_every_item_once_in_a_seeded_order(self):
         b = book(eta=100)
+        assert b.epoch == 0
         tickets = b.next_tickets(0)[:20]
         first, second = tickets[:10], tickets[10:]
-        assert sorted(t["index"] for t in first) == list(range(10)) == sorted(t["index"] for t in second)
-        assert [t["index"] for t in first] != [t["index"] for t in second]
-        assert {t["epoch"] for t in first} == {0} and {t["epoch"] for t in second} == {1}
-        assert [t["index"] for t in book(eta=100).next_tickets(0)[:10]] == [t["index"] for t in first]
+        assert sorted(t.index for t in first) == list(range(10)) == sorted(t.index for t in second)
+        assert [t.index for t in first] != [t.index for t in second]
+        assert {t.epoch for t in first} == {0} and {t.epoch for t in second} == {1}
+        assert [t.index for t in book(eta=100).next_tickets(0)[:10]] == [t.index for t in first]
 
     def test_ticket_ids_are_deterministic_so_reissuing_after_a_restart_dedupes(self):
         a = book(eta=0)
         issued = a.next_tickets(0)
         restored = book(eta=0)
-        restored.load_state({"issued": 0, "rejected": 0, "dropped": 0, "consumed": 0})
+        restored.load_state(book(eta=0).state())
         assert restored.next_tickets(0) == issued
-        assert issued[0]["ticket_id"] == f"e0-i{issued[0]['index']}-0"
+        assert issued[0].ticket_id == f"e0-i{issued[0].index}-0" and issued[0].issued_version == 0
 
     def test_state_round_trips(self):
         a = book()
@@ -72,11 +73,16 @@ class TestTicketsAndData:
         b = book()
         b.load_state(a.state())
         assert (b.issued, b.rejected, b.dropped, b.consumed, b.epoch) == (a.issued, a.rejected, a.dropped, a.consumed, a.epoch)
-        assert a.state()["position"] == 8 and a.state()["started"] == 7
+        assert a.state()["position"] == 8 and a.state()["started"] == 7 and a.state()["epoch"] == 0
 
     def test_a_state_without_a_counter_is_refused_by_name(self):
-        with pytest.raises(ValueError, match="missing 'consumed'"):
-            book().load_state({"issued": 1, "rejected": 0, "dropped": 0})
+        with pytest.raises(ValueError, match="lacks \\['consumed'\\]"):
+            book().load_state({"issued": 1, "rejected": 0, "dropped": 0, "epoch": 0, "position": 1})
+
+    def test_a_state_saved_with_another_seed_is_refused(self):
+        state = book(seed=1).state()
+        with pytest.raises(ValueError, match="seed=1 but the run has seed=2"):
+            book(seed=2).load_state(state)
 
     def test_an_empty_data_set_is_refused(self):
         with pytest.raises(ValueError, match="at least one item"):
