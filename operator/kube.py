@@ -41,9 +41,6 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "RLExperiment": ("kuberl.io/v1alpha1", "rlexperiments", True),
 }
-# Waiting reasons that mean a pod will not start without a user's fix.
-POD_PROBLEM_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
-                       "CreateContainerError", "CrashLoopBackOff"}
 
 
 class KubeError(Exception):
@@ -196,31 +193,6 @@ class KubeClient:
 
     async def pvc_exists(self, namespace: str, name: str) -> bool:
         return await self.get("PersistentVolumeClaim", namespace, name) is not None
-
-    async def node_accelerators(self, resource_name: str) -> list[int]:
-        """Allocatable count of one accelerator resource (e.g. nvidia.com/gpu) on each Node."""
-        out = []
-        for node in await self.list("Node"):
-            value = ((node.get("status") or {}).get("allocatable") or {}).get(resource_name)
-            try:
-                out.append(int(str(value)) if value is not None else 0)
-            except ValueError:
-                out.append(0)
-        return out
-
-    async def pod_problems(self, namespace: str, label_selector: str) -> list[tuple[str, str, str]]:
-        """(pod, reason, message) for containers stuck waiting for a reason a user must fix."""
-        problems = []
-        for pod in await self.list("Pod", namespace, label_selector):
-            st = pod.get("status") or {}
-            for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
-                waiting = (cs.get("state") or {}).get("waiting") or {}
-                if waiting.get("reason") in POD_PROBLEM_REASONS:
-                    problems.append((pod["metadata"]["name"], waiting["reason"], waiting.get("message", "")))
-            for cond in st.get("conditions") or []:
-                if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-                    problems.append((pod["metadata"]["name"], "Unschedulable", cond.get("message", "")))
-        return problems
 
     async def emit_event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on an object (kubectl describe shows it). Failures are logged, not raised."""

@@ -38,6 +38,10 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kuberl.io", key="last-handled-configuration")
     settings.persistence.finalizer = "kuberl.io/kopf-finalizer"
     settings.execution.max_workers = 8
+    # On deletion kopf waits for a running monitor tick before releasing its finalizer; by default it
+    # re-checks only after 60 s. A tick takes well under a second: wait for it briefly, poll often.
+    settings.background.instant_exit_timeout = 2.0
+    settings.background.cancellation_polling = 2
 
 
 def main(args: argparse.Namespace) -> int:

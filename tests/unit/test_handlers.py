@@ -1,4 +1,4 @@
-"""The pure helpers of the kopf handlers (kuberl.operator.handlers) and the operator's settings."""
+"""The pure helpers of the kopf handlers and their lifecycle logic, and the operator's settings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import kopf
 import pytest
 from pydantic import ValidationError
 
-from kuberl.operator import handlers as h
+from kuberl.operator import handlers
+from kuberl.operator import lifecycle as h
 from kuberl.operator.kube import path_for
 from kuberl.operator.main import configure_settings
 from kuberl.operator.progress import kv_bucket
@@ -27,32 +28,29 @@ def body(name: str = "demo", **spec_overrides: object) -> dict:
 
 class TestParsingTheBody:
     def test_a_valid_body_becomes_the_model_with_its_namespace_and_last_status(self) -> None:
-        exp = h.parse_experiment(body())
+        exp = handlers.parse_experiment(body())
         assert (exp.name, exp.namespace, exp.status.phase) == ("demo", "team-a", "Running")
 
     def test_a_malformed_status_is_ignored_rather_than_blocking_the_experiment(self) -> None:
         b = body()
         b["status"] = {"phase": "Sleeping", "kopf": {"junk": 1}}
-        assert h.parse_experiment(b).status is None
+        assert handlers.parse_experiment(b).status is None
 
     def test_a_name_too_long_for_child_names_names_metadata_name_in_the_message(self) -> None:
         with pytest.raises(ValidationError) as info:
-            h.parse_experiment(body("x" * 60))
-        message = h.describe_validation_error(info.value)
+            handlers.parse_experiment(body("x" * 60))
+        message = "; ".join(handlers.describe_validation_error(info.value))
         assert "metadata.name" in message and "52" in message
 
     def test_a_bad_spec_value_is_reported_with_its_path_and_value(self) -> None:
         with pytest.raises(ValidationError) as info:
-            h.parse_experiment(body(rollout={"replicas": -1}))
-        message = h.describe_validation_error(info.value)
+            handlers.parse_experiment(body(rollout={"replicas": -1}))
+        message = "; ".join(handlers.describe_validation_error(info.value))
         assert "spec.rollout.replicas" in message and "-1" in message
 
-    def test_validation_failure_status_is_failed_with_a_validated_false_condition(self) -> None:
-        st = h.validation_failed_status({"conditions": [{"type": "Progressing", "status": "True"}]}, "spec.x: bad", 4, T0)
-        assert st["phase"] == "Failed" and st["observedGeneration"] == 4
-        validated = next(c for c in st["conditions"] if c["type"] == "Validated")
-        assert (validated["status"], validated["reason"], validated["message"]) == ("False", "ValidationFailed", "spec.x: bad")
-        assert any(c["type"] == "Progressing" for c in st["conditions"]), "unrelated conditions are kept"
+    def test_the_generation_reaches_the_model_for_observed_generation(self) -> None:
+        exp = handlers.parse_experiment(body())
+        assert exp.metadata.model_extra["generation"] == 3
 
 
 class TestLifecycleRules:
@@ -80,10 +78,16 @@ class TestLifecycleRules:
         assert h.phase_event("Running", "Failed") == ("Warning", "PhaseFailed")
 
     def test_the_running_copy_only_clears_suspend(self) -> None:
-        exp = h.parse_experiment(body(suspend=True))
+        exp = handlers.parse_experiment(body(suspend=True))
         running = h.running_copy(exp)
         assert running.spec.suspend is False and exp.spec.suspend is True
         assert running.spec.model_dump(exclude={"suspend"}) == exp.spec.model_dump(exclude={"suspend"})
+
+    def test_a_suspend_counts_as_applied_once_the_live_job_is_suspended_or_memo_says_so(self) -> None:
+        exp = handlers.parse_experiment(body(suspend=True))
+        assert not h.suspend_applied(exp, {"spec": {"suspend": False}}, {})
+        assert h.suspend_applied(exp, {"spec": {"suspend": True}}, {})
+        assert h.suspend_applied(exp, None, {"suspend_applied": True})
 
     def test_a_job_condition_is_found_only_when_true(self) -> None:
         job = {"status": {"conditions": [{"type": "Failed", "status": "False"}, {"type": "Complete", "status": "True"}]}}

@@ -1,0 +1,380 @@
+"""The operator's reconcile logic behind the kopf handlers: observe, apply children, lifecycle, status.
+
+Called by kuberl.operator.handlers (which only parses, filters and maps errors). It reads the world
+through kuberl.operator.kube and kuberl.operator.progress, decides with O1's pure code (builders,
+status, autoscaler), and writes back: children by server-side apply, status only when it changed,
+events for every phase transition, problem and lifecycle action. Small rules are pure functions
+at the top (tests/unit/test_handlers.py); per-experiment state lives in kopf's per-object `memo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from kuberl.api.v1alpha1 import Phase, RLExperiment
+from kuberl.operator import metrics, naming
+from kuberl.operator import status as st
+from kuberl.operator.builders import build_children, build_rollout_statefulset, build_trainer_job
+from kuberl.operator.builders.common import accelerator_resource
+from kuberl.operator.kube import KubeClient
+from kuberl.operator.labels import EventReason, Reason
+from kuberl.operator.progress import BusReader
+
+log = logging.getLogger("kuberl.operator")
+# Problems that keep the operator from creating pods at all (the rest show up once pods exist).
+BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
+
+
+@dataclass
+class OperatorConfig:
+    """Process-wide knobs (environment variables, so tests can shorten them)."""
+
+    interval: float = float(os.environ.get("KUBERL_OPERATOR_INTERVAL", "5"))  # monitor timer period, s
+    checkpoint_timeout: float = float(os.environ.get("KUBERL_CHECKPOINT_TIMEOUT", "120"))  # suspend waits this long
+    retry_delay: float = float(os.environ.get("KUBERL_OPERATOR_RETRY", "15"))  # recheck of a missing Secret/PVC
+    node_cache_seconds: float = 60.0  # Node capacity changes slowly; do not list Nodes every tick
+    kube: KubeClient | None = None
+    bus: BusReader = field(default_factory=BusReader)
+    nodes: tuple[float, dict[str, int]] | None = None
+
+
+CONFIG = OperatorConfig()
+
+
+def kube() -> KubeClient:
+    if CONFIG.kube is None:
+        CONFIG.kube = KubeClient.from_environment()
+    return CONFIG.kube
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure rules
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_time(text: str | None) -> dt.datetime | None:
+    if not text:
+        return None
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def rfc3339(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def job_condition(job: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """The Job's condition of this type (Complete, Failed, Suspended) when it is True."""
+    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind and cond.get("status") == "True":
+            return cond
+    return None
+
+
+def restart_due(restarts: int, backoff_seconds: float, failed_at: dt.datetime | None, t: dt.datetime) -> bool:
+    """Failure policy: restart n waits backoff * 2**n after the failure (30 s, 60 s, 120 s, ...)."""
+    if failed_at is None:
+        return True
+    return (t - failed_at).total_seconds() >= backoff_seconds * (2 ** restarts)
+
+
+def checkpoint_answered(progress: dict[str, Any] | None, requested_at: float) -> bool:
+    """Did the trainer write a checkpoint after we asked (progress.checkpoint.time >= request time)?"""
+    ckpt = (progress or {}).get("checkpoint") or {}
+    try:
+        return float(ckpt.get("time") or 0) >= requested_at
+    except (TypeError, ValueError):
+        return False
+
+
+def ttl_expired(spec_ttl: int | None, completion_time: str | None, t: dt.datetime) -> bool:
+    done = parse_time(completion_time)
+    return spec_ttl is not None and done is not None and (t - done).total_seconds() >= spec_ttl
+
+
+def phase_event(old: str | None, new: str) -> tuple[str, str] | None:
+    """(event type, reason) for a phase transition, None when the phase did not change."""
+    if old == new:
+        return None
+    return ("Warning" if new == Phase.FAILED else "Normal", f"Phase{new}")
+
+
+def running_copy(exp: RLExperiment) -> RLExperiment:
+    """The experiment as if spec.suspend were false: what stays applied until the checkpoint is taken."""
+    return exp.model_copy(update={"spec": exp.spec.model_copy(update={"suspend": False})})
+
+
+def merge_patch_for(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch turning `old` status into `new` (top-level keys that disappear become null)."""
+    return {**{k: None for k in old if k not in new}, **new}
+
+
+def decode_secret_value(secret: dict[str, Any] | None, key: str) -> str | None:
+    if not secret:
+        return None
+    if key in (secret.get("data") or {}):
+        return base64.b64decode(secret["data"][key]).decode()
+    return (secret.get("stringData") or {}).get(key)
+
+
+def suspend_applied(exp: RLExperiment, job: dict[str, Any] | None, memo: Any) -> bool:
+    """Whether the suspended shape is (or may be) applied: after the checkpoint, or already in the
+    cluster (the live Job is suspended), which also survives an operator restart."""
+    return bool(memo.get("suspend_applied") or ((job or {}).get("spec") or {}).get("suspend"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the world
+# ---------------------------------------------------------------------------------------------
+
+
+async def bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
+    """URL and token the operator uses to read this experiment's bus KV."""
+    if exp.spec.bus.external is not None:
+        ref = exp.spec.bus.external.credentials_secret
+        token = decode_secret_value(await kube().get("Secret", exp.namespace, ref.name), ref.key) if ref else None
+        return exp.spec.bus.external.url, token
+    secret = await kube().get("Secret", exp.namespace, naming.bus_secret_name(exp))
+    return naming.bus_url(exp), decode_secret_value(secret, "token")
+
+
+async def accelerators_per_node() -> dict[str, int]:
+    """Largest allocatable count of each extended resource on one node (cached)."""
+    if CONFIG.nodes is None or time.monotonic() - CONFIG.nodes[0] > CONFIG.node_cache_seconds:
+        largest: dict[str, int] = {}
+        for node in await kube().list("Node"):
+            for res, value in (((node.get("status") or {}).get("allocatable")) or {}).items():
+                if "/" in res:
+                    try:
+                        largest[res] = max(largest.get(res, 0), int(str(value)))
+                    except ValueError:
+                        pass
+        CONFIG.nodes = (time.monotonic(), largest)
+    return CONFIG.nodes[1]
+
+
+async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
+    """Everything O1's status code needs, read from the API."""
+    ns, name = exp.namespace, exp.name
+    missing_secrets, missing_keys, missing_claims = set(), set(), set()
+    for _, secret_name, key in st.referenced_secrets(exp):
+        secret = await kube().get("Secret", ns, secret_name)
+        if secret is None:
+            missing_secrets.add(secret_name)
+        elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+            missing_keys.add((secret_name, key))
+    for _, claim in st.referenced_claims(exp):
+        if not await kube().pvc_exists(ns, claim):
+            missing_claims.add(claim)
+    needs = [accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)]
+    per_node = await accelerators_per_node() if any(needs) else None
+    pods = await kube().list("Pod", ns, f"kuberl.io/experiment={name}")
+    return st.ObservedChildren(
+        bus=None if exp.spec.bus.external is not None else await kube().get("StatefulSet", ns, naming.bus_name(exp)),
+        rollout=await kube().get("StatefulSet", ns, naming.rollout_name(exp)),
+        trainer=await kube().get("Job", ns, naming.trainer_name(exp)),
+        missing_secrets=frozenset(missing_secrets), missing_secret_keys=frozenset(missing_keys),
+        missing_claims=frozenset(missing_claims),
+        pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
+        accelerators_per_node=per_node, trainer_restarts=restarts)
+
+
+def blockers(exp: RLExperiment, observed: st.ObservedChildren) -> list[st.Problem]:
+    return [p for p in st.explain_unrunnable(exp, observed) if p.reason in BLOCKING]
+
+
+async def event(body: Any, type_: str, reason: str, message: str) -> None:
+    await kube().emit_event(dict(body), type_, reason, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying children
+# ---------------------------------------------------------------------------------------------
+
+
+async def apply_child(body: Any, child: dict[str, Any]) -> bool:
+    """Adopt and server-side-apply one child; a Job whose immutable template changed is re-created.
+    Returns True when the child did not exist before."""
+    from kuberl.operator.kube import KubeError
+
+    kopf.adopt(child, owner=dict(body))
+    kind, name, ns = child["kind"], child["metadata"]["name"], child["metadata"]["namespace"]
+    live = await kube().get(kind, ns, name)
+    try:
+        await kube().apply(child)
+    except KubeError as exc:
+        if not (exc.status == 422 and kind == "Job" and live is not None):
+            raise
+        await recreate_job(body, child, "its pod template changed (immutable in a Job)")
+    return live is None
+
+
+async def recreate_job(body: Any, job: dict[str, Any], why: str) -> None:
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    await kube().delete("Job", ns, name, propagation="Background")
+    for _ in range(120):  # the API removes it promptly; its pods go through the garbage collector
+        if await kube().get("Job", ns, name) is None:
+            break
+        await asyncio.sleep(0.5)
+    kopf.adopt(job, owner=dict(body))
+    await kube().apply(job)
+    await event(body, "Normal", EventReason.RECREATED.value, f"Job {name} re-created: {why}")
+
+
+async def bus_token_for_children(exp: RLExperiment) -> str | None:
+    """The embedded bus token: the one already in the Secret, else a new random one (generated once)."""
+    if exp.spec.bus.external is not None:
+        return None
+    secret = await kube().get("Secret", exp.namespace, naming.bus_secret_name(exp))
+    return decode_secret_value(secret, "token") or secrets.token_urlsafe(32)
+
+
+async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any) -> None:
+    """Apply every child built from the spec, minding the lifecycle: a suspend waits for the
+    checkpoint (the running shape stays applied), a finished experiment keeps rollout at 0."""
+    job = await kube().get("Job", exp.namespace, naming.trainer_name(exp))
+    effective = exp
+    if exp.spec.suspend and not suspend_applied(exp, job, memo) and job is not None:
+        effective = running_copy(exp)
+    finished = status.get("phase") in (Phase.SUCCEEDED, Phase.FAILED)
+    created = []
+    for child in build_children(effective, bus_token=await bus_token_for_children(exp)):
+        if finished and child["kind"] == "Job":
+            continue  # a finished trainer is not started again
+        if finished and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
+            child = build_rollout_statefulset(effective, replicas=0)
+        if await apply_child(body, child):
+            created.append(f"{child['kind']}/{child['metadata']['name']}")
+    if created:
+        await event(body, "Normal", EventReason.CREATED.value, f"Created {', '.join(created)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The monitor: lifecycle, autoscaler, status
+# ---------------------------------------------------------------------------------------------
+
+
+async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, *, act: bool = True) -> list[st.Problem]:
+    """Observe, run the lifecycle (when `act`), patch status if it changed, post events.
+    Returns the problems that block pod creation."""
+    t = now()
+    ns, name = exp.namespace, exp.name
+    restarts = int(status.get("restarts") or 0)
+    observed = await observe(exp, restarts)
+    url, token = await bus_endpoint(exp)
+    progress = await CONFIG.bus.read(url, token, name)
+    blocking = blockers(exp, observed)
+    extra: dict[str, Any] = {}
+    if act and not blocking:
+        extra, changed = await lifecycle(body, exp, status, memo, observed, progress, url, token, t)
+        if changed:  # what we just did (restart, suspend, scale) must show in this status
+            observed = await observe(exp, int(extra.get("restarts", restarts)))
+    new = st.compute_status(exp, observed, progress, t) | extra
+    if st.status_changed(status, new):
+        await kube().patch_status("RLExperiment", ns, name, merge_patch_for(status, new))
+    transition = phase_event(status.get("phase"), new["phase"])
+    if transition:
+        message = next((c.get("message") for c in new.get("conditions", []) if c.get("type") == "Ready"), "") or new["phase"]
+        await event(body, transition[0], transition[1], message)
+        if status.get("phase") == Phase.SUSPENDED and new["phase"] != Phase.SUSPENDED:
+            await event(body, "Normal", EventReason.RESUMED.value, "resumed: the trainer continues from its last checkpoint")
+    metrics.record_phase(f"{ns}/{name}", new["phase"])
+    reported = memo.setdefault("reported_problems", set())
+    for problem in st.explain_unrunnable(exp, observed):
+        if (problem.reason, problem.message) not in reported:
+            reported.add((problem.reason, problem.message))
+            await event(body, "Warning", str(problem.reason), problem.message)
+    if ttl_expired(exp.spec.ttl_seconds_after_finished, new.get("completionTime"), t):
+        await event(body, "Normal", "Deleted", f"ttlSecondsAfterFinished={exp.spec.ttl_seconds_after_finished} passed: deleting")
+        await kube().delete("RLExperiment", ns, name)
+    return blocking
+
+
+async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, observed: st.ObservedChildren,
+                    progress: dict[str, Any] | None, url: str, token: str | None, t: dt.datetime) -> tuple[dict[str, Any], bool]:
+    """Suspend (checkpoint first), completion (rollout to 0), trainer restarts, autoscaling.
+    Returns (status fields the operator owns, whether children changed)."""
+    job = dict(observed.trainer) if observed.trainer else None
+    if exp.spec.suspend:
+        return {}, await suspend(body, exp, status, memo, job, progress, url, token)
+    memo.pop("suspend_applied", None)
+    memo.pop("ckpt_requested_at", None)
+    if job_condition(job, "Complete") or (progress or {}).get("done"):
+        rollout = observed.rollout
+        if rollout and (rollout.get("spec") or {}).get("replicas", 0) > 0:
+            await apply_child(body, build_rollout_statefulset(exp, replicas=0))
+            await event(body, "Normal", EventReason.SUCCEEDED.value, "training complete: rollout scaled to 0")
+            return {}, True
+        return {}, False
+    failed = job_condition(job, "Failed")
+    if failed:
+        restarts, policy = observed.trainer_restarts, exp.spec.failure_policy
+        if restarts < policy.max_restarts and restart_due(restarts, policy.backoff_seconds, parse_time(failed.get("lastTransitionTime")), t):
+            why = f"the trainer failed ({failed.get('reason')}); restart {restarts + 1}/{policy.max_restarts} from the last checkpoint"
+            await recreate_job(body, build_trainer_job(exp), why)
+            await event(body, "Warning", EventReason.TRAINER_RESTARTED.value, why)
+            return {"restarts": restarts + 1}, True
+        return {}, False
+    return await autoscale(body, exp, status, progress, t)
+
+
+async def suspend(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, job: dict[str, Any] | None,
+                  progress: dict[str, Any] | None, url: str, token: str | None) -> bool:
+    """Ask the trainer for a checkpoint, wait for it (bounded), then apply the suspended shape."""
+    if suspend_applied(exp, job, memo):
+        return False
+    if "ckpt_requested_at" not in memo:
+        memo["ckpt_requested_at"] = time.time()
+        memo["ckpt_asked"] = await CONFIG.bus.request_checkpoint(url, token, exp.name, f"suspend-{body['metadata'].get('generation')}")
+        await event(body, "Normal", EventReason.CHECKPOINT_REQUESTED.value,
+                    "asked the trainer for a checkpoint before suspending" if memo["ckpt_asked"]
+                    else "the bus is unreachable: suspending without a fresh checkpoint")
+    answered = checkpoint_answered(progress, memo["ckpt_requested_at"])
+    trainer_active = bool(((job or {}).get("status") or {}).get("active"))
+    waited = time.time() - memo["ckpt_requested_at"]
+    if not (answered or not memo["ckpt_asked"] or not trainer_active or waited > CONFIG.checkpoint_timeout):
+        return False
+    if answered:
+        ckpt = (progress or {}).get("checkpoint") or {}
+        await event(body, "Normal", EventReason.CHECKPOINT_SAVED.value, f"checkpoint at step {ckpt.get('step')}: {ckpt.get('path')}")
+    elif memo["ckpt_asked"] and trainer_active:
+        await event(body, "Warning", EventReason.SUSPENDED.value, f"no checkpoint within {CONFIG.checkpoint_timeout:.0f}s: suspending anyway")
+    memo["suspend_applied"] = True
+    await apply_children(body, exp, status, memo)
+    await event(body, "Normal", EventReason.SUSPENDED.value, "trainer Job suspended, rollout scaled to 0")
+    return True
+
+
+async def autoscale(body: Any, exp: RLExperiment, status: dict[str, Any], progress: dict[str, Any] | None,
+                    t: dt.datetime) -> tuple[dict[str, Any], bool]:
+    """Scale rollout through the /scale subresource (spec.rollout.replicas stays the one truth)."""
+    auto = exp.spec.rollout.autoscaling
+    if not (auto.enabled and status.get("phase") == Phase.RUNNING and progress):
+        return {}, False
+    from kuberl.operator.autoscaler import decide_replicas, signals_from_progress
+
+    current = exp.spec.rollout.replicas
+    decision = decide_replicas(auto, current, signals_from_progress(exp, progress), parse_time(status.get("lastScaleTime")), t)
+    if decision.replicas == current:
+        return {}, False
+    await kube().patch("RLExperiment", exp.namespace, exp.name, {"spec": {"replicas": decision.replicas}}, subresource="scale")
+    reason = EventReason.SCALED_UP if decision.replicas > current else EventReason.SCALED_DOWN
+    await event(body, "Normal", reason.value, f"rollout replicas {current} -> {decision.replicas}: {decision.message}")
+    metrics.record_scale(current, decision.replicas)
+    return {"lastScaleTime": rfc3339(t)}, True
