@@ -27,8 +27,10 @@ CONFIG_KEY = "experiment.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 WORKDIR = "/checkpoints"  # KUBERL_WORKDIR in every runtime pod (contracts.md)
 CACHE_DIR = "/cache"  # HOME and caches (HF, vLLM, torch) on an emptyDir: the image may not own a home
+# Volume mount roots; the runtime's defaults are the same (runtime/models.py MODEL_VOLUME_ROOT,
+# runtime/data.py DATA_VOLUME_ROOT), though experiment.yaml already carries the absolute paths.
 MODELS_DIR = "/models"  # spec.model.volume is mounted at /models/<claim>
-DATASETS_DIR = "/datasets"  # spec.dataset.volume is mounted at /datasets/<claim>
+DATASETS_DIR = "/data"  # spec.dataset.volume is mounted at /data/<claim>
 IMAGE_REPOSITORY = "ghcr.io/kuberl"
 RUNTIME_UID = 1000  # the runtime images run as this user (images/ Dockerfiles)
 
@@ -147,7 +149,7 @@ def cache_mount() -> Obj:
 
 
 def data_volumes(exp: RLExperiment) -> tuple[list[Obj], list[Obj]]:
-    """Volumes and read-only mounts for spec.model.volume and spec.dataset.volume (at /models|/datasets/<claim>)."""
+    """Volumes and read-only mounts for spec.model.volume and spec.dataset.volume (at /models|/data/<claim>)."""
     volumes: list[Obj] = []
     mounts: list[Obj] = []
     for vol_name, ref, root in (("model", exp.spec.model.volume, MODELS_DIR), ("dataset", exp.spec.dataset.volume, DATASETS_DIR)):

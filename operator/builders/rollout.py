@@ -52,11 +52,21 @@ def rollout_replicas(exp: RLExperiment, replicas: int | None = None) -> int:
     return replicas
 
 
+def workdir_read_only(exp: RLExperiment) -> bool:
+    """Whether the rollout pods see KUBERL_WORKDIR read-only: yes for disk sync (the trainer writes the
+    weights, engines only read), except with model.builtin, which every role builds into
+    `$KUBERL_WORKDIR/models` (runtime/models.py) and so must be able to write there."""
+    return exp.spec.weight_sync.mode == "disk" and exp.spec.model.builtin is None
+
+
 def _workdir_volume(exp: RLExperiment) -> Obj:
     """disk sync: the checkpoint PVC (the trainer writes weights there, engines read them).
     bus sync: a pod-local emptyDir where the agent puts downloaded weights for its engine."""
     if exp.spec.weight_sync.mode == "disk":
-        return {"name": "workdir", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp), "readOnly": True}}
+        claim: Obj = {"claimName": naming.checkpoint_claim_name(exp)}
+        if workdir_read_only(exp):
+            claim["readOnly"] = True
+        return {"name": "workdir", "persistentVolumeClaim": claim}
     return {"name": "workdir", "emptyDir": {}}
 
 
@@ -67,7 +77,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
     image = image_of(exp, spec, spec.accelerator)
     env = runtime_env(exp)
     data_vols, data_mounts = data_volumes(exp)
-    disk_sync = exp.spec.weight_sync.mode == "disk"
+    read_only = workdir_read_only(exp)
     health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     engine: Obj = {
         "name": ENGINE_CONTAINER,
@@ -84,8 +94,8 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             config_mount(),
             shm_mount(),
             cache_mount(),
-            # The engine reads new weights from the workdir; it never writes there.
-            {"name": "workdir", "mountPath": WORKDIR, "readOnly": True},
+            # The engine reads new weights from the workdir (and builds a builtin model there).
+            {"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only},
             *data_mounts,
         ],
         "securityContext": container_security_context(),
@@ -105,7 +115,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             config_mount(),
             cache_mount(),
             # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
-            {"name": "workdir", "mountPath": WORKDIR, "readOnly": disk_sync},
+            {"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only},
             *data_mounts,
         ],
         "securityContext": container_security_context(),

@@ -261,7 +261,7 @@ class TestConfigMap:
         exp = IN_TEST["volumes and hub token"]
         spec = yaml.safe_load(build_config_map(exp)["data"]["experiment.yaml"])["spec"]
         assert spec["model"]["path"] == "/models/models/qwen" and "volume" not in spec["model"]
-        assert spec["dataset"]["path"] == "/datasets/data/gsm8k/train.jsonl"
+        assert spec["dataset"]["path"] == "/data/data/gsm8k/train.jsonl"
         engine = containers(build_rollout_statefulset(exp))["engine"]
         assert {"name": "model", "mountPath": "/models/models", "readOnly": True, "subPath": "hf"} in engine["volumeMounts"]
 
@@ -352,6 +352,13 @@ class TestRollout:
         assert vol["persistentVolumeClaim"] == {"claimName": "exp-checkpoints", "readOnly": True}
         for c in containers(sts).values():
             assert {"name": "workdir", "mountPath": "/checkpoints", "readOnly": True} in c["volumeMounts"]
+
+    def test_a_builtin_model_needs_a_writable_workdir_to_be_built_into(self) -> None:
+        sts = build_rollout_statefulset(make_experiment(model={"builtin": "tiny-qwen2"}))
+        vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "workdir")
+        assert vol["persistentVolumeClaim"] == {"claimName": "exp-checkpoints"}
+        for c in containers(sts).values():
+            assert {"name": "workdir", "mountPath": "/checkpoints", "readOnly": False} in c["volumeMounts"]
 
     def test_bus_sync_gives_the_pod_its_own_writable_workdir(self) -> None:
         sts = build_rollout_statefulset(IN_TEST["bus sync, 3 NATS servers"])
