@@ -370,7 +370,7 @@ async def autoscale(body: Any, exp: RLExperiment, status: dict[str, Any], progre
     from kuberl.operator.autoscaler import decide_replicas, signals_from_progress
 
     current = exp.spec.rollout.replicas
-    decision = decide_replicas(auto, current, signals_from_progress(exp, progress), parse_time(status.get("lastScaleTime")), t)
+    decision = decide_replicas(auto, current, signals_from_progress(exp, progress, t), parse_time(status.get("lastScaleTime")), t)
     if decision.replicas == current:
         return {}, False
     await kube().patch("RLExperiment", exp.namespace, exp.name, {"spec": {"replicas": decision.replicas}}, subresource="scale")
