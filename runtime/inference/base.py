@@ -16,7 +16,11 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class GenerateRequest:
-    """One sequence to generate from token ids (the workflows apply chat templates themselves)."""
+    """One sequence to generate from token ids (the workflows apply chat templates themselves).
+
+    Generation stops only at `stop_token_ids` (the stop token is kept in the output) or after
+    max_new_tokens; the model's own eos is not implied. temperature 0 = greedy.
+    """
 
     input_ids: list[int]
     max_new_tokens: int

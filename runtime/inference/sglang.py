@@ -59,6 +59,7 @@ def generate_payload(req: GenerateRequest) -> dict:
         "top_p": req.top_p,
         "stop_token_ids": list(req.stop_token_ids),
         "skip_special_tokens": False,
+        "ignore_eos": True,  # stop only on stop_token_ids (the workflows pass eos), as with vLLM
         "no_stop_trim": True,  # keep the stop token in output_ids: the trainer must see it
     }
     if req.seed is not None:
@@ -166,10 +167,14 @@ class SGLangEngine:
             await asyncio.sleep(1.0)
         raise EngineError(f"SGLang at {self.url} not healthy after {self.startup_timeout:.0f} s")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
+        """Close the HTTP session only (the server keeps running)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def stop(self) -> None:
+        await self.close()
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

@@ -83,6 +83,11 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4) is much more than tiny models need
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if on_cpu():
+        # torch.compile on CPU builds C++ kernels through a shared /tmp cache; measured here: concurrent
+        # servers corrupt each other's precompiled headers (at::vec errors, HTTP 500). Eager is fast
+        # enough for CPU-sized models and starts sooner.
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     return env
 
 
@@ -161,10 +166,14 @@ class VLLMEngine:
             await asyncio.sleep(0.5)
         raise EngineError(f"vLLM at {self.url} not healthy after {timeout:.0f} s")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
+        """Close the HTTP session only (the server keeps running)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def stop(self) -> None:
+        await self.close()
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -220,6 +229,9 @@ class VLLMEngine:
             "logprobs": 0,  # the sampled token's logprob only
             "return_token_ids": True,  # exact output ids (no re-tokenisation)
             "skip_special_tokens": False,
+            # Stop only where the request says (the workflows pass the tokenizer's eos), not on the
+            # model's generation_config: the same request means the same thing on every engine.
+            "ignore_eos": True,
             "stop_token_ids": list(req.stop_token_ids),
         }
         if req.seed is not None:

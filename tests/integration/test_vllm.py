@@ -1,0 +1,126 @@
+"""The vLLM engine against a real vLLM CPU server: exact ids and logprobs, weight reload, pause/resume, partial rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from kuberl.runtime.inference.base import GenerateRequest
+from kuberl.runtime.inference.vllm import VLLMEngine
+from kuberl.runtime.rollout.workflows import generate_continuing
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def engine(vllm_server):
+    e = VLLMEngine(url=vllm_server.url)
+    await e.start()
+    yield e
+    await e.close()
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompt(tok, text="Repeat the digit 7."):
+    return tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def _logprobs(model, prompt, output, temperature=1.0):
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+@torch.no_grad()
+def _greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+async def _load(engine, path, version):
+    await engine.pause()
+    await engine.update_weights_from_disk(str(path), version)
+    await engine.resume()
+
+
+async def test_generate_returns_the_sampled_ids_and_their_logprobs_under_the_served_weights(engine, vllm_server):
+    await _load(engine, vllm_server.model_dir, 0)
+    tok, model = _hf(vllm_server.model_dir)
+    prompt = _prompt(tok)
+    for temperature in (1.0, 0.7):
+        res = await engine.generate(GenerateRequest(prompt, max_new_tokens=12, temperature=temperature, stop_token_ids=[tok.eos_token_id], seed=3))
+        assert res.finish_reason in ("stop", "length") and res.version == 0
+        assert 1 <= len(res.output_ids) == len(res.logprobs) <= 12
+        assert all(0 <= t < len(tok) for t in res.output_ids)
+        if res.finish_reason == "stop":
+            assert res.output_ids[-1] == tok.eos_token_id  # the stop token is kept: the trainer learns to stop
+        # The engine's logprobs are those of the temperature-scaled policy that sampled the tokens.
+        assert res.logprobs == pytest.approx(_logprobs(model, prompt, res.output_ids, temperature), abs=2e-3)
+
+
+async def test_the_same_seed_gives_the_same_tokens(engine, vllm_server):
+    await _load(engine, vllm_server.model_dir, 0)
+    tok, _ = _hf(vllm_server.model_dir)
+    req = GenerateRequest(_prompt(tok), max_new_tokens=10, temperature=1.0, seed=11)
+    a, b = await asyncio.gather(engine.generate(req), engine.generate(req))
+    assert a.output_ids == b.output_ids
+
+
+async def test_a_weight_reload_changes_the_outputs_without_a_restart(engine, vllm_server):
+    tok, old = _hf(vllm_server.model_dir)
+    _, new = _hf(vllm_server.other_weights)
+    prompt = _prompt(tok)
+    greedy = GenerateRequest(prompt, max_new_tokens=16, temperature=0.0)
+    await _load(engine, vllm_server.model_dir, 0)
+    before = await engine.generate(greedy)
+    await _load(engine, vllm_server.other_weights, 1)
+    after = await engine.generate(greedy)
+    assert engine.version == 1 and after.version == 1
+    assert before.output_ids == _greedy(old, prompt, 16)
+    assert after.output_ids == _greedy(new, prompt, 16)  # exactly what the new weights produce
+    assert after.output_ids != before.output_ids
+    await _load(engine, vllm_server.model_dir, 0)
+    assert (await engine.generate(greedy)).output_ids == before.output_ids
+
+
+async def test_a_paused_engine_holds_new_generations_until_resumed(engine, vllm_server):
+    tok, _ = _hf(vllm_server.model_dir)
+    await engine.pause()
+    task = asyncio.create_task(engine.generate(GenerateRequest(_prompt(tok), max_new_tokens=4, temperature=1.0)))
+    await asyncio.sleep(1.0)
+    assert not task.done()
+    await engine.resume()
+    res = await asyncio.wait_for(task, 60)
+    assert len(res.output_ids) >= 1
+
+
+async def test_a_generation_interrupted_by_a_weight_update_continues_and_its_tokens_carry_both_versions(engine, vllm_server):
+    tok, old = _hf(vllm_server.model_dir)
+    _, new = _hf(vllm_server.other_weights)
+    await _load(engine, vllm_server.model_dir, 0)
+    prompt = _prompt(tok)
+    n = 400
+    req = GenerateRequest(prompt, max_new_tokens=n, temperature=0.0)  # greedy, so each piece can be checked
+    gen_task = asyncio.create_task(generate_continuing(engine, prompt, req))
+    await asyncio.sleep(0.5)
+    assert not gen_task.done(), "generation finished before the update: raise max_new_tokens"
+    await _load(engine, vllm_server.other_weights, 1)
+    gen = await asyncio.wait_for(gen_task, 300)
+    assert gen.finish_reason == "length" and len(gen.output_ids) == n and gen.pieces >= 2
+    assert set(gen.versions) == {0, 1}
+    switch = gen.versions.index(1)
+    assert all(v == 0 for v in gen.versions[:switch]) and all(v == 1 for v in gen.versions[switch:])
+    # Tokens before the switch are v0's greedy continuation; those after are v1's, from prompt + v0's prefix.
+    assert gen.output_ids[:switch] == _greedy(old, prompt, switch)
+    assert gen.output_ids[switch : switch + 20] == _greedy(new, prompt + gen.output_ids[:switch], 20)
+    await _load(engine, vllm_server.model_dir, 0)
