@@ -72,6 +72,7 @@ class Trainer:
         self.recent: deque[tuple[int, float]] = deque(maxlen=5)  # (samples, seconds) of recent steps
         self.last_checkpoint: dict[str, Any] | None = None
         self.stop_reason: str | None = None
+        self.last_numbers: dict[str, Any] = {}  # reward, speed, staleness of the last step, for progress
 
     # ------------------------------------------------------------------------------------------
     # set-up
@@ -448,8 +449,10 @@ class Trainer:
             self.recent.append((stats["samples"], stats["step_seconds"]))
             secs = sum(s for _, s in self.recent)
             sps = sum(n for n, _ in self.recent) / secs if secs > 0 else 0.0
-            progress.update(reward_mean=stats["reward_mean"], samples_per_second=sps, staleness_mean=stats["staleness_mean"],
-                            staleness_max=stats["staleness_max"], trainer_wait_fraction=stats["wait_seconds"] / max(stats["step_seconds"], 1e-9))
+            # Kept for every later report (checkpoints, done): the last step's numbers stay visible.
+            self.last_numbers = dict(reward_mean=stats["reward_mean"], samples_per_second=sps, staleness_mean=stats["staleness_mean"],
+                                     staleness_max=stats["staleness_max"], trainer_wait_fraction=stats["wait_seconds"] / max(stats["step_seconds"], 1e-9))
+            progress.update(self.last_numbers)
             row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
                    "dropped_stale": self.dropped_stale, **stats}
             with open(self.workdir / "metrics.jsonl", "a") as fh:
@@ -467,7 +470,7 @@ class Trainer:
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
                 "staleness_max": None, "dropped_stale": self.dropped_stale, "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
-                "checkpoint": self.last_checkpoint, "time": time.time()}
+                "checkpoint": self.last_checkpoint, "time": time.time(), **self.last_numbers}
 
     def _staleness(self, batch: RolloutBatch) -> dict[str, Any]:
         # Measured against the version the batch was trained at (before this step's bump).

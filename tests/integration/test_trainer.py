@@ -172,6 +172,8 @@ async def test_the_trainer_trains_on_groups_from_the_bus_publishes_new_weights_a
         progress = await bus.get_state("progress")
         assert progress["done"] is True and progress["step"] == 2 and progress["failed"] is None
         assert progress["policy_version"] == 2 and progress["checkpoint"]["step"] == 2
+        assert progress["reward_mean"] == 0.5, "the final report keeps the last step's numbers"
+        assert 0.0 <= progress["trainer_wait_fraction"] <= 1.0 and progress["samples_per_second"] > 0
         for field in ("reward_mean", "samples_per_second", "staleness_mean", "staleness_max", "dropped_stale",
                       "trainer_wait_fraction", "groups_buffered", "epoch", "total_steps", "time"):
             assert field in progress, field
