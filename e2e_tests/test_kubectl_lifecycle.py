@@ -73,14 +73,18 @@ def test_kubectl_scale_changes_the_rollout_replicas(cluster: Cluster) -> None:
 
 def test_kubectl_patch_suspend_suspends_the_trainer_and_scales_rollout_to_zero(cluster: Cluster) -> None:
     cluster.kubectl("patch", "rlx", NAME, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
+    # The operator first asks the trainer for a checkpoint (bounded wait), then suspends.
+    cluster.wait("the trainer Job suspended", lambda: cluster.kubectl(
+        "get", "job", f"{NAME}-trainer", "-o", "jsonpath={.spec.suspend}").stdout.strip() == "true")
+    cluster.wait("rollout scaled to 0", lambda: cluster.kubectl(
+        "get", "statefulset", f"{NAME}-rollout", "-o", "jsonpath={.spec.replicas}").stdout.strip() == "0")
 
-    def suspended() -> bool:
+    def all_stopped() -> bool:
         cluster.play_controllers(NAME)
-        return phase(cluster) == "Suspended"
+        reason = cluster.kubectl("get", "rlx", NAME, "-o", 'jsonpath={.status.conditions[?(@.type=="Suspended")].reason}').stdout.strip()
+        return phase(cluster) == "Suspended" and reason == "Suspended"
 
-    cluster.wait("phase Suspended", suspended)
-    assert cluster.kubectl("get", "job", f"{NAME}-trainer", "-o", "jsonpath={.spec.suspend}").stdout.strip() == "true"
-    assert cluster.kubectl("get", "statefulset", f"{NAME}-rollout", "-o", "jsonpath={.spec.replicas}").stdout.strip() == "0"
+    cluster.wait("phase Suspended with every pod stopped", all_stopped)
     reasons = cluster.kubectl("get", "events", "--field-selector", f"involvedObject.name={NAME}",
                               "-o", "jsonpath={.items[*].reason}").stdout.split()
     assert "CheckpointRequested" in reasons and "Suspended" in reasons, reasons
