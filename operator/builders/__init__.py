@@ -14,6 +14,7 @@ from kuberl.operator.builders.bus import (
 )
 from kuberl.operator.builders.common import Obj, default_image
 from kuberl.operator.builders.config import build_config_map, resolved_manifest
+from kuberl.operator.builders.immutable import keep_immutable_fields
 from kuberl.operator.builders.network import build_network_policy
 from kuberl.operator.builders.rbac import build_rbac
 from kuberl.operator.builders.rollout import (
@@ -48,6 +49,7 @@ __all__ = [
     "build_trainer_service",
     "checkpoint_access_mode",
     "default_image",
+    "keep_immutable_fields",
     "render_nats_conf",
     "resolved_manifest",
     "rollout_replicas",

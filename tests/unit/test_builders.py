@@ -31,6 +31,7 @@ from kuberl.operator.builders import (
     build_rollout_statefulset,
     build_trainer_job,
     build_trainer_service,
+    keep_immutable_fields,
     render_nats_conf,
 )
 
@@ -593,3 +594,37 @@ class TestNaming:
         assert naming.bus_url(IN_TEST["external bus"]) == "nats://nats.nats.svc:4222"
         with pytest.raises(ValueError, match="namespace"):
             naming.bus_url("exp")
+
+
+class TestImmutableFields:
+    def live(self, obj: dict) -> dict:
+        """`obj` as the API returns it: server defaults and status added."""
+        live = copy.deepcopy(obj)
+        live["metadata"]["uid"] = "1234"
+        live["status"] = {"replicas": 1}
+        for claim in live["spec"].get("volumeClaimTemplates", []):
+            claim["spec"]["volumeMode"] = "Filesystem"
+            claim["status"] = {"phase": "Pending"}
+        return live
+
+    def test_an_unchanged_child_passes_through_untouched(self) -> None:
+        sts = build_bus_statefulset(make_experiment())
+        assert keep_immutable_fields(sts, self.live(sts)) == (sts, [])
+        assert keep_immutable_fields(sts, None) == (sts, [])
+
+    def test_new_bus_storage_keeps_the_live_volume_claim_templates_and_says_so(self) -> None:
+        live = self.live(build_bus_statefulset(make_experiment()))
+        wanted = build_bus_statefulset(make_experiment(bus={"embedded": {"storage": "99Gi"}, "maxPayload": "2Mi"}))
+        merged, notes = keep_immutable_fields(wanted, live)
+        assert merged["spec"]["volumeClaimTemplates"] == live["spec"]["volumeClaimTemplates"]
+        assert merged["spec"]["template"] == wanted["spec"]["template"]  # mutable parts still change
+        assert len(notes) == 1 and "volumeClaimTemplates" in notes[0] and "99Gi" in notes[0]
+
+    def test_a_pvc_keeps_its_access_mode_and_never_shrinks_but_may_grow(self) -> None:
+        live = self.live(build_checkpoint_pvc(make_experiment(checkpoint={"size": "100Gi"})))
+        smaller = build_checkpoint_pvc(make_experiment(weightSync={"mode": "bus"}, checkpoint={"size": "50Gi"}))
+        merged, notes = keep_immutable_fields(smaller, live)
+        assert merged["spec"]["accessModes"] == ["ReadWriteMany"] and merged["spec"]["resources"]["requests"]["storage"] == "100Gi"
+        assert len(notes) == 2
+        bigger = build_checkpoint_pvc(make_experiment(checkpoint={"size": "200Gi"}))
+        assert keep_immutable_fields(bigger, live)[0]["spec"]["resources"]["requests"]["storage"] == "200Gi"
