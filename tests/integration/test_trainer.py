@@ -323,3 +323,38 @@ async def test_a_trainer_that_cannot_start_reports_why_in_progress_failed_and_ex
         assert "model.path" in progress["failed"] and "has no config.json" in progress["failed"], progress["failed"]
     finally:
         await bus.close()
+
+
+async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkpoints_and_exits(tmp_path, bus_url, tiny_model):
+    name = "tr-control"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=50, eta=0, every=100)
+    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
+    bus = await Bus.connect(bus_url, name)
+    agent = FakeAgent(bus, tiny_model)
+    proc = start_trainer(manifest, bus_url, workdir, log)
+    try:
+        task = asyncio.create_task(agent.serve(limit=B))  # one step's worth, then the trainer waits
+        await wait_for(lambda: _at_step(bus, 1), 90, "step 1", proc, log)
+        assert (await bus.get_state("progress"))["checkpoint"] is None
+        # The operator asks for a checkpoint (before suspending): it comes without waiting for a full batch.
+        await bus.put_state("control", {"checkpoint_request": "suspend-1", "stop": False})
+
+        async def checkpointed():
+            p = await bus.get_state("progress")
+            return p["checkpoint"] if p and p["checkpoint"] else None
+
+        ckpt = await wait_for(checkpointed, 60, "the requested checkpoint", proc, log)
+        assert ckpt["step"] == 1 and ckpt["policy_version"] == 1 and Path(ckpt["path"]).is_dir()
+        assert (await bus.stream_info())["groups_pending"] == 0, "the trained groups are acknowledged with it"
+
+        os.killpg(proc.pid, signal.SIGTERM)  # what Kubernetes and `kuberl run` send
+        code = await asyncio.to_thread(finish, proc, log, 60)
+        task.cancel()
+        assert code == 143, log.read_text()[-3000:]
+        progress = await bus.get_state("progress")
+        assert progress["done"] is False and progress["failed"] is None and progress["step"] == 1
+        assert "stopped (SIGTERM)" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        await bus.close()
