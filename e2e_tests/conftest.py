@@ -36,7 +36,7 @@ class Cluster:
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         cmd = ["kubectl", *args]
         result = subprocess.run(cmd, env={**os.environ, "KUBECONFIG": self.kubeconfig}, capture_output=True, text=True,
-                                input=stdin, timeout=timeout)
+                                input=stdin, timeout=timeout, check=False)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return result

@@ -8,7 +8,6 @@ loaders, which also refresh expiring tokens); everything else is plain HTTP agai
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import logging
@@ -210,5 +209,5 @@ class KubeClient:
         }
         try:
             await self.request("POST", path_for("Event", event["metadata"]["namespace"]), body=event)
-        except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KubeError, aiohttp.ClientError) as exc:
             log.warning("could not post event %s on %s: %s", reason, meta["name"], exc)

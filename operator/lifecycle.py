@@ -20,15 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-
-from kuberl.api.v1alpha1 import Phase, RLExperiment
 from kuberl.operator import metrics, naming
 from kuberl.operator import status as st
-from kuberl.operator.builders import build_children, build_rollout_statefulset, build_trainer_job
+from kuberl.operator.builders import (
+    build_children,
+    build_rollout_statefulset,
+    build_trainer_job,
+)
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.kube import KubeClient
 from kuberl.operator.labels import EventReason, Reason
 from kuberl.operator.progress import BusReader
+
+from kuberl.api.v1alpha1 import Phase, RLExperiment
 
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist).
@@ -70,7 +74,7 @@ def parse_time(text: str | None) -> dt.datetime | None:
     if not text:
         return None
     try:
-        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+        return dt.datetime.fromisoformat(str(text))
     except ValueError:
         return None
 

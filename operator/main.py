@@ -46,7 +46,6 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool)
 
 def main(args: argparse.Namespace) -> int:
     import kopf
-
     from kuberl.operator import handlers, metrics
 
     kopf.configure(log_format=kopf.LogFormat.JSON, verbose=bool(os.environ.get("KUBERL_OPERATOR_DEBUG")))

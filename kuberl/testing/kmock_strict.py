@@ -26,7 +26,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp.web
 import attrs
@@ -399,7 +399,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                     break
                 try:
                     n, kind, obj = await asyncio.wait_for(watcher.queue.get(), timeout=min(remaining, 30.0))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if bookmarks:
                         await send("BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": {"resourceVersion": str(self._rv)}})
                     continue
@@ -408,8 +408,6 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 await send(kind, obj)
             await resp.write_eof()
             return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
         finally:
             self._watchers[rt.key].discard(watcher)
 
@@ -644,9 +642,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 meta[fld] = old[fld]
             else:
                 meta.pop(fld, None)
-        if sub == "status" or "managedFields" not in meta:
-            if "managedFields" in old:
-                meta["managedFields"] = old["managedFields"]
+        if (sub == "status" or "managedFields" not in meta) and "managedFields" in old:
+            meta["managedFields"] = old["managedFields"]
         meta["resourceVersion"] = old["resourceVersion"]
         result = self._admit(rt, result, q)
         unknown = result.pop("__unknown__", None)
@@ -735,14 +732,14 @@ class EmulatorServer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def __enter__(self) -> EmulatorServer:
+    def __enter__(self) -> Self:
         self._thread = threading.Thread(target=self._run, name="kmock-strict", daemon=True)
         self._thread.start()
         if not self._ready.wait(30) or self._error is not None:
             raise RuntimeError(f"the emulator did not start: {self._error!r}")
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
@@ -751,7 +748,7 @@ class EmulatorServer:
     def _run(self) -> None:
         try:
             asyncio.run(self._main())
-        except BaseException as exc:  # reported to __enter__
+        except BaseException as exc:  # noqa: BLE001 - reported to __enter__, which raises it
             self._error = exc
             self._ready.set()
 

@@ -403,7 +403,7 @@ def human_age(timestamp: str | None) -> str:
     """Age as kubectl prints it (duration.HumanDuration, shortened): 5s, 3m, 2h, 4d."""
     if not timestamp:
         return "<unknown>"
-    then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    then = dt.datetime.fromisoformat(timestamp)
     secs = max(0, int((dt.datetime.now(dt.UTC) - then).total_seconds()))
     if secs < 120:
         return f"{secs}s"
@@ -570,7 +570,7 @@ class CrdAdmission:
                 prog = self._cel_cache[rule["rule"]] = env.program(env.compile(rule["rule"]))
             try:
                 ok = bool(prog.evaluate({"self": celpy.json_to_cel(value)}))
-            except Exception as exc:  # an evaluation error rejects, as in the API server
+            except Exception as exc:  # noqa: BLE001 - any evaluation error rejects, as in the API server
                 errors.append((path.lstrip(".") or "<root>", f"CEL rule {rule['rule']!r} failed to evaluate: {exc}"))
                 continue
             if not ok:
@@ -601,9 +601,10 @@ def immutable_violations(plural: str, old: Obj, new: Obj) -> list[tuple[str, str
     if plural == "statefulsets":
         changed = sorted(k for k in set(o) | set(n) if k not in STATEFULSET_MUTABLE and o.get(k) != n.get(k))
         if changed:
-            return [("spec", "Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', "
-                     "'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' "
-                     f"are forbidden (changed: {', '.join(changed)})")]
+            message = ("Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', "
+                       "'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' "
+                       f"are forbidden (changed: {', '.join(changed)})")
+            return [("spec", message)]
     if plural == "jobs":
         out = []
         for key in ("selector", "completions", "completionMode", "manualSelector"):
@@ -619,7 +620,7 @@ def immutable_violations(plural: str, old: Obj, new: Obj) -> list[tuple[str, str
             out.append(("spec.template", "Invalid value: field is immutable"))
         return out
     if plural == "persistentvolumeclaims":
-        strip = lambda s: {k: v for k, v in s.items() if k != "resources"}  # noqa: E731
+        strip = lambda s: {k: v for k, v in s.items() if k != "resources"}
         if strip(o) != strip(n):
             return [("spec", "Forbidden: spec is immutable after creation except resources.requests and volumeAttributesClassName")]
     return []

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ class OperatorProcess:
                     **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> OperatorProcess:
+    def __enter__(self) -> Self:
         self._log = self.log_path.open("wb")
         # $KUBERL_TEST_OPERATOR_CMD runs another entry point (e.g. an installed `kuberl`) instead.
         prefix = os.environ.get("KUBERL_TEST_OPERATOR_CMD", "").split() or [sys.executable, "-m", "kuberl.cli"]

@@ -7,13 +7,12 @@ import datetime as dt
 
 import kopf
 import pytest
-from pydantic import ValidationError
-
 from kuberl.operator import handlers
 from kuberl.operator import lifecycle as h
 from kuberl.operator.kube import path_for
 from kuberl.operator.main import configure_settings
 from kuberl.operator.progress import kv_bucket
+from pydantic import ValidationError
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from kuberl.testing import kube_semantics as ks
@@ -80,7 +82,7 @@ class TestTablesAndPaths:
 
 
 class TestCrdAdmission:
-    SCHEMA = {"type": "object", "properties": {"spec": {
+    SCHEMA: ClassVar[dict] = {"type": "object", "properties": {"spec": {
         "type": "object",
         "x-kubernetes-validations": [{"rule": "self.min <= self.max", "message": "min must be <= max"}],
         "properties": {"min": {"type": "integer", "default": 1}, "max": {"type": "integer", "minimum": 0, "exclusiveMinimum": True},
