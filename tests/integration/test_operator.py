@@ -302,3 +302,29 @@ def test_a_finished_experiment_is_deleted_after_its_ttl(api: Api, experiment_nam
 def test_the_operator_serves_prometheus_metrics(api: Api) -> None:
     text = api.operator.metrics()
     assert "kuberl_operator_reconciles_total" in text and 'kuberl_operator_experiments{phase="Running"}' in text
+
+
+def test_an_image_pull_error_of_a_pod_becomes_a_condition_and_an_event(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    api.wait("rollout StatefulSet", lambda: api.sts(f"{e}-rollout"))
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{e}-rollout-0", "labels": {"kuberl.io/experiment": e, "kuberl.io/role": "rollout"}},
+           "spec": {"containers": [{"name": "engine", "image": "ghcr.io/kuberl/nope:1"}]}}
+    api.call("POST", "/api/v1/namespaces/default/pods", pod)
+    api.merge(f"/api/v1/namespaces/default/pods/{e}-rollout-0/status", {"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "engine", "image": "ghcr.io/kuberl/nope:1", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}})
+    ev = api.wait("an ImagePullFailed event", lambda: [x for x in api.events(e) if x["reason"] == "ImagePullFailed"])
+    assert "ghcr.io/kuberl/nope:1" in ev[0]["message"]
+    api.wait("a condition naming the image", lambda: any("nope:1" in (c.get("message") or "") and c["reason"] == "ImagePullFailed"
+                                                         for c in (api.experiment(e).get("status") or {}).get("conditions", [])))
+
+
+def test_more_accelerators_than_any_node_has_blocks_pods_with_a_clear_condition(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, rollout={"accelerator": {"type": "nvidia", "count": 16}, "tensorParallelSize": 16}))
+    ev = api.wait("an InsufficientAccelerators event", lambda: [x for x in api.events(e) if x["reason"] == "InsufficientAccelerators"])
+    assert "16" in ev[0]["message"] and "8" in ev[0]["message"], ev[0]["message"]
+    assert api.phase(e) == "Pending"
+    assert api.sts(f"{e}-rollout") is None and api.job(f"{e}-trainer") is None
