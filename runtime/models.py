@@ -50,9 +50,12 @@ TINY_VOCAB_TARGET = 320  # 256 byte symbols + 3 specials + a few merges (digit r
 def _corpus() -> list[str]:
     from kuberl.runtime.data import builtin_corpus
 
-    chat = [f"{IM_START}user\nhello{IM_END}\n{IM_START}assistant\n", "system", "user", "assistant"]
-    math = ["The answer is 42.", "#### 17", "Natalia sold 48 clips in April and half as many in May."]
-    return builtin_corpus() + chat + math
+    tasks = builtin_corpus()
+    # The prompts as the workflows send them: role words become single tokens, so the chat wrapper
+    # is short (the digit to repeat sits few positions before the answer: faster to learn).
+    chat = [f"{IM_START}user\n{t}{IM_END}\n{IM_START}assistant\n" for t in tasks[::2]]
+    math = ["The answer is 42.", "#### 17", "Natalia sold 48 clips in April and half as many in May.", "system"]
+    return tasks + chat + math
 
 
 def build_tokenizer(vocab_size: int = TINY_VOCAB_TARGET):
