@@ -132,8 +132,7 @@ def plan_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens:
 
 def minibatch_rows(num_groups: int, group_size: int, minibatches: int) -> list[list[int]]:
     """Rows of each PPO minibatch: whole groups, split as evenly as possible (group-major rows)."""
-    if minibatches > num_groups:
-        minibatches = num_groups
+    minibatches = min(minibatches, num_groups)
     bounds = [round(k * num_groups / minibatches) for k in range(minibatches + 1)]
     return [list(range(bounds[k] * group_size, bounds[k + 1] * group_size)) for k in range(minibatches)]
 

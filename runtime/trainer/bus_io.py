@@ -60,9 +60,9 @@ class TrainerBusIO:
             obj = await self.bus.put_weights(version, path)
             for prefix in await self.bus.list_weights():
                 # Keep the newest few (by number); a republished older version is kept as the current one.
-                if prefix.startswith("v") and prefix[1:].isdigit() and prefix != obj:
-                    if int(prefix[1:]) < version - BUS_WEIGHTS_KEEP + 1 or int(prefix[1:]) > version:
-                        await self.bus.delete_weights(prefix)
+                old = prefix.startswith("v") and prefix[1:].isdigit() and prefix != obj
+                if old and not version - BUS_WEIGHTS_KEEP < int(prefix[1:]) <= version:
+                    await self.bus.delete_weights(prefix)
         elif mode != "disk":
             raise ValueError(f"weightSync.mode: {mode!r} is not disk or bus")
         now = time.time()

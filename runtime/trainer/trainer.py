@@ -350,13 +350,9 @@ class Trainer:
                 idx = mb if mb is not None else rows[:1]
                 logp = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
                                          temperature=self.cfg_temperature, device=self.info.device)
-                dev = self.info.device
-
-                def part(t: torch.Tensor | None) -> torch.Tensor | None:
-                    return None if t is None else t[idx].to(dev)
-
-                loss, st = ppo_actor_loss(logp, part(batch.prox_logp), part(batch.behave_logp), part(batch.advantages),
-                                          part(batch.loss_mask), self.cfg, ref_logp=part(batch.ref_logp), denominator=denom)
+                prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
+                                                (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
+                loss, st = ppo_actor_loss(logp, prox, behave, adv, mask, self.cfg, ref_logp=ref, denominator=denom)
                 # FSDP averages gradients over ranks; the loss is a sum over the whole minibatch, so undo it.
                 scale = float(self.info.world_size) if mb is not None else 0.0
                 (loss * scale).backward()
@@ -450,8 +446,8 @@ class Trainer:
             secs = sum(s for _, s in self.recent)
             sps = sum(n for n, _ in self.recent) / secs if secs > 0 else 0.0
             # Kept for every later report (checkpoints, done): the last step's numbers stay visible.
-            self.last_numbers = dict(reward_mean=stats["reward_mean"], samples_per_second=sps, staleness_mean=stats["staleness_mean"],
-                                     staleness_max=stats["staleness_max"], trainer_wait_fraction=stats["wait_seconds"] / max(stats["step_seconds"], 1e-9))
+            self.last_numbers = {"reward_mean": stats["reward_mean"], "samples_per_second": sps, "staleness_mean": stats["staleness_mean"],
+                                 "staleness_max": stats["staleness_max"], "trainer_wait_fraction": stats["wait_seconds"] / max(stats["step_seconds"], 1e-9)}
             progress.update(self.last_numbers)
             row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
                    "dropped_stale": self.dropped_stale, **stats}
