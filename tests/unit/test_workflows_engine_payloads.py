@@ -1,0 +1,117 @@
+"""How the engines shape requests and read responses (SGLang cannot run here: it is checked against
+payloads recorded from SGLang 0.5.x's /generate; vLLM's live behaviour is in tests/integration/test_vllm.py),
+plus the `kuberl engine` launch settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.runtime.inference import sglang, vllm
+from kuberl.runtime.inference.base import EngineError, GenerateRequest, engine_class
+from kuberl.runtime.inference.main import engine_settings, server_command
+
+REQ = GenerateRequest(input_ids=[1, 292, 201], max_new_tokens=16, temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5)
+
+# SGLang 0.5.x /generate with input_ids and return_logprob=true (text of each logprob entry is null
+# unless return_text_in_logprobs is set); finish_reason is a dict.
+SGLANG_STOP = {
+    "text": "77",
+    "output_ids": [23, 23, 2],
+    "meta_info": {
+        "id": "5f0c", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "weight_version": "3",
+        "completion_tokens": 3, "cached_tokens": 0, "e2e_latency": 0.05,
+        "input_token_logprobs": [[None, 1, None], [-5.7, 292, None], [-5.6, 201, None]],
+        "output_token_logprobs": [[-0.51, 23, None], [-0.22, 23, None], [-1.9, 2, None]],
+    },
+}
+SGLANG_ABORT = {
+    "text": "7",
+    "output_ids": [23],
+    "meta_info": {"id": "6a1d", "finish_reason": {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None},
+                  "prompt_tokens": 3, "completion_tokens": 1, "output_token_logprobs": [[-0.4, 23, None]]},
+}
+
+
+class TestSGLang:
+    def test_generate_payload_asks_for_sampled_token_logprobs_from_token_ids(self):
+        body = sglang.generate_payload(REQ)
+        assert body["input_ids"] == [1, 292, 201] and body["return_logprob"] is True and body["stream"] is False
+        sp = body["sampling_params"]
+        assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["stop_token_ids"]) == (16, 0.7, 0.9, [2])
+        assert sp["no_stop_trim"] is True and sp["ignore_eos"] is True and sp["sampling_seed"] == 5
+
+    def test_a_finished_response_gives_ids_logprobs_and_reason(self):
+        res = sglang.parse_generate(SGLANG_STOP, version=3)
+        assert res.output_ids == [23, 23, 2] and res.logprobs == [-0.51, -0.22, -1.9]
+        assert res.finish_reason == "stop" and res.version == 3
+
+    def test_an_aborted_response_keeps_its_partial_tokens(self):
+        res = sglang.parse_generate([SGLANG_ABORT], version=0)  # a batch of one also works
+        assert res.finish_reason == "abort" and res.output_ids == [23]
+
+    def test_inconsistent_or_unexpected_responses_are_errors_that_show_the_payload(self):
+        bad = {**SGLANG_STOP, "output_ids": [23, 24, 2]}
+        with pytest.raises(EngineError, match="disagree"):
+            sglang.parse_generate(bad, 0)
+        with pytest.raises(EngineError, match="unexpected response shape"):
+            sglang.parse_generate({"text": "x"}, 0)
+        odd = {"meta_info": {"finish_reason": {"type": "weird"}, "output_token_logprobs": []}}
+        with pytest.raises(EngineError, match="unexpected finish_reason"):
+            sglang.parse_generate(odd, 0)
+
+    def test_weight_update_payload_names_path_and_version(self):
+        assert sglang.update_weights_payload("/w/v3", 3) == {"model_path": "/w/v3", "weight_version": "3", "abort_all_requests": True}
+
+    def test_the_server_command_maps_parallelism_and_limits(self):
+        cmd = sglang.build_server_command("/m", port=30000, tensor_parallel_size=2, max_model_len=4096, max_num_seqs=64, extra_args=["--mem-fraction-static", "0.8"])
+        joined = " ".join(cmd)
+        assert "-m sglang.launch_server --model-path /m" in joined and "--tp-size 2" in joined
+        assert "--context-length 4096" in joined and "--max-running-requests 64" in joined
+        assert cmd[-2:] == ["--mem-fraction-static", "0.8"]
+
+
+class TestVLLM:
+    def test_completion_payload_uses_token_ids_and_returns_exact_ids(self):
+        body = vllm.VLLMEngine.completion_payload(REQ)
+        assert body["prompt"] == [1, 292, 201] and body["max_tokens"] == 16 and body["seed"] == 5
+        assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["ignore_eos"] is True
+        assert body["stop_token_ids"] == [2] and body["skip_special_tokens"] is False
+
+    def test_an_unexpected_completion_is_an_error(self):
+        with pytest.raises(EngineError, match="unexpected response shape"):
+            vllm.VLLMEngine.parse_completion({"choices": []}, 0)
+        ok = {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}]}
+        assert vllm.VLLMEngine.parse_completion(ok, 2).finish_reason == "abort"
+
+    def test_the_server_runs_the_module_in_dev_mode_with_processed_logprobs(self):
+        cmd = vllm.build_server_command("/m", port=8000, max_model_len=512, extra_args=["--max-model-len", "256"])
+        assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert cmd[-2:] == ["--max-model-len", "256"]  # the user's engineArgs come last and win
+        assert vllm.server_env({})["VLLM_SERVER_DEV_MODE"] == "1"
+
+    def test_an_engine_needs_a_model_or_a_url(self):
+        with pytest.raises(ValueError, match="exactly one of model_path"):
+            vllm.VLLMEngine()
+
+
+def exp(**rollout) -> RLExperiment:
+    return RLExperiment.model_validate({
+        "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "e"},
+        "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+                 "algorithm": {"samplesPerPrompt": 8}, "rollout": {"engine": "vllm", "concurrency": 4, **rollout}},
+    })
+
+
+def test_engine_settings_on_cpu_use_float32_a_small_context_and_enough_sequences_for_the_agent():
+    s = engine_settings(exp(accelerator={"type": "cpu"}, engineArgs=["--foo"]))
+    assert s["dtype"] == "float32" and s["max_model_len"] == 512 and s["max_num_seqs"] == 32 and s["extra_args"] == ["--foo"]
+
+
+def test_the_engine_command_is_the_registered_engines_server(tmp_path):
+    cmd, env = server_command(exp(accelerator={"type": "cpu"}), "/models/m", 8000, "0.0.0.0")
+    assert "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert engine_class("sglang") is sglang.SGLangEngine
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        engine_class("tgi")
