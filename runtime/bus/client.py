@@ -47,6 +47,8 @@ _TRANSIENT = (
     nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
     asyncio.TimeoutError,
 )
+FETCH_BYTES = 256 * 1024 * 1024
+WATCH_CHECK_SECONDS = 15.0  # how often an idle state watch checks that its consumer still exists
 _FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
 
 
@@ -310,7 +312,9 @@ class Bus(Topology):
         deadline = time.monotonic() + timeout
         async with self._group_lock:
             while len(out) < max_n and (left := deadline - time.monotonic()) > 0.01:
-                msgs = await self._fetch(TRAINER_CONSUMER, max_n - len(out), left)
+                # Bound the bytes one pull request may bring (client buffers are finite): 32 x 8 MB.
+                batch = min(max_n - len(out), max(1, FETCH_BYTES // self.max_payload))
+                msgs = await self._fetch(TRAINER_CONSUMER, batch, left)
                 for m in msgs:
                     ready = self._assembler.add(m)
                     if ready is None:
@@ -414,12 +418,20 @@ class Bus(Topology):
         while True:
             generation = self.reconnects
             watcher = await self._retry(f"watch state {key!r}", lambda: self._kv.watch(key))
+            idle = 0.0
             try:
                 while generation == self.reconnects:
                     try:
                         entry = await watcher.updates(timeout=1.0)
                     except nats.errors.TimeoutError:
+                        idle += 1.0
+                        if idle >= WATCH_CHECK_SECONDS:
+                            idle = 0.0
+                            if not await self._watch_alive(watcher):
+                                last_revision = 0  # the bucket was re-created: revisions start again
+                                break
                         continue
+                    idle = 0.0
                     if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
                         continue  # None marks "caught up with the history"
                     if entry.revision <= last_revision:
@@ -431,6 +443,20 @@ class Bus(Topology):
                     await watcher.stop()
                 except Exception:
                     pass
+
+    async def _watch_alive(self, watcher: Any) -> bool:
+        """False when the watch's consumer is gone (e.g. reset_experiment re-created the bucket)."""
+        sub = getattr(watcher, "_sub", None)
+        if sub is None:
+            return True
+        try:
+            await sub.consumer_info()
+        except nats.js.errors.NotFoundError:
+            log.warning("bus: the watch on %s lost its consumer; watching again", self.names.kv_bucket)
+            return False
+        except Exception:
+            pass  # unreachable now: a reconnect re-creates the watch
+        return True
 
     # -- weights (object store) ------------------------------------------------------------------
 

@@ -357,3 +357,27 @@ class TestFreshStart:
             assert await agent.publish_group(group(0))
         finally:
             await agent.close()
+
+    async def test_a_state_watch_survives_reset_experiment(self, nats_server, experiment_name, bus, monkeypatch):
+        from kuberl.runtime.bus import client
+
+        monkeypatch.setattr(client, "WATCH_CHECK_SECONDS", 1.0)
+        agent = await Bus.connect(nats_server.url, experiment_name)
+        seen: list[int] = []
+
+        async def watch():
+            async for value in agent.watch_state("weights"):
+                seen.append(value["version"])
+                if len(seen) == 2:
+                    return
+
+        try:
+            await bus.put_state("weights", {"version": 5})
+            task = asyncio.create_task(watch())
+            await asyncio.sleep(0.3)
+            await bus.reset_experiment()
+            await bus.put_state("weights", {"version": 0})  # revision 1 again in the new bucket
+            await asyncio.wait_for(task, 15)
+            assert seen == [5, 0]
+        finally:
+            await agent.close()
