@@ -2,7 +2,7 @@
 
 Used by the rollout agent and `kuberl engine` when spec.rollout.engine is sglang (GPU images; SGLang
 has no CPU build here, so tests check the request/response shaping against recorded payloads).
-Endpoints (SGLang 0.5.x): /generate (input_ids, sampling_params, return_logprob), /pause_generation
+Endpoints (checked against SGLang 0.5.5 and 0.5.21, the pinned one): /generate (input_ids, sampling_params, return_logprob), /pause_generation
 (aborts in-flight requests), /update_weights_from_disk, /continue_generation, /flush_cache, /health_generate.
 """
 
@@ -204,7 +204,7 @@ class SGLangEngine:
     async def pause(self) -> None:
         """/pause_generation aborts every in-flight request (they return finish_reason abort)."""
         self._gate.clear()
-        await self._post("/pause_generation")
+        await self._post("/pause_generation", json={"mode": "abort"})
         deadline = time.monotonic() + 60
         while self._in_flight:
             await self._post("/abort_request", json={"abort_all": True})
