@@ -13,20 +13,15 @@ Used by tests/integration/test_operator*.py, e2e_tests/conftest.py and `python -
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import copy
 import json
 import logging
-import os
 import re
 import secrets
-import threading
 import uuid
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import aiohttp.web
 import attrs
@@ -34,12 +29,13 @@ import kmock
 import yaml
 
 from kuberl.testing import kube_semantics as ks
+from kuberl.testing import kube_writes as kw
 from kuberl.testing.kube_semantics import ApiError, Obj, ResourceType
 
 log = logging.getLogger("kuberl.kmock_strict")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 MAX_ANNOTATIONS_BYTES = 262144  # apimachinery TotalAnnotationSizeLimitB: catches huge last-applied annotations
-KUBE_VERSION = "1.32"
+KUBE_VERSION = ks.KUBE_VERSION
 CRD_KEY = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 
 
@@ -67,7 +63,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     validate_builtins: bool = True  # reject built-in objects that kubernetes-validate rejects
     event_log_size: int = 5000  # per resource; older resourceVersions get 410 Gone, as from etcd compaction
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
-    _admission: dict[tuple[str, str, str], ks.CrdAdmission] = attrs.field(factory=dict, init=False)
+    _admission: dict[tuple[str, str, str], kw.CrdAdmission] = attrs.field(factory=dict, init=False)
     _rv: int = attrs.field(default=1, init=False)
     _log: dict[tuple[str, str, str], collections.deque] = attrs.field(factory=dict, init=False)
     _watchers: dict[tuple[str, str, str], set[_Watcher]] = attrs.field(factory=dict, init=False)
@@ -86,7 +82,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         if rt.crd is not None:
             schema = next((v.get("schema", {}).get("openAPIV3Schema") for v in rt.crd["spec"]["versions"] if v["name"] == rt.version), None)
             if schema:
-                self._admission[rt.key] = ks.CrdAdmission(schema)
+                self._admission[rt.key] = kw.CrdAdmission(schema)
         self.resources[f"{rt.group}/{rt.version}/{rt.plural}" if rt.group else f"v1/{rt.plural}"] = kmock.ResourceInfo(
             kind=rt.kind, singular=rt.singular, namespaced=rt.namespaced, verbs=ks.VERBS,
             shortnames=rt.short_names, categories=rt.categories,
@@ -208,11 +204,11 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         path = request.url.path.rstrip("/") or "/"
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
         if method == "GET":
-            simple = self._discovery(path)
+            simple = ks.discovery_document(list(self._types.values()), path)
             if simple is not None:
                 return aiohttp.web.json_response(simple)
             if path.startswith("/openapi/v3"):
-                return aiohttp.web.json_response(self._openapi_v3(path))
+                return aiohttp.web.json_response(ks.openapi_v3_document(list(self._types.values()), path))
             if path in ("/healthz", "/livez", "/readyz"):
                 return aiohttp.web.Response(text="ok")
         m = re.match(r"^/(?:api/(v1)|apis/([^/]+)/([^/]+))/(.+)$", path)
@@ -259,7 +255,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             obj = self._must(rt, namespace, name)
             if sub is None and "as=Table" in accept:
                 return aiohttp.web.json_response(ks.table(rt, [obj], q.get("includeObject", "Metadata"), str(self._rv)))
-            return aiohttp.web.json_response(self._scale_of(rt, obj) if sub == "scale" else obj)
+            return aiohttp.web.json_response(ks.scale_of(rt, obj) if sub == "scale" else obj)
         if method in ("PUT", "PATCH"):
             existed = self.get_object(rt.key, namespace, name) is not None
             obj = self._write(rt, namespace, name, sub, method, request, q)
@@ -279,64 +275,6 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
 
     # ------------------------------------------------------------------ discovery
-    def _discovery(self, path: str) -> Obj | None:
-        types = list(self._types.values())
-        if path == "/":
-            paths = {"/api", "/api/v1", "/apis", "/version", "/openapi/v3", "/healthz"}
-            paths |= {f"/apis/{t.group}" for t in types if t.group} | {f"/apis/{t.group}/{t.version}" for t in types if t.group}
-            return {"paths": sorted(paths)}
-        if path == "/version":
-            return {"major": "1", "minor": KUBE_VERSION.split(".")[1], "gitVersion": f"v{KUBE_VERSION}.0-kmock-strict",
-                    "platform": "linux/amd64", "goVersion": "go1.23", "compiler": "gc", "gitTreeState": "clean"}
-        if path == "/api":
-            return {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
-        groups: dict[str, list[str]] = {}
-        for t in types:
-            if t.group and t.version not in groups.setdefault(t.group, []):
-                groups[t.group].append(t.version)
-
-        def group_doc(g: str) -> Obj:
-            versions = [{"groupVersion": f"{g}/{v}", "version": v} for v in groups[g]]
-            return {"name": g, "versions": versions, "preferredVersion": versions[0]}
-
-        if path == "/apis":
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [group_doc(g) for g in sorted(groups)]}
-        m = re.match(r"^/apis/([^/]+)$", path)
-        if m:
-            if m.group(1) not in groups:
-                raise ApiError(404, "NotFound", f"the server could not find the requested resource (group {m.group(1)})")
-            return {"kind": "APIGroup", "apiVersion": "v1", **group_doc(m.group(1))}
-        m = re.match(r"^/(?:api/(v1)|apis/([^/]+)/([^/]+))$", path)
-        if m:
-            group, version = (m.group(2), m.group(3)) if m.group(2) else ("", "v1")
-            served = [t for t in types if t.group == group and t.version == version]
-            if not served:
-                raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
-            return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group else version,
-                    "resources": [r for t in served for r in t.discovery()]}
-        return None
-
-    def _openapi_v3(self, path: str) -> Obj:
-        """Just enough OpenAPI v3 for kubectl to see that PATCH takes fieldValidation (server-side validation)."""
-        gvs = sorted({(t.group, t.version) for t in self._types.values()})
-        if path == "/openapi/v3":
-            return {"paths": {(f"apis/{g}/{v}" if g else "api/v1"): {"serverRelativeURL": f"/openapi/v3/{f'apis/{g}/{v}' if g else 'api/v1'}?hash=0"}
-                              for g, v in gvs}}
-        paths: Obj = {}
-        for t in self._types.values():
-            if (f"/openapi/v3/apis/{t.group}/{t.version}" if t.group else "/openapi/v3/api/v1") != path:
-                continue
-            prefix = f"/apis/{t.group}/{t.version}" if t.group else "/api/v1"
-            url = f"{prefix}/namespaces/{{namespace}}/{t.plural}/{{name}}" if t.namespaced else f"{prefix}/{t.plural}/{{name}}"
-            op = {"x-kubernetes-group-version-kind": {"group": t.group, "version": t.version, "kind": t.kind},
-                  "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}],
-                  "responses": {"200": {"description": "OK"}}}
-            paths[url] = {"patch": op, "put": op}
-        if not paths:
-            raise ApiError(404, "NotFound", f"no OpenAPI document at {path}")
-        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": f"v{KUBE_VERSION}"}, "paths": paths, "components": {"schemas": {}}}
-
     # ------------------------------------------------------------------ reading
     def _must(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
         obj = self.get_object(rt.key, namespace, name)
@@ -410,19 +348,6 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             return resp
         finally:
             self._watchers[rt.key].discard(watcher)
-
-    def _scale_of(self, rt: ResourceType, obj: Obj) -> Obj:
-        assert rt.scale is not None
-        meta = obj["metadata"]
-        if rt.scale.label_selector:
-            selector = ks.json_path_get(obj, rt.scale.label_selector) or ""
-        else:
-            labels = ks.json_path_get(obj, ".spec.selector.matchLabels") or {}
-            selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        return {"kind": "Scale", "apiVersion": "autoscaling/v1",
-                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
-                "spec": {"replicas": ks.json_path_get(obj, rt.scale.spec_replicas) or 0},
-                "status": {"replicas": ks.json_path_get(obj, rt.scale.status_replicas) or 0, "selector": selector}}
 
     # ------------------------------------------------------------------ writing
     @staticmethod
@@ -568,16 +493,16 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 raise ApiError(400, "BadRequest", "the name of the object does not match the name in the URL")
             if existing is None:
                 body.setdefault("metadata", {})["name"] = name
-                created = self._create(rt, namespace, ks.server_side_apply(None, body, manager), q)
+                created = self._create(rt, namespace, kw.server_side_apply(None, body, manager), q)
                 return created
         if sub == "scale":
-            scale = self._scale_of(rt, existing)
+            scale = ks.scale_of(rt, existing)
             if method == "PUT":
                 new_scale = body
             elif ctype == "application/json-patch+json":
-                new_scale = ks.json_patch(scale, body)
+                new_scale = kw.json_patch(scale, body)
             else:
-                new_scale = ks.merge_patch(scale, body)
+                new_scale = kw.merge_patch(scale, body)
             replicas = (new_scale.get("spec") or {}).get("replicas")
             if not isinstance(replicas, int) or replicas < 0:
                 raise ks.invalid(rt, name, [("spec.replicas", f"Invalid value: {replicas!r}: must be a non-negative integer")])
@@ -586,7 +511,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 raise self._conflict(rt, name)
             new = copy.deepcopy(existing)
             ks.json_path_set(new, rt.scale.spec_replicas, replicas)
-            return self._scale_of(rt, self._commit(rt, existing, new, None, q))
+            return ks.scale_of(rt, self._commit(rt, existing, new, None, q))
         if method == "PUT":
             new = body
             want_rv = (new.get("metadata") or {}).get("resourceVersion")
@@ -595,15 +520,15 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             if not want_rv and rt.crd is not None:
                 raise ks.invalid(rt, name, [("metadata.resourceVersion", "Invalid value: 0x0: must be specified for an update")])
         elif ctype == "application/merge-patch+json":
-            new = ks.merge_patch(existing, body)
+            new = kw.merge_patch(existing, body)
         elif ctype == "application/strategic-merge-patch+json":
             if rt.crd is not None:
                 raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for custom resources: use a merge or JSON patch")
-            new = ks.strategic_merge_patch(existing, body)
+            new = kw.strategic_merge_patch(existing, body)
         elif ctype == "application/json-patch+json":
-            new = ks.json_patch(existing, body)
+            new = kw.json_patch(existing, body)
         elif ctype == "application/apply-patch+yaml":
-            new = ks.server_side_apply(existing, body, q["fieldManager"])
+            new = kw.server_side_apply(existing, body, q["fieldManager"])
             if sub != "status" and rt.status:
                 new["status"] = existing.get("status")
         else:
@@ -648,7 +573,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         result = self._admit(rt, result, q)
         unknown = result.pop("__unknown__", None)
         if sub != "status" and rt.crd is None:
-            violations = ks.immutable_violations(rt.plural, existing, result)
+            violations = kw.immutable_violations(rt.plural, existing, result)
             if violations:
                 raise ks.invalid(rt, meta["name"], violations)
         if result == existing:
@@ -688,137 +613,18 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         return obj
 
 
-def load_crds(paths: Iterable[str | Path]) -> list[Obj]:
-    """CustomResourceDefinitions from YAML files or folders of them."""
-    out = []
-    for p in paths:
-        p = Path(p)
-        files = sorted(p.glob("*.yaml")) + sorted(p.glob("*.yml")) if p.is_dir() else [p]
-        for f in files:
-            out += [d for d in yaml.safe_load_all(f.read_text()) if d and d.get("kind") == "CustomResourceDefinition"]
-    return out
+# The runner lives in kuberl.testing.emulator_server (it imports this module lazily); re-exported here
+# so `from kuberl.testing.kmock_strict import EmulatorServer` and `python -m kuberl.testing.kmock_strict` work.
+from kuberl.testing.emulator_server import (
+    EmulatorServer,
+    cpu_node,
+    default_crds,
+    kubeconfig,
+    load_crds,
+    main,
+)
 
-
-def default_crds() -> list[Obj]:
-    """KubeRL's CRD: crds/ of this checkout if present, else generated from the API models."""
-    folder = Path(__file__).resolve().parents[2] / "crds"
-    crds = load_crds([folder]) if folder.is_dir() else []
-    if crds:
-        return crds
-    from kuberl.api.crd import build_crd  # engineer A's generator
-
-    return [build_crd()]
-
-
-class EmulatorServer:
-    """Runs a StrictKubernetesEmulator on a free loopback port in a background thread.
-
-    with EmulatorServer(crds=default_crds()) as srv:
-        srv.write_kubeconfig(tmp / "kubeconfig")
-        srv.call(lambda emu: emu.get_object(("apps", "v1", "statefulsets"), "default", "x"))
-    """
-
-    def __init__(self, crds: list[Obj] | None = None, *, namespaces: Iterable[str] = ("default", "kube-system"),
-                 nodes: list[Obj] | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 validate_builtins: bool = True):
-        self.crds, self.namespaces, self.host, self.port_wanted = crds or [], list(namespaces), host, port
-        self.nodes = nodes if nodes is not None else [cpu_node("node-0")]
-        self.validate_builtins = validate_builtins
-        self.emulator: StrictKubernetesEmulator | None = None
-        self.url = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def __enter__(self) -> Self:
-        self._thread = threading.Thread(target=self._run, name="kmock-strict", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30) or self._error is not None:
-            raise RuntimeError(f"the emulator did not start: {self._error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:  # noqa: BLE001 - reported to __enter__, which raises it
-            self._error = exc
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        emu = StrictKubernetesEmulator(validate_builtins=self.validate_builtins)
-        async with emu, kmock.Server(emu, host=self.host, port=self.port_wanted) as server:
-            for ns in self.namespaces:
-                emu.seed({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-            for node in self.nodes:
-                emu.seed({k: v for k, v in node.items() if k != "status"}, node.get("status"))
-            for crd in self.crds:
-                emu.seed(crd)
-            self.emulator, self.url = emu, str(server.url).rstrip("/")
-            self.port = server.port
-            self._ready.set()
-            await self._stop.wait()
-
-    def call(self, fn: Any, timeout: float = 30) -> Any:
-        """Run fn(emulator) inside the emulator's loop (thread-safe) and return its result."""
-        assert self._loop is not None
-
-        async def run() -> Any:
-            return fn(self.emulator)
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
-
-    def write_kubeconfig(self, path: str | Path, namespace: str = "default") -> Path:
-        """A kubeconfig whose current context points at this emulator (plain HTTP, no auth)."""
-        path = Path(path)
-        path.write_text(yaml.safe_dump(kubeconfig(self.url, namespace)))
-        return path
-
-
-def kubeconfig(url: str, namespace: str = "default") -> Obj:
-    return {"apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}]}
-
-
-def cpu_node(name: str, cpu: str = "16", memory: str = "64Gi", extra: dict[str, str] | None = None) -> Obj:
-    """A ready Node with this allocatable capacity (extra: e.g. {"nvidia.com/gpu": "8"})."""
-    alloc = {"cpu": cpu, "memory": memory, "pods": "110", **(extra or {})}
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-            "status": {"allocatable": alloc, "capacity": alloc,
-                       "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kmock"}]}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kuberl.testing.kmock_strict", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0, help="Port (0 = a free one)")
-    parser.add_argument("--kubeconfig", default=None, help="Write a kubeconfig for the emulator here")
-    parser.add_argument("--crd", action="append", default=None, help="CRD file or folder to serve (default: KubeRL's)")
-    parser.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu allocatable on the one Node")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.INFO if os.environ.get("KMOCK_ACCESS_LOG") else logging.WARNING)
-    crds = load_crds(args.crd) if args.crd else default_crds()
-    node = cpu_node("node-0", extra={"nvidia.com/gpu": str(args.gpus)} if args.gpus else None)
-    with EmulatorServer(crds, nodes=[node], port=args.port or None) as srv:
-        if args.kubeconfig:
-            srv.write_kubeconfig(args.kubeconfig)
-        print(f"kmock-strict serving {srv.url}" + (f", kubeconfig {args.kubeconfig}" if args.kubeconfig else ""), flush=True)
-        try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
-    return 0
-
+__all__ = ["EmulatorServer", "StrictKubernetesEmulator", "cpu_node", "default_crds", "kubeconfig", "load_crds", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The pure API-server semantics behind the strict emulator (kuberl.testing.kube_semantics)."""
+"""The pure API-server semantics behind the strict emulator (kuberl.testing.kube_semantics, kube_writes)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import ClassVar
 import pytest
 
 from kuberl.testing import kube_semantics as ks
+from kuberl.testing import kube_writes as kw
 
 
 class TestSelectors:
@@ -37,28 +38,28 @@ class TestSelectors:
 class TestPatches:
     def test_a_merge_patch_merges_maps_deletes_nulls_and_replaces_lists(self) -> None:
         old = {"a": {"b": 1, "c": 2}, "l": [1, 2]}
-        assert ks.merge_patch(old, {"a": {"b": None, "d": 3}, "l": [3]}) == {"a": {"c": 2, "d": 3}, "l": [3]}
+        assert kw.merge_patch(old, {"a": {"b": None, "d": 3}, "l": [3]}) == {"a": {"c": 2, "d": 3}, "l": [3]}
         assert old == {"a": {"b": 1, "c": 2}, "l": [1, 2]}, "the target is not mutated"
 
     def test_a_strategic_merge_patch_merges_containers_by_name(self) -> None:
         old = {"spec": {"containers": [{"name": "a", "image": "1"}, {"name": "b", "image": "1"}]}}
         patch = {"spec": {"$setElementOrder/containers": [{"name": "a"}, {"name": "b"}],
                           "containers": [{"name": "b", "image": "2"}, {"name": "a", "$patch": "delete"}]}}
-        assert ks.strategic_merge_patch(old, patch) == {"spec": {"containers": [{"name": "b", "image": "2"}]}}
+        assert kw.strategic_merge_patch(old, patch) == {"spec": {"containers": [{"name": "b", "image": "2"}]}}
 
     def test_a_failed_json_patch_test_is_422_and_a_bad_path_too(self) -> None:
         with pytest.raises(ks.ApiError) as info:
-            ks.json_patch({"a": 1}, [{"op": "test", "path": "/a", "value": 2}])
+            kw.json_patch({"a": 1}, [{"op": "test", "path": "/a", "value": 2}])
         assert info.value.code == 422
         with pytest.raises(ks.ApiError):
-            ks.json_patch({"a": 1}, [{"op": "remove", "path": "/nope"}])
+            kw.json_patch({"a": 1}, [{"op": "remove", "path": "/nope"}])
 
     def test_server_side_apply_records_the_manager_and_drops_what_it_no_longer_applies(self) -> None:
-        first = ks.server_side_apply(None, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"},
+        first = kw.server_side_apply(None, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"},
                                             "data": {"a": "1", "b": "2"}}, "m")
         assert first["metadata"]["managedFields"][0]["manager"] == "m"
         first["data"]["c"] = "someone else's"
-        second = ks.server_side_apply(first, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"},
+        second = kw.server_side_apply(first, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"},
                                               "data": {"a": "1"}}, "m")
         assert second["data"] == {"a": "1", "c": "someone else's"}
 
@@ -89,29 +90,29 @@ class TestCrdAdmission:
                        "size": {"x-kubernetes-int-or-string": True, "pattern": "^[0-9]+Gi$"}}}}}
 
     def test_defaults_are_filled_and_unknown_fields_pruned(self) -> None:
-        obj, errors, unknown = ks.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 2, "extra": 1}}, strict_fields=False)
+        obj, errors, unknown = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 2, "extra": 1}}, strict_fields=False)
         assert errors == [] and obj["spec"] == {"max": 2, "min": 1} and unknown == [".spec.extra"]
 
     def test_exclusive_minimum_and_int_or_string_follow_openapi_3_0(self) -> None:
-        _, errors, _ = ks.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 0, "size": "ten"}}, strict_fields=False)
+        _, errors, _ = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 0, "size": "ten"}}, strict_fields=False)
         fields = {f for f, _ in errors}
         assert {"spec.max", "spec.size"} <= fields
-        _, errors, _ = ks.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 3, "size": 5}}, strict_fields=False)
+        _, errors, _ = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 3, "size": 5}}, strict_fields=False)
         assert errors == []
 
     def test_cel_rules_report_their_message_at_their_path(self) -> None:
-        _, errors, _ = ks.CrdAdmission(self.SCHEMA).admit({"spec": {"min": 5, "max": 2}}, strict_fields=True)
+        _, errors, _ = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"min": 5, "max": 2}}, strict_fields=True)
         assert errors == [("spec", "min must be <= max")]
 
 
 class TestImmutability:
     def test_a_statefulset_may_change_replicas_but_not_its_selector(self) -> None:
         old = {"spec": {"replicas": 1, "selector": {"matchLabels": {"a": "1"}}}}
-        assert ks.immutable_violations("statefulsets", old, {"spec": {"replicas": 3, "selector": {"matchLabels": {"a": "1"}}}}) == []
-        assert ks.immutable_violations("statefulsets", old, {"spec": {"replicas": 1, "selector": {"matchLabels": {"a": "2"}}}})
+        assert kw.immutable_violations("statefulsets", old, {"spec": {"replicas": 3, "selector": {"matchLabels": {"a": "1"}}}}) == []
+        assert kw.immutable_violations("statefulsets", old, {"spec": {"replicas": 1, "selector": {"matchLabels": {"a": "2"}}}})
 
     def test_a_job_template_is_immutable_but_suspend_is_not(self) -> None:
         old = {"spec": {"suspend": False, "template": {"spec": {"containers": [{"name": "c", "image": "1"}]}}}}
-        assert ks.immutable_violations("jobs", old, {"spec": {**old["spec"], "suspend": True}}) == []
+        assert kw.immutable_violations("jobs", old, {"spec": {**old["spec"], "suspend": True}}) == []
         changed = {"spec": {"suspend": False, "template": {"spec": {"containers": [{"name": "c", "image": "2"}]}}}}
-        assert ks.immutable_violations("jobs", old, changed) == [("spec.template", "Invalid value: field is immutable")]
+        assert kw.immutable_violations("jobs", old, changed) == [("spec.template", "Invalid value: field is immutable")]
