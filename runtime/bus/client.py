@@ -107,17 +107,16 @@ class Bus(Topology):
         for what, v in (("ticket_ack_wait", ticket_ack_wait), ("group_ack_wait", group_ack_wait)):
             if v is not None and not v > 0:
                 raise ValueError(f"{what} must be > 0 seconds, got {v!r}")
+        payload_cap = parse_max_payload(max_payload) if max_payload is not None else None
+        stream_bytes = parse_size(max_bytes, "max_bytes") if max_bytes is not None else None
         token = token if token is not None else (os.environ.get("KUBERL_BUS_TOKEN") or None)
         hooks: list[Callable[[], None]] = []
         nc = await open_connection(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}",
                                    on_reconnect=lambda: [h() for h in hooks])
         try:
-            limit = nc.max_payload
-            if max_payload is not None:
-                limit = min(limit, parse_max_payload(max_payload))
+            limit = min(nc.max_payload, payload_cap) if payload_cap else nc.max_payload
             bus = cls(nc, names, max_payload=limit, ticket_ack_wait=ticket_ack_wait, group_ack_wait=group_ack_wait,
-                      max_bytes=parse_size(max_bytes, "max_bytes") if max_bytes is not None else None,
-                      publish_timeout=publish_timeout, url=redact(url))
+                      max_bytes=stream_bytes, publish_timeout=publish_timeout, url=redact(url))
             hooks.append(bus._on_reconnect)
             await bus._check_jetstream()
             bus._may_create = create
@@ -151,6 +150,18 @@ class Bus(Topology):
                                        "with the agents; retry later, or raise the bus size") from None
                 if time.monotonic() + delay > deadline:
                     raise BusError(f"{what}: bus at {self.url} unavailable for {self.publish_timeout:.0f}s ({exc.description})") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except nats.js.errors.NoStreamResponseError:
+                # A server that lost its store (no PVC) answers nothing on our subjects: re-create the streams.
+                if self._may_create and time.monotonic() + delay <= deadline:
+                    try:
+                        await self._create()
+                        log.warning("bus: streams of %s were missing on %s; re-created them", self.names.experiment, self.url)
+                    except Exception as exc:
+                        log.debug("re-creating streams failed: %s", exc)
+                if time.monotonic() + delay > deadline:
+                    raise BusError(f"{what}: no stream answers on {self.url} (deleted?) for {self.publish_timeout:.0f}s") from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except _TRANSIENT as exc:

@@ -178,3 +178,20 @@ class TestBusCommand:
         assert proc.returncode == 0, out
         assert "Server is ready" in out and not port_open(port)
         assert (tmp_path / "js" / "jetstream").is_dir()  # the store is kept (a PVC in the pod)
+
+
+class TestLostStore:
+    async def test_a_server_restarted_without_its_store_gets_the_streams_back(self, experiment_name, tmp_path):
+        port = free_port()
+        server = start_nats_server(port=port, store_dir=str(tmp_path / "a"))
+        bus = await Bus.connect(server.url, experiment_name, publish_timeout=20)
+        try:
+            await bus.publish_tickets([ticket(0)])
+            server.kill()
+            server = start_nats_server(port=port, store_dir=str(tmp_path / "b"))  # an empty store
+            assert await bus.publish_tickets([ticket(1)]) == 1
+            lease = await bus.pull_ticket(timeout=5)
+            assert lease is not None and lease.value.index == 1
+        finally:
+            await bus.close()
+            server.stop()
