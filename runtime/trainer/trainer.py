@@ -35,7 +35,7 @@ from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, minibatch_ro
 from kuberl.runtime.trainer.bus_io import TrainerBusIO
 from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
 from kuberl.runtime.trainer.tickets import TicketBook
-from kuberl.runtime.trainer.weights import export_weights
+from kuberl.runtime.trainer.weights import digest_state, export_weights
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -51,7 +51,7 @@ class Trainer:
     """
 
     def __init__(self, exp: RLExperiment, *, bus_url: str, workdir: str | Path, bus_token: str | None = None,
-                 max_steps: int | None = None, collect_timeout: float | None = None):
+                 max_steps: int | None = None, collect_timeout: float | None = None, handle_sigterm: bool = True):
         self.exp, self.spec = exp, exp.spec
         self.bus_url, self.bus_token = bus_url, bus_token
         self.workdir = Path(workdir)
@@ -61,6 +61,8 @@ class Trainer:
         self.max_steps = max_steps
         # Give up (failed) when no trajectory arrives for this long; None = wait forever.
         self.collect_timeout = collect_timeout
+        # In its own process the trainer turns SIGTERM into "checkpoint and exit"; in-process callers may keep theirs.
+        self.handle_sigterm = handle_sigterm
         self.ckpt_root = self.workdir / "checkpoints"
         self.weights_root = self.workdir / "weights"
         self.step = 0
@@ -159,7 +161,8 @@ class Trainer:
             if self.info.is_main:
                 # Connect first, so that a failing set-up (model, data set, checkpoint) is reported in progress.failed.
                 self.bus = await TrainerBusIO.connect(self.bus_url, self.exp.name, token=self.bus_token)
-                self._install_sigterm()
+                if self.handle_sigterm:
+                    self._install_sigterm()
             self.setup()
             if self.bus is not None:
                 await self.bus.start(resumed=self.resumed_from is not None)
@@ -202,12 +205,22 @@ class Trainer:
 
     async def train_one_step(self) -> bool:
         """One training step on every rank; False when the loop must end early (stop, SIGTERM)."""
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
+        timings: dict[str, float] = {}
+
+        def lap(stage: str) -> None:  # seconds per named stage, into metrics.jsonl
+            nonlocal last
+            now = time.monotonic()
+            timings[stage] = timings.get(stage, 0.0) + now - last
+            last = now
+
         plan: dict[str, Any] = {}
         if self.info.is_main:
             await self.stage_issue_tickets()
+            lap("train.issue_tickets")
             plan = await self.stage_collect()
         plan = D.broadcast_object(plan, self.info)
+        lap("train.collect")
         if plan.get("stop"):
             self.stop_reason = plan["stop"]
             return False
@@ -216,18 +229,23 @@ class Trainer:
             return True
         batch = build_batch(plan["groups"], self.n)
         self.stage_prox_logp(batch)
+        lap("train.prox_logp")
         self.stage_advantages(batch)
+        lap("train.advantages")
         stats = self.stage_ppo_update(batch)
+        lap("train.ppo_update")
         self.version += 1
         self.step += 1
         if self.info.is_main:  # the ticket book lives on rank 0, next to the bus
             self.book.on_consumed(batch.num_groups)
         await self.stage_publish_weights()
+        lap("train.publish_weights")
         due = self.step % self.spec.checkpoint.every_steps == 0
         if D.broadcast_object(due, self.info):
             await self.stage_checkpoint()
+            lap("train.checkpoint")
         stats.update(samples=batch.num_samples, wait_seconds=plan.get("wait_seconds", 0.0), step_seconds=time.monotonic() - t0,
-                     reward_mean=float(batch.rewards.mean()), **self._staleness(batch))
+                     reward_mean=float(batch.rewards.mean()), timings=timings, **self._staleness(batch))
         await self.stage_report(stats)
         return True
 
@@ -472,17 +490,6 @@ class Trainer:
         # Measured against the version the batch was trained at (before this step's bump).
         lags = [self.version - 1 - h for h in batch.head_versions if h >= 0]
         return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags) if lags else 0}
-
-
-def digest_state(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over a state dict's names and float32 bytes, in name order (to compare weights across ranks/files)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _fmt_eta(seconds: float) -> str:

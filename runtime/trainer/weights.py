@@ -7,6 +7,7 @@ reader never sees half a version; only the newest `keep` versions stay.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -141,3 +142,12 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no weights there")
     return load_file(str(file))
+
+
+def digest_state(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names and float32 bytes, in name order (to compare weights across ranks/files)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -192,6 +192,7 @@ async def test_the_trainer_trains_on_groups_from_the_bus_publishes_new_weights_a
         rows = metrics(workdir)
         assert [r["step"] for r in rows] == [1, 2] and all(r["samples"] == B * N for r in rows)
         assert all(r["staleness_max"] == 0 for r in rows)
+        assert {"train.collect", "train.prox_logp", "train.ppo_update", "train.publish_weights"} <= set(rows[0]["timings"])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -251,7 +252,7 @@ async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tm
         assert set(digests) == {"0", "1"}, text[-4000:]
         assert digests["0"] == digests["1"]
         # ... and they are the weights that were published.
-        from kuberl.runtime.trainer.trainer import digest_state
+        from kuberl.runtime.trainer.weights import digest_state
 
         assert digest_state(load_weights(workdir / "weights" / "v2")) == digests["0"]
         assert (await bus.get_state("progress"))["step"] == 2

@@ -73,3 +73,13 @@ def test_export_without_a_config_says_what_is_missing(tmp_path):
 def test_loading_a_folder_without_weights_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_weights(tmp_path)
+
+
+def test_the_digest_sees_any_changed_value_and_ignores_dict_order():
+    from kuberl.runtime.trainer.weights import digest_state
+
+    a = {"x": torch.arange(4.0), "y": torch.ones(2, 2)}
+    b = {"y": torch.ones(2, 2), "x": torch.arange(4.0)}
+    assert digest_state(a) == digest_state(b)
+    b["x"][3] += 1e-6
+    assert digest_state(a) != digest_state(b)
