@@ -12,6 +12,7 @@ import os
 import random
 import tempfile
 import time
+from pathlib import Path
 
 from kuberl.runtime.bus import Bus, Sample, Ticket, TrajectoryGroup, start_nats_server
 from kuberl.runtime.bus.messages import encode
@@ -65,7 +66,7 @@ async def bench(url: str, quick: bool) -> None:
             t0 = time.perf_counter()
             for g in groups:
                 assert await bus.publish_group(g), f"group {g.group_id} was a duplicate"
-            line(f"  publish (encode included)", count, time.perf_counter() - t0, sum(sizes))
+            line("  publish (encode included)", count, time.perf_counter() - t0, sum(sizes))
             t0, got = time.perf_counter(), 0
             while got < count:
                 leases = await bus.pull_groups(count - got, timeout=30)
@@ -74,14 +75,13 @@ async def bench(url: str, quick: bool) -> None:
                 for lease in leases:
                     await lease.ack()
                 got += len(leases)
-            line(f"  pull + decode + ack", got, time.perf_counter() - t0, sum(sizes))
+            line("  pull + decode + ack", got, time.perf_counter() - t0, sum(sizes))
 
         size = (20 if quick else 200) * 1024 * 1024
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "src")
             os.makedirs(src)
-            with open(os.path.join(src, "model.safetensors"), "wb") as f:
-                f.write(os.urandom(size))
+            await asyncio.to_thread(Path(src, "model.safetensors").write_bytes, os.urandom(size))
             t0 = time.perf_counter()
             prefix = await bus.put_weights(1, src)
             line("weights: put_weights (object store)", 1, time.perf_counter() - t0, size)

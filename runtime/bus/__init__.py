@@ -22,8 +22,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kuberl.runtime.bus.client import Bus, BusError, BusFullError, GroupTooLargeError, Lease
-    from kuberl.runtime.bus.messages import MessageError, Sample, Ticket, TrajectoryGroup
+    from kuberl.runtime.bus.client import (
+        Bus,
+        BusError,
+        BusFullError,
+        GroupTooLargeError,
+        Lease,
+    )
+    from kuberl.runtime.bus.messages import (
+        MessageError,
+        Sample,
+        Ticket,
+        TrajectoryGroup,
+    )
     from kuberl.runtime.bus.names import BusNames
     from kuberl.runtime.bus.server import NatsServer, NatsServerError, start_nats_server
 

@@ -14,25 +14,41 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import api
-
 from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
-from kuberl.runtime.bus.topology import Topology
-from kuberl.runtime.bus.messages import MessageError, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, split_chunks
+from kuberl.runtime.bus.messages import (
+    MessageError,
+    Ticket,
+    TrajectoryGroup,
+    decode_group,
+    decode_ticket,
+    encode,
+    split_chunks,
+)
 from kuberl.runtime.bus.names import (
-    AGENTS_CONSUMER, H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID, H_SIZE, KV_KEY, TRAINER_CONSUMER, BusNames,
+    AGENTS_CONSUMER,
+    H_ATTEMPT,
+    H_CHUNK,
+    H_CHUNKS,
+    H_GROUP,
+    H_MSG_ID,
+    H_SIZE,
+    KV_KEY,
+    TRAINER_CONSUMER,
+    BusNames,
 )
 from kuberl.runtime.bus.server import parse_max_payload, parse_size
+from kuberl.runtime.bus.topology import Topology
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
 
 __all__ = ["Bus", "BusError", "BusFullError", "GroupTooLargeError", "Lease"]
 
@@ -50,6 +66,14 @@ _TRANSIENT = (
 FETCH_BYTES = 256 * 1024 * 1024
 WATCH_CHECK_SECONDS = 15.0  # how often an idle state watch checks that its consumer still exists
 _FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
+
+
+async def _best_effort(what: str, aw: Awaitable[Any]) -> None:
+    """Await a clean-up step whose failure changes nothing (the server forgets the object anyway)."""
+    try:
+        await aw
+    except Exception as exc:  # noqa: BLE001 - any failure here only costs a debug line
+        log.debug("%s failed: %s", what, exc)
 
 
 class Bus(Topology):
@@ -130,7 +154,7 @@ class Bus(Topology):
         if not self.nc.is_closed:
             await self.nc.close()
 
-    async def __aenter__(self) -> Bus:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -158,7 +182,7 @@ class Bus(Topology):
                     try:
                         await self._create()
                         log.warning("bus: streams of %s were missing on %s; re-created them", self.names.experiment, self.url)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - retried on the next attempt
                         log.debug("re-creating streams failed: %s", exc)
                 if time.monotonic() + delay > deadline:
                     raise BusError(f"{what}: no stream answers on {self.url} (deleted?) for {self.publish_timeout:.0f}s") from None
@@ -225,7 +249,7 @@ class Bus(Topology):
                 stream, _ = self._consumer_config(consumer)
                 sub = self._subs[consumer] = await self.js.pull_subscribe_bind(consumer, stream=stream)
             return await sub.fetch(batch, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             return []
         except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
             if self.nc.is_closed:
@@ -241,18 +265,15 @@ class Bus(Topology):
     async def _recover_consumer(self, consumer: str) -> None:
         sub = self._subs.pop(consumer, None)
         if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
-        stream, cfg = self._consumer_config(consumer)
+            await _best_effort("unsubscribe", sub.unsubscribe())
+        stream, _ = self._consumer_config(consumer)
         try:
             await self.js.consumer_info(stream, consumer)
             return
         except nats.js.errors.NotFoundError:
             pass
-        except Exception:
-            return  # not reachable now: the next pull tries again
+        except Exception:  # noqa: BLE001 - not reachable now: the next pull tries again
+            return
         if not self._may_create:
             raise BusError(f"consumer {consumer!r} of experiment {self.names.experiment!r} no longer exists on {self.url}")
         await self._create()  # idempotent: re-creates whatever is missing (the stream too, after a reset)
@@ -309,7 +330,7 @@ class Bus(Topology):
         for s in seqs:
             try:
                 await self.js.delete_msg(self.names.traj_stream, s)
-            except Exception as exc:  # the reader's orphan sweep removes what we could not
+            except Exception as exc:  # noqa: BLE001 - the reader's orphan sweep removes what we could not
                 log.debug("could not delete orphan chunk seq %d: %s", s, exc)
 
     async def pull_groups(self, max_n: int, timeout: float = 5.0) -> list[Lease[TrajectoryGroup]]:
@@ -351,10 +372,7 @@ class Bus(Topology):
         async with self._group_lock:
             sub = self._subs.pop(TRAINER_CONSUMER, None)
             if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+                await _best_effort("unsubscribe", sub.unsubscribe())
             try:
                 await self.js.delete_consumer(stream, TRAINER_CONSUMER)
             except nats.js.errors.NotFoundError:
@@ -372,10 +390,7 @@ class Bus(Topology):
         n = self.names
         async with self._ticket_lock, self._group_lock:
             for sub in self._subs.values():
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+                await _best_effort("unsubscribe", sub.unsubscribe())
             self._subs.clear()
             for stream in (n.tickets_stream, n.traj_stream):
                 try:
@@ -450,10 +465,7 @@ class Bus(Topology):
                     last_revision = entry.revision
                     yield _loads(entry.value, key)
             finally:
-                try:
-                    await watcher.stop()
-                except Exception:
-                    pass
+                await _best_effort("stop watch", watcher.stop())
 
     async def _watch_alive(self, watcher: Any) -> bool:
         """False when the watch's consumer is gone (e.g. reset_experiment re-created the bucket)."""
@@ -465,8 +477,8 @@ class Bus(Topology):
         except nats.js.errors.NotFoundError:
             log.warning("bus: the watch on %s lost its consumer; watching again", self.names.kv_bucket)
             return False
-        except Exception:
-            pass  # unreachable now: a reconnect re-creates the watch
+        except Exception as exc:  # noqa: BLE001 - unreachable now: a reconnect re-creates the watch
+            log.debug("watch check failed: %s", exc)
         return True
 
     # -- weights (object store) ------------------------------------------------------------------

@@ -13,9 +13,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
-from nats.aio.client import Client as NATS
-
 from kuberl.runtime.bus.errors import BusError
+from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +53,22 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
         if on_reconnect is not None:
             on_reconnect()
 
-    opts: dict[str, Any] = dict(
-        servers=[url], name=name, connect_timeout=min(5.0, max(wait, 0.5)), allow_reconnect=True,
-        max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=error_cb,
-        disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
-        pending_size=64 * 1024 * 1024,  # buffer while reconnecting: a few large groups
-    )
+    opts: dict[str, Any] = {
+        "servers": [url], "name": name, "connect_timeout": min(5.0, max(wait, 0.5)), "allow_reconnect": True,
+        "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, "error_cb": error_cb,
+        "disconnected_cb": disconnected_cb, "reconnected_cb": reconnected_cb,
+        "pending_size": 64 * 1024 * 1024,  # buffer while reconnecting: a few large groups
+    }
     if token:
         opts["token"] = token
     try:
         await asyncio.wait_for(nc.connect(**opts), timeout=wait)
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         err = last[0] if last else exc
         try:
             await nc.close()
-        except Exception:
-            pass
+        except Exception as close_exc:  # noqa: BLE001 - a half-open client; the error below matters
+            log.debug("closing the failed connection: %s", close_exc)
         hint = ""
         if isinstance(err, nats.errors.AuthorizationError) or "authorization" in str(err).lower():
             hint = ": authorization failed, check KUBERL_BUS_TOKEN"

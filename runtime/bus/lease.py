@@ -67,7 +67,7 @@ class Lease(Generic[T]):
                 await asyncio.sleep(interval)
                 try:
                     await self.in_progress()
-                except Exception as exc:  # a lost beat only risks a redelivery; keep working
+                except Exception as exc:  # noqa: BLE001 - a lost beat only risks a redelivery; keep working
                     log.warning("in_progress for %r failed: %s", self.value, exc)
 
         task = asyncio.create_task(beat())

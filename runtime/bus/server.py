@@ -21,6 +21,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class NatsServerError(RuntimeError):
 def parse_size(value: int | str, what: str = "size") -> int:
     """Bytes from an int or a size such as 8MB, 8Mi, 8M (decimal, as Kubernetes) or 1048576."""
     if isinstance(value, bool):
-        raise ValueError(f"{what}: {value!r} is not a size")
+        raise TypeError(f"{what}: {value!r} is not a size")
     if isinstance(value, int):
         n = value
     else:
@@ -171,7 +172,7 @@ class NatsServer:
             shutil.rmtree(self.store_dir, ignore_errors=True)
         shutil.rmtree(self._workdir, ignore_errors=True)
 
-    def __enter__(self) -> NatsServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

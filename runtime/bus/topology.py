@@ -10,10 +10,9 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
-from nats.js import api
-
 from kuberl.runtime.bus.errors import BusError
 from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
+from nats.js import api
 
 DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
 DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
@@ -41,8 +40,8 @@ class Topology:
 
     def _stream_config(self, which: str) -> api.StreamConfig:
         n = self.names
-        common = dict(retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE,
-                      discard=api.DiscardPolicy.NEW, duplicate_window=DUPLICATE_WINDOW, num_replicas=1)
+        common = {"retention": api.RetentionPolicy.WORK_QUEUE, "storage": api.StorageType.FILE,
+                      "discard": api.DiscardPolicy.NEW, "duplicate_window": DUPLICATE_WINDOW, "num_replicas": 1}
         if which == "tickets":
             return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
         return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
@@ -50,8 +49,8 @@ class Topology:
 
     def _consumer_config(self, name: str) -> tuple[str, api.ConsumerConfig]:
         n = self.names
-        base = dict(ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
-                    max_deliver=-1, max_ack_pending=-1, name=name, durable_name=name)
+        base = {"ack_policy": api.AckPolicy.EXPLICIT, "deliver_policy": api.DeliverPolicy.ALL,
+                    "max_deliver": -1, "max_ack_pending": -1, "name": name, "durable_name": name}
         if name == AGENTS_CONSUMER:
             return n.tickets_stream, api.ConsumerConfig(
                 ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)

@@ -9,8 +9,15 @@ import random
 
 import pytest
 import pytest_asyncio
-
-from kuberl.runtime.bus import Bus, BusError, BusFullError, GroupTooLargeError, Sample, Ticket, TrajectoryGroup
+from kuberl.runtime.bus import (
+    Bus,
+    BusError,
+    BusFullError,
+    GroupTooLargeError,
+    Sample,
+    Ticket,
+    TrajectoryGroup,
+)
 from kuberl.runtime.bus.messages import encode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

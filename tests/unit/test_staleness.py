@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kuberl.runtime.staleness import StalenessManager, TicketIssuer, ticket_id
 
 
