@@ -388,3 +388,31 @@ class TestFreshStart:
             assert seen == [5, 0]
         finally:
             await agent.close()
+
+
+class TestRobustness:
+    async def test_many_roles_connecting_at_once_share_one_set_of_objects(self, nats_server, experiment_name):
+        buses = await asyncio.gather(*(Bus.connect(nats_server.url, experiment_name) for _ in range(6)))
+        try:
+            await buses[0].publish_tickets([ticket(0)])
+            assert (await buses[5].pull_ticket(timeout=2)).value == ticket(0)
+        finally:
+            await asyncio.gather(*(b.close() for b in buses))
+
+    async def test_chunks_of_a_publisher_that_died_are_removed_once_the_stream_moves_on(self, nats_server, experiment_name):
+        from kuberl.runtime.bus.names import H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID
+
+        bus = await Bus.connect(nats_server.url, experiment_name)
+        try:
+            bus._assembler.grace = 0.5  # instead of 120 s
+            for i in range(2):  # 2 of 3 chunks, then the publisher "dies"
+                headers = {H_MSG_ID: f"dead.a.{i}", H_GROUP: "dead", H_ATTEMPT: "a", H_CHUNK: str(i), H_CHUNKS: "3"}
+                await bus.js.publish(bus.names.chunk_subject, b"x" * 100, headers=headers)
+            await asyncio.sleep(1.0)
+            await bus.publish_group(group(1))
+            [lease] = await bus.pull_groups(1, timeout=3)
+            await lease.ack()
+            assert lease.value.group_id == "e0-i1-1" and bus.bad_messages == 2
+            assert (await bus.js.stream_info(bus.names.traj_stream)).state.messages == 0
+        finally:
+            await bus.close()
