@@ -158,11 +158,11 @@ class Trainer:
         self.bus: TrainerBusIO | None = None
         try:
             self.info = D.init_distributed()
+            if self.handle_sigterm:
+                self._install_sigterm()
             if self.info.is_main:
                 # Connect first, so that a failing set-up (model, data set, checkpoint) is reported in progress.failed.
                 self.bus = await TrainerBusIO.connect(self.bus_url, self.exp.name, token=self.bus_token)
-                if self.handle_sigterm:
-                    self._install_sigterm()
             self.setup()
             if self.bus is not None:
                 await self.bus.start(resumed=self.resumed_from is not None)
@@ -200,8 +200,10 @@ class Trainer:
             pass
 
     def _on_sigterm(self) -> None:
-        log.warning("SIGTERM: checkpointing after this step, then exiting")
-        self.stop_reason = "SIGTERM"
+        # torchrun forwards SIGTERM to every rank; rank 0 decides when to stop and tells the others.
+        if self.info.is_main:
+            log.warning("SIGTERM: checkpointing after this step, then exiting")
+            self.stop_reason = "SIGTERM"
 
     async def train_one_step(self) -> bool:
         """One training step on every rank; False when the loop must end early (stop, SIGTERM)."""
@@ -488,7 +490,8 @@ class Trainer:
 
     def _staleness(self, batch: RolloutBatch) -> dict[str, Any]:
         # Measured against the version the batch was trained at (before this step's bump).
-        lags = [self.version - 1 - h for h in batch.head_versions if h >= 0]
+        # Never negative: after a restart, redelivered groups may come from versions newer than the checkpoint's.
+        lags = [max(self.version - 1 - h, 0) for h in batch.head_versions if h >= 0]
         return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags) if lags else 0}
 
 

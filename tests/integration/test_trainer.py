@@ -326,13 +326,14 @@ async def test_a_trainer_that_cannot_start_reports_why_in_progress_failed_and_ex
         await bus.close()
 
 
-async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkpoints_and_exits(tmp_path, bus_url, tiny_model):
-    name = "tr-control"
-    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=50, eta=0, every=100)
+@pytest.mark.parametrize("world", [1, 2])
+async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkpoints_and_exits(tmp_path, bus_url, tiny_model, world):
+    name = f"tr-control-{world}"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=50, eta=0, every=100, world=world)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     agent = FakeAgent(bus, tiny_model)
-    proc = start_trainer(manifest, bus_url, workdir, log)
+    proc = start_trainer(manifest, bus_url, workdir, log, world=world)
     try:
         task = asyncio.create_task(agent.serve(limit=B))  # one step's worth, then the trainer waits
         await wait_for(lambda: _at_step(bus, 1), 90, "step 1", proc, log)
@@ -351,7 +352,8 @@ async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkp
         os.killpg(proc.pid, signal.SIGTERM)  # what Kubernetes and `kuberl run` send
         code = await asyncio.to_thread(finish, proc, log, 60)
         task.cancel()
-        assert code == 143, log.read_text()[-3000:]
+        # torchrun reports its own code for a signalled run; the ranks' own exit is what the log shows.
+        assert code == 143 if world == 1 else code != 0, log.read_text()[-3000:]
         progress = await bus.get_state("progress")
         assert progress["done"] is False and progress["failed"] is None and progress["step"] == 1
         assert "stopped (SIGTERM)" in log.read_text()
