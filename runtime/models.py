@@ -141,7 +141,13 @@ def _build_once(target: Path, seed: int) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             build_tiny_model(tmp, seed=seed)
-            os.replace(tmp, target)  # atomic: readers see all files or none
+            try:
+                os.replace(tmp, target)  # atomic: readers see all files or none
+            except OSError:
+                # Another pod won the race (flock does not reach across every shared file system);
+                # the build is deterministic, so its copy is as good as ours.
+                if not (target / "config.json").is_file():
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
