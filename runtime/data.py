@@ -91,12 +91,12 @@ def resolve_data_path(spec: DatasetSpec) -> Path:
     return Path(spec.path).expanduser()
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def _read_rows(path: Path, split: str = "train") -> list[dict[str, Any]]:
     if not path.exists():
         raise DatasetError(f"dataset.path: {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if path.is_dir():
-        return _rows_from_hf(_load_from_disk(path))
+        return _rows_from_hf(_load_from_disk(path), split)
     if suffix == ".jsonl":
         rows = []
         with path.open() as f:
@@ -138,7 +138,9 @@ def _load_from_disk(path: Path) -> Any:
 
 
 def _rows_from_hf(ds: Any, split: str | None = None) -> list[dict[str, Any]]:
-    if hasattr(ds, "keys") and not hasattr(ds, "column_names"):  # a DatasetDict: pick the split
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):  # a saved DatasetDict: pick the split
         if split is None or split not in ds:
             raise DatasetError(f"dataset.split: {split!r} not found (available: {', '.join(ds.keys())})")
         ds = ds[split]
@@ -178,7 +180,7 @@ def load_items(spec: DatasetSpec, seed: int = 1) -> list[Item]:
         return builtin_items(spec.builtin, spec.size or DEFAULT_BUILTIN_SIZE, seed)
     if spec.path is not None:
         path = resolve_data_path(spec)
-        rows = _read_rows(path)
+        rows = _read_rows(path, spec.split)
         source = f"dataset.path {path}"
     else:
         rows = _load_hub(spec)

@@ -85,3 +85,21 @@ def test_epoch_order_is_a_seeded_permutation_that_changes_per_epoch():
     assert sorted(e0) == list(range(20)) and e0 != e1
     assert e0 == epoch_order(20, 0, seed=1, shuffle=True)
     assert epoch_order(5, 3, seed=1, shuffle=False) == [0, 1, 2, 3, 4]
+
+
+def test_a_hub_style_data_set_loads_through_datasets_from_a_local_folder(tmp_path):
+    pytest.importorskip("datasets")
+    # `datasets.load_dataset` takes a folder of data files as an id: the hub path without a download.
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)) + "\n")
+    items = load_items(DatasetSpec(id=str(tmp_path), split="train", size=3))
+    assert [(it.prompt, it.answer) for it in items] == [("q0", "0"), ("q1", "1"), ("q2", "2")]
+    with pytest.raises(DatasetError, match=r"split 'test'"):
+        load_items(DatasetSpec(id=str(tmp_path), split="test"))
+
+
+def test_a_saved_data_set_folder_is_read_with_its_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"question": "a", "answer": "1"}])})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    items = load_items(DatasetSpec(path=str(tmp_path / "saved")))
+    assert [(it.prompt, it.answer) for it in items] == [("a", "1")]
