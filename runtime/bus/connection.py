@@ -38,6 +38,8 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
 
     async def error_cb(exc: BaseException) -> None:
         last[:] = [exc]
+        if _is_auth_error(exc):
+            state["auth"] = 1.0  # later attempts may only see the server hang up: remember the cause
         now = time.monotonic()
         if nc.is_connected and now - state["logged"] > 30:  # rate-limited: a long outage logs every 30 s
             state["logged"] = now
@@ -70,7 +72,11 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
         except Exception as close_exc:  # noqa: BLE001 - a half-open client; the error below matters
             log.debug("closing the failed connection: %s", close_exc)
         hint = ""
-        if isinstance(err, nats.errors.AuthorizationError) or "authorization" in str(err).lower():
+        if state.get("auth") or _is_auth_error(err):
             hint = ": authorization failed, check KUBERL_BUS_TOKEN"
         raise BusError(f"cannot reach the bus at {redact(url)} within {wait:.0f}s ({type(err).__name__}: {err}){hint}") from None
     return nc
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization" in str(exc).lower()
