@@ -32,15 +32,15 @@ CHAT_TEMPLATE = (
 )
 
 # Small on purpose: 2 CPU cores train and serve it; vLLM's CPU attention needs head_dim >= 32.
-TINY_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+TINY_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )

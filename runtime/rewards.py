@@ -7,6 +7,7 @@ sample. Every reward returns a float in [0, 1]; the algorithm's rewardBias/rewar
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -95,7 +96,7 @@ def score(fn: RewardFn, prompt: str, completion: str, answer: str, *, name: str 
     value = fn(prompt, completion, answer)
     if isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, (int, float)) or value != value:
+    if not isinstance(value, (int, float)) or math.isnan(value):
         raise RewardError(f"workflow.reward {name}: returned {value!r}; expected a float in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise RewardError(f"workflow.reward {name}: returned {value!r}, outside [0, 1]")

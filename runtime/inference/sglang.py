@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.vllm import free_port
 
@@ -117,10 +116,10 @@ class SGLangEngine:
         self.model_path = model_path
         self.port = port or (free_port(host) if url is None else None)
         self.url = (url or f"http://{host}:{self.port}").rstrip("/")
-        self._launch = dict(
-            host=host, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, extra_args=extra_args,
-        )
+        self._launch = {
+            "host": host, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size, "extra_args": extra_args,
+        }
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self.request_timeout = request_timeout
@@ -152,12 +151,18 @@ class SGLangEngine:
         except aiohttp.ClientError as exc:
             raise EngineError(f"SGLang {path} at {self.url}: {exc}") from exc
 
+    def launch(self) -> None:
+        cmd = build_server_command(self.model_path, port=self.port, **self._launch)
+        log.info("starting SGLang: %s", " ".join(cmd))
+        if self.log_path is None:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            return
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
     async def start(self) -> None:
         if self.model_path is not None and self.proc is None:
-            cmd = build_server_command(self.model_path, port=self.port, **self._launch)
-            log.info("starting SGLang: %s", " ".join(cmd))
-            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.launch()
         start = time.monotonic()
         while time.monotonic() - start < self.startup_timeout:
             if self.proc is not None and self.proc.poll() is not None:
@@ -188,7 +193,7 @@ class SGLangEngine:
         try:
             async with self._http().get(self.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:

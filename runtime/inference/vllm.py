@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import aiohttp
-
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,10 @@ class VLLMEngine:
         self.model_path = model_path
         self.port = port or (free_port(host) if url is None else None)
         self.url = (url or f"http://{host}:{self.port}").rstrip("/")
-        self._launch = dict(
-            host=host, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, extra_args=extra_args,
-        )
+        self._launch = {
+            "host": host, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size, "extra_args": extra_args,
+        }
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self.request_timeout = request_timeout
@@ -142,13 +142,19 @@ class VLLMEngine:
     def set_version(self, version: int) -> None:
         self._version = version
 
+    def launch(self) -> None:
+        """Start the server process (in its own process group: stop() ends it and its engine-core children)."""
+        cmd = build_server_command(self.model_path, port=self.port, **self._launch)
+        log.info("starting vLLM: %s", " ".join(cmd))
+        if self.log_path is None:
+            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            return
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
     async def start(self) -> None:
         if self.model_path is not None and self.proc is None:
-            cmd = build_server_command(self.model_path, port=self.port, **self._launch)
-            log.info("starting vLLM: %s", " ".join(cmd))
-            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-            # Own process group: stop() ends the server and its engine-core children together.
-            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.launch()
         await self.wait_healthy(self.startup_timeout)
 
     async def wait_healthy(self, timeout: float) -> None:
@@ -183,7 +189,7 @@ class VLLMEngine:
                 await asyncio.to_thread(self.proc.wait)
         self.proc = None
 
-    async def __aenter__(self) -> VLLMEngine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -212,7 +218,7 @@ class VLLMEngine:
         try:
             async with self._http().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     # -- generation ----------------------------------------------------------------------------

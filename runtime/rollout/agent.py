@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import EngineError, InferenceEngine
 from kuberl.runtime.rollout.workflows import EpisodeContext, RolloutWorkflow
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class RolloutAgent:
             rejected, rewards = True, []
             group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, agent=self.agent_id, rejected=True)
             await self.bus.publish_group(group)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  any failure: the ticket goes back for another try
             return await self._give_back(lease, exc)
         finally:
             beat.cancel()
@@ -186,7 +187,6 @@ class RolloutAgent:
         log.error("agent %s: ticket %s failed, giving it back: %s", self.agent_id, lease.value.ticket_id, exc, exc_info=exc)
         with contextlib.suppress(Exception):
             await lease.nak(delay=5.0)
-        return None
 
     async def _report(self) -> None:
         while True:

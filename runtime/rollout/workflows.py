@@ -12,11 +12,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
-from kuberl.runtime.inference.base import GenerateRequest, GenerateResult, InferenceEngine
+from kuberl.runtime.inference.base import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceEngine,
+)
 from kuberl.runtime.rewards import RewardFn, resolve_reward, score
+
+from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
 
 MAX_CONTINUATIONS = 1000  # aborts one generation may survive (each is one weight update)
 DEFAULT_FEEDBACK = "Your answer is not correct. Try again."

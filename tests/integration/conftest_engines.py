@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kuberl.runtime.models import build_tiny_model, resolve_model
 
 from kuberl.api.v1alpha1 import ModelSpec
-from kuberl.runtime.models import build_tiny_model, resolve_model
 
 
 @dataclass
@@ -44,7 +44,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
 
     try:
         asyncio.run(start())
-    except Exception:
+    except Exception:  # noqa: BLE001  show the server's log whatever went wrong
         asyncio.run(engine.stop())
         tail = log_path.read_text()[-3000:] if log_path.exists() else "(no log)"
         pytest.fail(f"vLLM server did not start; log tail:\n{tail}")

@@ -13,15 +13,20 @@ import time
 
 import pytest
 import pytest_asyncio
-
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus, Ticket
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import load_items
 from kuberl.runtime.inference.vllm import VLLMEngine
 from kuberl.runtime.rewards import resolve_reward
 from kuberl.runtime.rollout.agent import RolloutAgent
-from kuberl.runtime.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, SamplingConfig, make_workflow
+from kuberl.runtime.rollout.workflows import (
+    MultiTurnWorkflow,
+    RLVRWorkflow,
+    SamplingConfig,
+    make_workflow,
+)
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -171,7 +176,7 @@ async def test_a_stopped_agent_gives_its_tickets_back_at_once(bus, engine, token
 
 
 async def test_multi_turn_feedback_tokens_are_masked_and_the_reward_is_discounted_per_extra_turn(engine, tokenizer):
-    half = lambda p, c, a: 0.5  # never "correct", so every episode uses all turns  # noqa: E731
+    half = lambda p, c, a: 0.5  # never "correct", so every episode uses all turns
     wf = MultiTurnWorkflow(tokenizer, half, SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id]),
                            max_turns=3, turn_discount=0.5)
     from kuberl.runtime.data import Item

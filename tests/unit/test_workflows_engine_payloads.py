@@ -5,11 +5,11 @@ plus the `kuberl engine` launch settings."""
 from __future__ import annotations
 
 import pytest
-
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.inference import sglang, vllm
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, engine_class
 from kuberl.runtime.inference.main import engine_settings, server_command
+
+from kuberl.api.v1alpha1 import RLExperiment
 
 REQ = GenerateRequest(input_ids=[1, 292, 201], max_new_tokens=16, temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5)
 
