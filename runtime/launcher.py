@@ -98,16 +98,21 @@ class LocalRun:
         env.update(extra)
         return env
 
-    def plan(self) -> None:
-        """The role processes: what the operator would render as pods, as local processes."""
+    def plan(self, gpus: int = 0) -> None:
+        """The role processes: what the operator would render as pods, as local processes.
+
+        With `gpus` local NVIDIA devices, each engine gets its own block of tp*pp devices and the trainer
+        the next ones (CUDA_VISIBLE_DEVICES), as the scheduler would give each pod its own.
+        """
         spec = self.exp.spec
         cli = [sys.executable, "-m", "kuberl.cli"]
         logs = self.workdir / "logs"
+        devices = assign_gpus(self.exp, gpus)
         for i in range(spec.rollout.replicas):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
-                                   self.role_env(), logs / f"engine-{i}.log"))
+                                   self.role_env(**devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
             self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
                                    self.role_env(KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}"), logs / f"rollout-{i}.log"))
         nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
@@ -116,7 +121,7 @@ class LocalRun:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "kuberl.cli", *trainer_cmd]
         else:
             argv = [*cli, *trainer_cmd]
-        self.roles.append(Role("trainer", argv, self.role_env(), logs / "trainer.log"))
+        self.roles.append(Role("trainer", argv, self.role_env(**devices.get("trainer", {})), logs / "trainer.log"))
 
     @property
     def trainer(self) -> Role:
@@ -150,6 +155,40 @@ class LocalRun:
         order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2}[r.name.split("-")[0]])
         for role in order:
             role.stop(grace=30.0 if role.name == "trainer" else 10.0)
+
+
+def assign_gpus(exp: RLExperiment, gpus: int) -> dict[str, dict[str, str]]:
+    """CUDA_VISIBLE_DEVICES per role: engines first (tp*pp each), then the trainer's processes.
+
+    Roles on CPU get nothing; asking for more NVIDIA devices than the machine has is an error that
+    names both numbers, not a silent pile-up on device 0.
+    """
+    spec = exp.spec
+    wants: list[tuple[str, int]] = []
+    if spec.rollout.accelerator.type == "nvidia":
+        wants += [(f"engine-{i}", spec.rollout.accelerator.count) for i in range(spec.rollout.replicas)]
+    if spec.trainer.accelerator.type == "nvidia":
+        wants.append(("trainer", spec.trainer.accelerator.count * spec.trainer.nodes))
+    need = sum(n for _, n in wants)
+    if need == 0:
+        return {}
+    if need > gpus:
+        raise SystemExit(f"kuberl run: the manifest asks for {need} NVIDIA GPUs (rollout and trainer together) but this machine has {gpus}; "
+                         "use accelerator type cpu, or fewer replicas")
+    out, next_gpu = {}, 0
+    for role, n in wants:
+        out[role] = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(next_gpu, next_gpu + n))}
+        next_gpu += n
+    return out
+
+
+def local_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # no torch build with CUDA: a CPU machine
+        return 0
 
 
 def prepare_manifest(exp: RLExperiment, workdir: Path, max_steps: int | None) -> Path:
@@ -268,7 +307,12 @@ def main(args) -> int:
         print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
 
     run = LocalRun(exp, manifest, workdir, bus_url)
-    run.plan()
+    try:
+        run.plan(gpus=local_gpu_count())
+    except SystemExit:
+        if server is not None:
+            server.stop()
+        raise
     for role in run.roles:
         role.start()
     print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")

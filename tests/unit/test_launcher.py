@@ -1,0 +1,65 @@
+"""The local launcher's pure parts: GPU assignment, the resolved manifest, the role plan, the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kuberl.api import RLExperiment, load_experiment
+from kuberl.runtime.launcher import LocalRun, assign_gpus, plot_rewards, prepare_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_experiment(**spec) -> RLExperiment:
+    base = {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}, "training": {"totalSteps": 3}}
+    base.update(spec)
+    return RLExperiment.model_validate({"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "t"}, "spec": base})
+
+
+class TestGpuAssignment:
+    def test_cpu_roles_get_no_devices(self):
+        exp = make_experiment(rollout={"accelerator": {"type": "cpu", "count": 0}}, trainer={"accelerator": {"type": "cpu", "count": 1}})
+        assert assign_gpus(exp, gpus=0) == {}
+
+    def test_engines_and_trainer_get_disjoint_device_blocks(self):
+        exp = make_experiment(rollout={"replicas": 2, "tensorParallelSize": 2, "accelerator": {"count": 2}}, trainer={"accelerator": {"count": 2}})
+        assert assign_gpus(exp, gpus=8) == {
+            "engine-0": {"CUDA_VISIBLE_DEVICES": "0,1"},
+            "engine-1": {"CUDA_VISIBLE_DEVICES": "2,3"},
+            "trainer": {"CUDA_VISIBLE_DEVICES": "4,5"},
+        }
+
+    def test_asking_for_more_gpus_than_the_machine_has_names_both_numbers(self):
+        exp = make_experiment(rollout={"replicas": 2}, trainer={"accelerator": {"count": 2}})
+        with pytest.raises(SystemExit, match="asks for 4 NVIDIA GPUs .* has 1"):
+            assign_gpus(exp, gpus=1)
+
+
+def test_the_resolved_manifest_carries_the_step_override_and_loads_back(tmp_path):
+    exp = load_experiment(ROOT / "examples" / "quickstart.yaml")
+    path = prepare_manifest(exp, tmp_path, max_steps=7)
+    again = load_experiment(path)
+    assert again.spec.training.total_steps == 7
+    assert again.spec.model == exp.spec.model and "allocation" not in yaml.safe_load(path.read_text())["spec"]
+
+
+def test_the_plan_runs_an_engine_and_an_agent_per_replica_and_torchrun_for_several_trainer_processes(tmp_path):
+    exp = make_experiment(rollout={"engine": "vllm", "replicas": 2, "accelerator": {"type": "cpu", "count": 0}},
+                          trainer={"accelerator": {"type": "cpu", "count": 2}})
+    run = LocalRun(exp, tmp_path / "e.yaml", tmp_path, "nats://127.0.0.1:1")
+    run.plan(gpus=0)
+    assert [r.name for r in run.roles] == ["engine-0", "rollout-0", "engine-1", "rollout-1", "trainer"]
+    engine_urls = {r.env["KUBERL_ENGINE_URL"] for r in run.roles if r.name.startswith("rollout")}
+    assert len(engine_urls) == 2
+    assert "torch.distributed.run" in run.trainer.argv and "--nproc-per-node=2" in run.trainer.argv
+
+
+def test_the_reward_plot_is_a_png_and_needs_metrics(tmp_path):
+    assert plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "r.png") is None
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward_mean": i / 10}) + "\n" for i in range(1, 11)))
+    out = plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "r.png")
+    assert out is not None and out.read_bytes()[:4] == b"\x89PNG"
