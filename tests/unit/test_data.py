@@ -18,8 +18,9 @@ def test_builtin_repeat_digit_is_deterministic_per_seed_and_sized():
     assert a == b and a != c and len(a) == 50
     assert [it.index for it in a] == list(range(50))
     for it in a:
-        digit = it.prompt.removeprefix("Repeat the digit ").removesuffix(".")
-        assert digit.isdigit() and it.answer == digit * REPEAT_LEN
+        digit, shown = it.prompt.removeprefix("Repeat the digit ").split(": ")
+        assert len(digit) == 1 and digit.isdigit() and it.answer == digit * REPEAT_LEN
+        assert set(shown) == {digit}
     assert len({it.answer for it in a}) > 5  # covers many digits
 
 
