@@ -39,13 +39,27 @@ log = logging.getLogger("kuberl.operator")
 BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; a bad value names the variable and the value."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    return value
+
+
 @dataclass
 class OperatorConfig:
     """Process-wide knobs (environment variables, so tests can shorten them)."""
 
-    interval: float = float(os.environ.get("KUBERL_OPERATOR_INTERVAL", "5"))  # monitor timer period, s
-    checkpoint_timeout: float = float(os.environ.get("KUBERL_CHECKPOINT_TIMEOUT", "120"))  # suspend waits this long
-    retry_delay: float = float(os.environ.get("KUBERL_OPERATOR_RETRY", "15"))  # recheck of a missing Secret/PVC
+    interval: float = field(default_factory=lambda: env_seconds("KUBERL_OPERATOR_INTERVAL", 5.0))  # monitor period
+    checkpoint_timeout: float = field(default_factory=lambda: env_seconds("KUBERL_CHECKPOINT_TIMEOUT", 120.0))  # suspend waits
+    retry_delay: float = field(default_factory=lambda: env_seconds("KUBERL_OPERATOR_RETRY", 15.0))  # recheck of a missing Secret/PVC
     node_cache_seconds: float = 60.0  # Node capacity changes slowly; do not list Nodes every tick
     kube: KubeClient | None = None
     bus: BusReader = field(default_factory=BusReader)

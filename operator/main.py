@@ -11,10 +11,9 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 PEERING_NAME = "kuberl"
-# Monitor timer period (seconds): status, autoscaler and lifecycle. Tests shorten it.
-INTERVAL_ENV = "KUBERL_OPERATOR_INTERVAL"
 
 
 def configure_settings(settings: object, *, standalone: bool, clusterwide: bool) -> None:
@@ -46,7 +45,16 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool)
 
 def main(args: argparse.Namespace) -> int:
     import kopf
-    from kuberl.operator import handlers, metrics
+    from kubernetes.config import ConfigException
+
+    try:  # bad settings and missing credentials are one clear line, not a traceback from inside kopf
+        from kuberl.operator import handlers, metrics
+        from kuberl.operator.kube import KubeClient
+
+        handlers.CONFIG.kube = KubeClient.from_environment()
+    except (ValueError, ConfigException) as exc:
+        print(f"kuberl operator: {exc}", file=sys.stderr)
+        return 2
 
     kopf.configure(log_format=kopf.LogFormat.JSON, verbose=bool(os.environ.get("KUBERL_OPERATOR_DEBUG")))
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -54,8 +62,11 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("kopf.objects").addFilter(lambda r: not r.getMessage().startswith("Timer 'monitor' succeeded"))
     namespaces = list(args.namespace or [])
     clusterwide = not namespaces
-    metrics.serve(args.metrics_port)
-    handlers.CONFIG.interval = float(os.environ.get(INTERVAL_ENV, handlers.CONFIG.interval))
+    try:
+        metrics.serve(args.metrics_port)
+    except OSError as exc:
+        print(f"kuberl operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+        return 2
 
     @kopf.on.startup(id="kuberl-settings")
     def _settings(settings: kopf.OperatorSettings, **_: object) -> None:
