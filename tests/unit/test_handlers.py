@@ -137,3 +137,17 @@ class TestOperatorSettings:
         settings = kopf.OperatorSettings()
         configure_settings(settings, standalone=True, clusterwide=False)
         assert settings.peering.standalone is True
+
+
+class TestOperatorEnvironment:
+    def test_a_bad_interval_names_the_variable_and_the_value(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("KUBERL_OPERATOR_INTERVAL", "soon")
+        with pytest.raises(ValueError, match="KUBERL_OPERATOR_INTERVAL='soon' is not a number of seconds"):
+            h.env_seconds("KUBERL_OPERATOR_INTERVAL", 5.0)
+        monkeypatch.setenv("KUBERL_OPERATOR_INTERVAL", "0")
+        with pytest.raises(ValueError, match="must be > 0"):
+            h.env_seconds("KUBERL_OPERATOR_INTERVAL", 5.0)
+
+    def test_unset_means_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv("KUBERL_OPERATOR_INTERVAL", raising=False)
+        assert h.env_seconds("KUBERL_OPERATOR_INTERVAL", 5.0) == 5.0
