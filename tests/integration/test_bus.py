@@ -235,15 +235,17 @@ class TestState:
     async def test_a_watch_sees_the_current_value_then_every_update(self, bus):
         await bus.put_state("weights", {"version": 1})
         seen = []
+        started = asyncio.Event()
 
         async def watch():
             async for value in bus.watch_state("weights"):
                 seen.append(value["version"])
+                started.set()
                 if len(seen) == 3:
                     return
 
         task = asyncio.create_task(watch())
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(started.wait(), 5)  # the value set before the watch began
         await bus.put_state("weights", {"version": 2})
         await bus.put_state("weights", {"version": 1})  # a restarted trainer may go back
         await asyncio.wait_for(task, 5)
@@ -371,17 +373,19 @@ class TestFreshStart:
         monkeypatch.setattr(client, "WATCH_CHECK_SECONDS", 1.0)
         agent = await Bus.connect(nats_server.url, experiment_name)
         seen: list[int] = []
+        started = asyncio.Event()
 
         async def watch():
             async for value in agent.watch_state("weights"):
                 seen.append(value["version"])
+                started.set()
                 if len(seen) == 2:
                     return
 
         try:
             await bus.put_state("weights", {"version": 5})
             task = asyncio.create_task(watch())
-            await asyncio.sleep(0.3)
+            await asyncio.wait_for(started.wait(), 5)
             await bus.reset_experiment()
             await bus.put_state("weights", {"version": 0})  # revision 1 again in the new bucket
             await asyncio.wait_for(task, 15)
@@ -400,7 +404,13 @@ class TestRobustness:
             await asyncio.gather(*(b.close() for b in buses))
 
     async def test_chunks_of_a_publisher_that_died_are_removed_once_the_stream_moves_on(self, nats_server, experiment_name):
-        from kuberl.runtime.bus.names import H_ATTEMPT, H_CHUNK, H_CHUNKS, H_GROUP, H_MSG_ID
+        from kuberl.runtime.bus.names import (
+            H_ATTEMPT,
+            H_CHUNK,
+            H_CHUNKS,
+            H_GROUP,
+            H_MSG_ID,
+        )
 
         bus = await Bus.connect(nats_server.url, experiment_name)
         try:

@@ -132,17 +132,19 @@ class TestCrashRecovery:
         server = start_nats_server(port=port, store_dir=store)
         bus = await Bus.connect(server.url, experiment_name)
         seen: list[int] = []
+        started = asyncio.Event()
 
         async def watch():
             async for value in bus.watch_state("weights"):
                 seen.append(value["version"])
+                started.set()
                 if value["version"] == 2:
                     return
 
         try:
             await bus.put_state("weights", {"version": 1})
             task = asyncio.create_task(watch())
-            await asyncio.sleep(0.3)
+            await asyncio.wait_for(started.wait(), 5)
             server.kill()
             server = start_nats_server(port=port, store_dir=store)
             await bus.put_state("weights", {"version": 2})
