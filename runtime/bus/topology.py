@@ -41,7 +41,7 @@ class Topology:
     def _stream_config(self, which: str) -> api.StreamConfig:
         n = self.names
         common = {"retention": api.RetentionPolicy.WORK_QUEUE, "storage": api.StorageType.FILE,
-                      "discard": api.DiscardPolicy.NEW, "duplicate_window": DUPLICATE_WINDOW, "num_replicas": 1}
+                  "discard": api.DiscardPolicy.NEW, "duplicate_window": DUPLICATE_WINDOW, "num_replicas": 1}
         if which == "tickets":
             return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
         return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
@@ -50,7 +50,7 @@ class Topology:
     def _consumer_config(self, name: str) -> tuple[str, api.ConsumerConfig]:
         n = self.names
         base = {"ack_policy": api.AckPolicy.EXPLICIT, "deliver_policy": api.DeliverPolicy.ALL,
-                    "max_deliver": -1, "max_ack_pending": -1, "name": name, "durable_name": name}
+                "max_deliver": -1, "max_ack_pending": -1, "name": name, "durable_name": name}
         if name == AGENTS_CONSUMER:
             return n.tickets_stream, api.ConsumerConfig(
                 ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)
