@@ -68,44 +68,50 @@ def path_for(kind: str, namespace: str | None = None, name: str | None = None, s
     return base
 
 
+def _load_credentials() -> tuple[str, ssl.SSLContext | bool | None, Any]:
+    """(host, TLS context, token function) from the pod's service account or the kubeconfig."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        config.load_kube_config(client_configuration=cfg)
+    ctx: ssl.SSLContext | bool | None = None
+    if cfg.host.startswith("https"):
+        if cfg.verify_ssl:
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()
+        else:
+            ctx = False
+        if cfg.cert_file and isinstance(ctx, ssl.SSLContext):
+            ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+
+    def token() -> str | None:
+        if cfg.refresh_api_key_hook is not None:  # in-cluster: re-reads the rotated token
+            cfg.refresh_api_key_hook(cfg)
+        value = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
+        if value and not value.lower().startswith("bearer "):
+            value = f"Bearer {value}"
+        return value
+
+    return cfg.host, ctx, token
+
+
 class KubeClient:
     """A small async Kubernetes client over one aiohttp session."""
 
     def __init__(self, host: str, *, token: str | None = None, ssl_context: ssl.SSLContext | bool | None = None,
-                 refresh: Any = None, timeout: float = 30.0):
+                 refresh: Any = None, reload: Any = None, timeout: float = 30.0):
         self.host = host.rstrip("/")
-        self._token, self._ssl, self._refresh = token, ssl_context, refresh
+        self._token, self._ssl, self._refresh, self._reload = token, ssl_context, refresh, reload
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_environment(cls) -> KubeClient:
         """In-cluster service account if present, else $KUBECONFIG / ~/.kube/config."""
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        try:
-            config.load_incluster_config(client_configuration=cfg)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)
-        ctx: ssl.SSLContext | bool | None = None
-        if cfg.host.startswith("https"):
-            if cfg.verify_ssl:
-                ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()
-            else:
-                ctx = False
-            if cfg.cert_file and isinstance(ctx, ssl.SSLContext):
-                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-
-        def token() -> str | None:
-            if cfg.refresh_api_key_hook is not None:  # in-cluster: re-reads the rotated token
-                cfg.refresh_api_key_hook(cfg)
-            value = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
-            if value and not value.lower().startswith("bearer "):
-                value = f"Bearer {value}"
-            return value
-
-        return cls(cfg.host, ssl_context=ctx, refresh=token)
+        host, ctx, token = _load_credentials()
+        return cls(host, ssl_context=ctx, refresh=token, reload=_load_credentials)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -113,7 +119,7 @@ class KubeClient:
             self._session = None
 
     async def request(self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None,
-                      content_type: str = "application/json") -> Any:
+                      content_type: str = "application/json", _retried: bool = False) -> Any:
         """One call; raises KubeError on a non-2xx answer."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
@@ -128,6 +134,10 @@ class KubeClient:
         async with self._session.request(method, self.host + path, params=params, data=data, headers=headers,
                                          ssl=self._ssl if self._ssl is not None else None) as resp:
             text = await resp.text()
+            if resp.status == 401 and self._reload is not None and not _retried:
+                # An expired token (kubeconfig exec plugins, e.g. EKS, give 15-minute tokens): reload once.
+                _, _, self._refresh = self._reload()
+                return await self.request(method, path, params=params, body=body, content_type=content_type, _retried=True)
             if resp.status >= 300:
                 try:
                     status = json.loads(text)

@@ -183,3 +183,29 @@ def test_kubectl_gets_printer_columns_and_scales_and_patches(emu: EmulatorServer
     assert lines[0].split() == ["NAME", "PHASE", "STEP", "VERSION", "REWARD", "ROLLOUT", "AGE"]
     assert lines[1].split()[:6] == ["kc", "Running", "3/10", "3", "0.50", "2/2"]
     kubectl("delete", "rlx", "kc", "--wait=true", "--timeout=20s")
+
+
+def test_the_operator_client_reloads_expired_credentials_once_on_401(emu: EmulatorServer) -> None:
+    """kmock reactions still win over the emulation: a 401 for a stale token is injected."""
+    import asyncio
+
+    import kmock
+
+    from kuberl.operator.kube import KubeClient
+
+    reloads = []
+
+    def reload() -> tuple[str, None, object]:
+        reloads.append(1)
+        return emu.url, None, lambda: "Bearer fresh"
+
+    async def go() -> dict:
+        client = KubeClient(emu.url, refresh=lambda: "Bearer stale", reload=reload)
+        try:
+            return await client.get("Namespace", None, "default")
+        finally:
+            await client.close()
+
+    emu.call(lambda e: e[kmock.headers({"Authorization": "Bearer stale"})] << 401)
+    assert asyncio.run(go())["metadata"]["name"] == "default"
+    assert reloads == [1]
