@@ -30,7 +30,11 @@ class TrainerBusIO:
         return cls(await Bus.connect(url, experiment, token=token, name=f"kuberl-{experiment}-trainer"))
 
     async def start(self, *, resumed: bool) -> None:
-        """Take over the trainer consumer: whatever a previous trainer left unacked comes again now."""
+        """Take over the bus: a fresh start clears what an earlier run of the same name left (its ticket
+        ids repeat and the streams would deduplicate them); a resumed trainer keeps everything and takes
+        over the trainer consumer, so whatever it left unacked comes again now."""
+        if not resumed:
+            await self.bus.reset_experiment()
         await self.bus.reset_trainer_consumer()
         log.info("bus %s: trainer consumer reset (%s)", self.bus.url, "resumed from a checkpoint" if resumed else "fresh start")
 
