@@ -247,7 +247,8 @@ class Trainer:
             await self.stage_checkpoint()
             lap("train.checkpoint")
         stats.update(samples=batch.num_samples, wait_seconds=plan.get("wait_seconds", 0.0), step_seconds=time.monotonic() - t0,
-                     reward_mean=float(batch.rewards.mean()), timings=timings, **self._staleness(batch))
+                     reward_mean=float(batch.rewards.mean()), timings=timings, group_ids=list(batch.group_ids),
+                     **self._staleness(batch))
         await self.stage_report(stats)
         return True
 
