@@ -139,6 +139,8 @@ class LocalRun:
                 if role is self.trainer and code == 0:
                     role.done = True
                     continue
+                if code == 2:  # the roles' exit code for a bad setting: a restart cannot fix it
+                    return f"{role.name} rejected the configuration (exit 2); see {role.log_path}"
                 if role.restarts >= policy.max_restarts:
                     return f"{role.name} exited with code {code} after {role.restarts} restarts; see {role.log_path}"
                 delay = min(policy.backoff_seconds * (2**role.restarts), 300) if role is self.trainer else 2.0

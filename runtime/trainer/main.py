@@ -55,5 +55,9 @@ def main(args: argparse.Namespace) -> int:
     from kuberl.runtime.trainer.trainer import Trainer
 
     log.info("experiment %s: workdir %s", exp.name, workdir)
-    trainer = Trainer(exp, bus_url=bus_url, workdir=workdir, bus_token=os.environ.get("KUBERL_BUS_TOKEN") or None)
+    try:
+        trainer = Trainer(exp, bus_url=bus_url, workdir=workdir, bus_token=os.environ.get("KUBERL_BUS_TOKEN") or None)
+    except ValueError as exc:  # a setting this trainer cannot run (e.g. an unsupported backend or algorithm)
+        print(f"kuberl trainer: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(trainer.run())

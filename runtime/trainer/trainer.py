@@ -55,6 +55,9 @@ class Trainer:
         self.exp, self.spec = exp, exp.spec
         self.bus_url, self.bus_token = bus_url, bus_token
         self.workdir = Path(workdir)
+        if self.spec.trainer.backend != "fsdp":
+            # Say so instead of silently training with FSDP: the manifest asked for something else.
+            raise ValueError(f"trainer.backend {self.spec.trainer.backend!r} is not implemented by this trainer yet; use trainer.backend fsdp")
         self.cfg = resolve_algorithm(self.spec.algorithm)
         self.B, self.n = self.spec.algorithm.batch_size, self.cfg.group_size
         self.eta = self.spec.staleness.max_head_offpolicyness
