@@ -32,12 +32,14 @@ CHAT_TEMPLATE = (
 )
 
 # Small on purpose: 2 CPU cores train and serve it; vLLM's CPU attention needs head_dim >= 32.
+# Measured on repeat-digit (GRPO, 16 prompts x 8 samples, lr 1e-3): hidden 128 reaches reward 0.6
+# in ~70 steps, hidden 64 in ~100-150; both train at a few steps per second here.
 TINY_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 512,
     "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }

@@ -108,18 +108,25 @@ async def test_a_generation_interrupted_by_a_weight_update_continues_and_its_tok
     _, new = _hf(vllm_server.other_weights)
     await _load(engine, vllm_server.model_dir, 0)
     prompt = _prompt(tok)
-    n = 400
-    req = GenerateRequest(prompt, max_new_tokens=n, temperature=0.0)  # greedy, so each piece can be checked
-    gen_task = asyncio.create_task(generate_continuing(engine, prompt, req))
-    await asyncio.sleep(0.5)
-    assert not gen_task.done(), "generation finished before the update: raise max_new_tokens"
+    n = 512 - len(prompt)  # the whole context: the update lands mid-generation
+    gen_task = asyncio.create_task(generate_continuing(engine, prompt, GenerateRequest(prompt, max_new_tokens=n, temperature=1.0, seed=7)))
+    for _ in range(3000):
+        if engine._in_flight or gen_task.done():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # some tokens from v0 first
+    assert not gen_task.done(), f"generation finished before the update: {gen_task.result() if not gen_task.exception() else gen_task.exception()!r}"
     await _load(engine, vllm_server.other_weights, 1)
     gen = await asyncio.wait_for(gen_task, 300)
     assert gen.finish_reason == "length" and len(gen.output_ids) == n and gen.pieces >= 2
     assert set(gen.versions) == {0, 1}
     switch = gen.versions.index(1)
     assert all(v == 0 for v in gen.versions[:switch]) and all(v == 1 for v in gen.versions[switch:])
-    # Tokens before the switch are v0's greedy continuation; those after are v1's, from prompt + v0's prefix.
-    assert gen.output_ids[:switch] == _greedy(old, prompt, switch)
-    assert gen.output_ids[switch : switch + 20] == _greedy(new, prompt + gen.output_ids[:switch], 20)
+    # Each token's logprob is its probability under the weights its version names: v0 before the
+    # switch, v1 (continuing from prompt + v0's prefix) after it; under the other weights it is not.
+    old_lp = _logprobs(old, prompt, gen.output_ids)
+    new_lp = _logprobs(new, prompt, gen.output_ids)
+    assert gen.logprobs[:switch] == pytest.approx(old_lp[:switch], abs=2e-3)
+    assert gen.logprobs[switch:] == pytest.approx(new_lp[switch:], abs=2e-3)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs[switch:], old_lp[switch:])) > 0.05
     await _load(engine, vllm_server.model_dir, 0)
