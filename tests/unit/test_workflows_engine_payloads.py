@@ -115,3 +115,15 @@ def test_the_engine_command_is_the_registered_engines_server(tmp_path):
     assert engine_class("sglang") is sglang.SGLangEngine
     with pytest.raises(ValueError, match="unknown engine 'tgi'"):
         engine_class("tgi")
+
+
+def test_the_rollout_agent_attaches_to_its_pods_engine_or_launches_its_own(monkeypatch):
+    from kuberl.runtime.rollout.main import make_engine, resolve_bus_url
+
+    attached = make_engine(exp(accelerator={"type": "cpu"}), "/models/m", "http://127.0.0.1:8000")
+    assert attached.url == "http://127.0.0.1:8000" and attached.model_path is None
+    own = make_engine(exp(accelerator={"type": "cpu"}), "/models/m", None)
+    assert own.model_path == "/models/m" and own._launch["max_num_seqs"] == 32
+    monkeypatch.delenv("KUBERL_BUS_URL", raising=False)
+    with pytest.raises(ValueError, match="bus URL: pass --bus-url"):
+        resolve_bus_url(exp(), None)
