@@ -149,6 +149,23 @@ async def test_a_weight_update_during_rollout_is_loaded_and_unfinished_responses
     assert min(g.head_version for g in groups) == 0
 
 
+async def test_weights_sent_through_the_bus_object_store_are_downloaded_and_served(
+        bus, engine, tokenizer, vllm_server, experiment_name, tmp_path):
+    exp = make_experiment(experiment_name)
+    prefix = await bus.put_weights(3, vllm_server.other_weights)
+    await bus.put_state(KEY_WEIGHTS, {"version": 3, "mode": "bus", "path": None, "object": prefix, "time": time.time()})
+    await bus.publish_tickets(tickets(1))
+    agent = RolloutAgent(exp, bus, engine, make_workflow(exp.spec, tokenizer, max_total_tokens=512),
+                         load_items(exp.spec.dataset, seed=exp.spec.seed), workdir=tmp_path, agent_id="bus-agent",
+                         weights_cache=tmp_path / "cache")
+    stats = await asyncio.wait_for(agent.run(max_tickets=1), 120)
+    assert stats.published == 1 and engine.version == 3
+    local = tmp_path / "cache" / prefix
+    assert (local / "model.safetensors").read_bytes() == (vllm_server.other_weights / "model.safetensors").read_bytes()
+    [group] = await pull_all(bus, 1)
+    assert {v for s in group.samples for v in s.versions} == {3}
+
+
 async def test_dynamic_sampling_rejects_a_group_whose_rewards_are_all_equal(bus, engine, tokenizer, vllm_server, experiment_name):
     exp = make_experiment(experiment_name, dynamicSampling=True)
     flat = RLVRWorkflow(tokenizer, lambda p, c, a: 0.0, SamplingConfig(n=3, max_new_tokens=4, stop_token_ids=[tokenizer.eos_token_id]))
