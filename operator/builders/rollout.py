@@ -13,23 +13,18 @@ from kuberl.operator.builders.common import (
     WORKDIR,
     Obj,
     cache_mount,
-    cache_volume,
     config_mount,
-    config_volume,
     container_resources,
     container_security_context,
     data_volumes,
     image_of,
     metadata,
-    pod_security_context,
     pull_policy,
     runtime_env,
-    scheduling_fields,
     shm_mount,
-    shm_volume,
     with_spec_hash,
 )
-from kuberl.operator.builders.config import config_hash
+from kuberl.operator.builders.pod import runtime_pod_template
 
 from kuberl.api.v1alpha1 import RLExperiment
 
@@ -132,21 +127,10 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             # Replicas are interchangeable; start and stop them all at once when scaling.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": L.selector_labels(exp, L.Role.ROLLOUT)},
-            "template": {
-                "metadata": {
-                    "labels": L.child_labels(exp, L.Component.ROLLOUT),
-                    "annotations": {L.CONFIG_HASH_ANNOTATION: config_hash(exp), L.DEFAULT_CONTAINER_ANNOTATION: AGENT_CONTAINER},
-                },
-                "spec": {
-                    "serviceAccountName": naming.service_account_name(exp),
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": pod_security_context(spec.accelerator),
-                    **scheduling_fields(spec),
-                    "containers": [engine, agent],
-                    "volumes": [config_volume(exp), shm_volume(), cache_volume(), _workdir_volume(exp), *data_vols],
-                },
-            },
+            "template": runtime_pod_template(
+                exp, L.Component.ROLLOUT, spec, spec.accelerator, default_container=AGENT_CONTAINER,
+                containers=[engine, agent], volumes=[_workdir_volume(exp), *data_vols],
+            ),
         },
     }
     return with_spec_hash(sts)

@@ -18,23 +18,18 @@ from kuberl.operator.builders.common import (
     WORKDIR,
     Obj,
     cache_mount,
-    cache_volume,
     config_mount,
-    config_volume,
     container_resources,
     container_security_context,
     data_volumes,
     image_of,
     metadata,
-    pod_security_context,
     pull_policy,
     runtime_env,
-    scheduling_fields,
     shm_mount,
-    shm_volume,
     with_spec_hash,
 )
-from kuberl.operator.builders.config import config_hash
+from kuberl.operator.builders.pod import runtime_pod_template
 
 from kuberl.api.v1alpha1 import RLExperiment
 
@@ -98,30 +93,15 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             "backoffLimit": 0,  # the operator restarts the whole Job (module docstring)
             "suspend": exp.spec.suspend,
             # Job pods get their own label selector from the Job controller.
-            "template": {
-                "metadata": {
-                    "labels": L.child_labels(exp, L.Component.TRAINER),
-                    "annotations": {L.CONFIG_HASH_ANNOTATION: config_hash(exp), L.DEFAULT_CONTAINER_ANNOTATION: TRAINER_CONTAINER},
-                },
-                "spec": {
+            "template": runtime_pod_template(
+                exp, L.Component.TRAINER, t, t.accelerator, default_container=TRAINER_CONTAINER, containers=[container],
+                volumes=[{"name": "checkpoints", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp)}}, *data_vols],
+                spec_fields={
                     "restartPolicy": "Never",
                     # Pod DNS `{job}-{index}.{service}`: rank 0 is the torchrun master.
                     "subdomain": naming.trainer_name(exp),
-                    "serviceAccountName": naming.service_account_name(exp),
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": pod_security_context(t.accelerator),
-                    **scheduling_fields(t),
-                    "containers": [container],
-                    "volumes": [
-                        config_volume(exp),
-                        shm_volume(),
-                        cache_volume(),
-                        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp)}},
-                        *data_vols,
-                    ],
                 },
-            },
+            ),
         },
     }
     return with_spec_hash(job)
