@@ -1,8 +1,8 @@
-"""The pod template shared by the runtime workloads: the rollout StatefulSet and the trainer Job.
+"""The pod template and containers shared by the runtime workloads: the rollout StatefulSet and the trainer Job.
 
-Called by builders.rollout and builders.trainer, which add their containers and own volumes. Pure, like
-every builder: labels, config-hash annotation, a token-less service account, non-root security,
-the role's scheduling fields and the config, shm and cache volumes every runtime container mounts.
+Called by builders.rollout and builders.trainer, which add commands, ports, probes and their own volumes.
+Pure, like every builder: labels, config-hash annotation, a token-less service account, non-root security,
+the role's image and scheduling fields, and the config, shm and cache volumes runtime containers mount.
 """
 
 from __future__ import annotations
@@ -11,10 +11,16 @@ from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import (
     Obj,
+    cache_mount,
     cache_volume,
+    config_mount,
     config_volume,
+    container_security_context,
+    image_of,
     pod_security_context,
+    pull_policy,
     scheduling_fields,
+    shm_mount,
     shm_volume,
 )
 from kuberl.operator.builders.config import config_hash
@@ -54,3 +60,35 @@ def runtime_pod_template(
             "volumes": [config_volume(exp), shm_volume(), cache_volume(), *volumes],
         },
     }
+
+
+def runtime_container(
+    exp: RLExperiment,
+    sched: SchedulingSpec,
+    accelerator: AcceleratorSpec,
+    *,
+    name: str,
+    command: list[str],
+    env: list[Obj],
+    mounts: list[Obj],
+    resources: Obj,
+    shm: bool = True,
+    **fields: Obj | list[Obj],
+) -> Obj:
+    """A runtime container: the role's image, the config (and shm, unless shm=False) and cache mounts before `mounts`.
+
+    `resources` is left out when empty; `fields` (ports, probes) are set as given.
+    """
+    container: Obj = {
+        "name": name,
+        "image": image_of(exp, sched, accelerator),
+        **pull_policy(sched),
+        "command": command,
+        "env": env,
+        **fields,
+        "volumeMounts": [config_mount(), *([shm_mount()] if shm else []), cache_mount(), *mounts],
+        "securityContext": container_security_context(),
+    }
+    if resources:
+        container["resources"] = resources
+    return container

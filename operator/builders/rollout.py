@@ -12,19 +12,13 @@ from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
     Obj,
-    cache_mount,
-    config_mount,
     container_resources,
-    container_security_context,
     data_volumes,
-    image_of,
     metadata,
-    pull_policy,
     runtime_env,
-    shm_mount,
     with_spec_hash,
 )
-from kuberl.operator.builders.pod import runtime_pod_template
+from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
 
 from kuberl.api.v1alpha1 import RLExperiment
 
@@ -69,54 +63,37 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
     """StatefulSet `{exp}-rollout`; `replicas` (the autoscaler's choice) overrides spec.rollout.replicas."""
     spec = exp.spec.rollout
     name = naming.rollout_name(exp)
-    image = image_of(exp, spec, spec.accelerator)
     env = runtime_env(exp)
     data_vols, data_mounts = data_volumes(exp)
     read_only = workdir_read_only(exp)
     health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
-    engine: Obj = {
-        "name": ENGINE_CONTAINER,
-        "image": image,
-        **pull_policy(spec),
-        "command": ["kuberl", "engine", "--config", CONFIG_PATH, "--port", str(naming.ENGINE_PORT)],
-        "env": env,
-        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
-        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": ENGINE_STARTUP_SECONDS // 10},
-        "readinessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 5},
-        "resources": container_resources(spec, spec.accelerator),
-        "volumeMounts": [
-            config_mount(),
-            shm_mount(),
-            cache_mount(),
-            # The engine reads new weights from the workdir (and builds a builtin model there).
-            {"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only},
-            *data_mounts,
-        ],
-        "securityContext": container_security_context(),
-    }
-    agent: Obj = {
-        "name": AGENT_CONTAINER,
-        "image": image,
-        **pull_policy(spec),
-        "command": ["kuberl", "rollout", "--config", CONFIG_PATH],
-        "env": [
+    engine = runtime_container(
+        exp, spec, spec.accelerator,
+        name=ENGINE_CONTAINER,
+        command=["kuberl", "engine", "--config", CONFIG_PATH, "--port", str(naming.ENGINE_PORT)],
+        env=env,
+        # The engine reads new weights from the workdir (and builds a builtin model there).
+        mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],
+        resources=container_resources(spec, spec.accelerator),
+        ports=[{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
+        startupProbe={**health, "periodSeconds": 10, "failureThreshold": ENGINE_STARTUP_SECONDS // 10},
+        readinessProbe={**health, "periodSeconds": 10, "failureThreshold": 3},
+        livenessProbe={**health, "periodSeconds": 30, "failureThreshold": 5},
+    )
+    agent = runtime_container(
+        exp, spec, spec.accelerator,
+        name=AGENT_CONTAINER,
+        command=["kuberl", "rollout", "--config", CONFIG_PATH],
+        env=[
             *env,
             {"name": "KUBERL_ENGINE_URL", "value": f"http://127.0.0.1:{naming.ENGINE_PORT}"},
             {"name": "KUBERL_AGENT_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ],
-        "resources": AGENT_RESOURCES,
-        "volumeMounts": [
-            config_mount(),
-            cache_mount(),
-            # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
-            {"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only},
-            *data_mounts,
-        ],
-        "securityContext": container_security_context(),
-    }
-    if not engine["resources"]:
-        del engine["resources"]
+        # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
+        mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],
+        resources=AGENT_RESOURCES,
+        shm=False,
+    )
     sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

@@ -17,19 +17,13 @@ from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
     Obj,
-    cache_mount,
-    config_mount,
     container_resources,
-    container_security_context,
     data_volumes,
-    image_of,
     metadata,
-    pull_policy,
     runtime_env,
-    shm_mount,
     with_spec_hash,
 )
-from kuberl.operator.builders.pod import runtime_pod_template
+from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
 
 from kuberl.api.v1alpha1 import RLExperiment
 
@@ -58,30 +52,20 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
     t = exp.spec.trainer
     name = naming.trainer_name(exp)
     data_vols, data_mounts = data_volumes(exp)
-    container: Obj = {
-        "name": TRAINER_CONTAINER,
-        "image": image_of(exp, t, t.accelerator),
-        **pull_policy(t),
-        "command": trainer_command(exp),
-        "env": [
+    container = runtime_container(
+        exp, t, t.accelerator,
+        name=TRAINER_CONTAINER,
+        command=trainer_command(exp),
+        env=[
             # Declared here (the Job controller adds it too) so $(JOB_COMPLETION_INDEX) in the command
             # expands from a variable the pod spec itself names.
             {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
             *runtime_env(exp),
         ],
-        "ports": [{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"}],
-        "volumeMounts": [
-            config_mount(),
-            shm_mount(),
-            cache_mount(),
-            {"name": "checkpoints", "mountPath": WORKDIR},
-            *data_mounts,
-        ],
-        "securityContext": container_security_context(),
-    }
-    resources = container_resources(t, t.accelerator)
-    if resources:
-        container["resources"] = resources
+        mounts=[{"name": "checkpoints", "mountPath": WORKDIR}, *data_mounts],
+        resources=container_resources(t, t.accelerator),
+        ports=[{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"}],
+    )
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
