@@ -5,33 +5,24 @@ Generation goes through /v1/completions with prompt token ids (exact output ids 
 tokens' logprobs); weight updates through the dev-mode endpoints (VLLM_SERVER_DEV_MODE=1):
 /pause?mode=abort, /abort_requests, /collective_rpc reload_weights(weights_path), /reset_prefix_cache,
 /resume. Facts measured on CPU: `vllm serve` is broken here (use the module), float32 avoids bf16 SIGILL.
+Launching, health waits, stopping and the generation gate are http_engine.HTTPServerEngine's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Self
 
 import aiohttp
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # noqa: F401 (free_port stays importable from here)
 
 log = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "policy"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def on_cpu() -> bool:
@@ -91,8 +82,18 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class VLLMEngine:
+class VLLMEngine(HTTPServerEngine):
     """An InferenceEngine over a vLLM server: launched here (model_path) or attached to (url)."""
+
+    name = "vLLM"
+    health_path = "/health"
+    health_timeout = 5
+    health_poll_s = 0.5
+    stop_grace_s = 30
+    generate_path = "/v1/completions"
+    pause_path = "/pause"
+    drain_polls = 20
+    drain_poll_s = 0.025
 
     def __init__(
         self,
@@ -112,114 +113,23 @@ class VLLMEngine:
         version: int = 0,
         request_timeout: float = 600.0,
     ) -> None:
-        if (model_path is None) == (url is None):
-            raise ValueError("VLLMEngine needs exactly one of model_path (launch a server) or url (attach to one)")
-        self.model_path = model_path
-        self.port = port or (free_port(host) if url is None else None)
-        self.url = (url or f"http://{host}:{self.port}").rstrip("/")
-        self._launch = {
-            "host": host, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-            "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size, "extra_args": extra_args,
-        }
-        self.startup_timeout = startup_timeout
-        self.log_path = Path(log_path) if log_path else None
-        self.request_timeout = request_timeout
-        self.proc: subprocess.Popen | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._version = version
-        # Generations start only while the gate is open; an update closes it, so every result's tokens
-        # come from the one version current when it was submitted (see update_weights_from_disk).
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._in_flight = 0
+        super().__init__(
+            model_path, url=url, host=host, port=port, startup_timeout=startup_timeout, log_path=log_path, version=version,
+            request_timeout=request_timeout, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, extra_args=extra_args,
+        )
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    def server_command(self) -> list[str]:
+        return build_server_command(self.model_path, port=self.port, **self._launch)
 
-    @property
-    def version(self) -> int:
-        return self._version
+    def server_env(self) -> dict[str, str]:
+        return server_env()
 
-    def set_version(self, version: int) -> None:
-        self._version = version
-
-    def launch(self) -> None:
-        """Start the server process (in its own process group: stop() ends it and its engine-core children)."""
-        cmd = build_server_command(self.model_path, port=self.port, **self._launch)
-        log.info("starting vLLM: %s", " ".join(cmd))
-        if self.log_path is None:
-            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-            return
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    async def start(self) -> None:
-        if self.model_path is not None and self.proc is None:
-            self.launch()
-        await self.wait_healthy(self.startup_timeout)
-
-    async def wait_healthy(self, timeout: float) -> None:
-        start = time.monotonic()
-        last_note = start
-        while time.monotonic() - start < timeout:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineError(f"vLLM server exited with code {self.proc.returncode} during start-up (log: {self.log_path or 'not kept'})")
-            if await self.health():
-                log.info("vLLM at %s healthy after %.1f s", self.url, time.monotonic() - start)
-                return
-            if time.monotonic() - last_note > 15:
-                log.info("waiting for vLLM at %s (%.0f s)", self.url, time.monotonic() - start)
-                last_note = time.monotonic()
-            await asyncio.sleep(0.5)
-        raise EngineError(f"vLLM at {self.url} not healthy after {timeout:.0f} s")
-
-    async def close(self) -> None:
-        """Close the HTTP session only (the server keeps running)."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def stop(self) -> None:
-        await self.close()
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(self.proc.wait)
-        self.proc = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    # -- HTTP ----------------------------------------------------------------------------------
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
-        return self._session
-
-    async def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict:
-        try:
-            async with self._http().post(self.url + path, json=json, params=params) as resp:
-                if resp.status != 200:
-                    raise EngineError(f"vLLM {path} returned HTTP {resp.status}: {(await resp.text())[:500]}", status=resp.status)
-                if resp.content_type == "application/json":
-                    return await resp.json()
-                return {}
-        except aiohttp.ClientError as exc:
-            raise EngineError(f"vLLM {path} at {self.url}: {exc}") from exc
-
-    async def health(self) -> bool:
-        try:
-            async with self._http().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
+    @staticmethod
+    async def _read_body(resp: aiohttp.ClientResponse) -> dict:
+        if resp.content_type == "application/json":
+            return await resp.json()
+        return {}
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -261,33 +171,16 @@ class VLLMEngine:
             logprobs = []
         return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason, version=version)
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        await self._gate.wait()
-        version = self._version
-        self._in_flight += 1
-        try:
-            body = await self._post("/v1/completions", json=self.completion_payload(req))
-        finally:
-            self._in_flight -= 1
-        return self.parse_completion(body, version)
+    request_payload = completion_payload
+    parse_response = parse_completion
 
     # -- weight updates ------------------------------------------------------------------------
 
-    async def pause(self) -> None:
-        """Hold new generations, abort in-flight ones and wait until they have all come back."""
-        self._gate.clear()
-        await self._post("/pause", params={"mode": "abort"})
-        # A request that reached the server after the pause would wait for /resume and then run on the
-        # new weights while stamped with the old version: abort until everything sent has returned.
-        deadline = time.monotonic() + 60
-        while self._in_flight:
-            await self._post("/abort_requests", json={})
-            for _ in range(20):
-                if not self._in_flight:
-                    break
-                await asyncio.sleep(0.025)
-            if time.monotonic() > deadline:
-                raise EngineError(f"vLLM: {self._in_flight} generations still running 60 s after /pause")
+    async def _pause_server(self) -> None:
+        await self._post(self.pause_path, params={"mode": "abort"})
+
+    async def _abort_requests(self) -> None:
+        await self._post("/abort_requests", json={})
 
     async def resume(self) -> None:
         await self._post("/resume")

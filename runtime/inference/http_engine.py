@@ -1,0 +1,232 @@
+"""HTTPServerEngine: what the vLLM and SGLang engines share, a server process reached over HTTP.
+
+Subclassed by vllm.VLLMEngine and sglang.SGLangEngine, which add only what differs: the server
+command line and environment, endpoints, and request/response shaping. It launches the server (or
+attaches to one by URL), waits until it is healthy, stops it, and runs the generation gate that
+keeps every result on one weights version. The rollout agent reaches it through base.engine_class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import ClassVar, Self
+
+import aiohttp
+from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class HTTPServerEngine:
+    """An InferenceEngine over an HTTP inference server: launched here (model_path) or attached to (url).
+
+    Subclasses set the class attributes below and implement server_command, request_payload,
+    parse_response, _read_body, _pause_server and _abort_requests (plus resume and weight updates).
+    """
+
+    name: ClassVar[str]
+    """The server's name in logs and errors ("vLLM", "SGLang")."""
+    health_path: ClassVar[str]
+    health_timeout: ClassVar[float]
+    """Seconds one health check may take."""
+    health_poll_s: ClassVar[float]
+    """Seconds between health checks while the server starts."""
+    stop_grace_s: ClassVar[float]
+    """Seconds stop() waits after SIGTERM before SIGKILL."""
+    generate_path: ClassVar[str]
+    pause_path: ClassVar[str]
+    drain_polls: ClassVar[int]
+    drain_poll_s: ClassVar[float]
+    """pause() re-sends the abort, then checks up to drain_polls times, drain_poll_s apart, that every generation came back."""
+
+    def __init__(
+        self,
+        model_path: str | None,
+        *,
+        url: str | None,
+        host: str,
+        port: int | None,
+        startup_timeout: float,
+        log_path: str | Path | None,
+        version: int,
+        request_timeout: float,
+        **launch: object,
+    ) -> None:
+        """`launch`: the rest of build_server_command's keyword arguments (dtype, max_model_len, ...)."""
+        if (model_path is None) == (url is None):
+            raise ValueError(f"{type(self).__name__} needs exactly one of model_path (launch a server) or url (attach to one)")
+        self.model_path = model_path
+        self.port = port or (free_port(host) if url is None else None)
+        self.url = (url or f"http://{host}:{self.port}").rstrip("/")
+        self._launch = {"host": host, **launch}
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self.request_timeout = request_timeout
+        self.proc: subprocess.Popen | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._version = version
+        # Generations start only while the gate is open; an update closes it, so every result's tokens
+        # come from the one version current when it was submitted (see pause).
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._in_flight = 0
+
+    # -- what each server does its own way -----------------------------------------------------
+
+    def server_command(self) -> list[str]:
+        """The command line that launches this engine's server for model_path on port."""
+        raise NotImplementedError
+
+    def server_env(self) -> dict[str, str] | None:
+        """The server's environment; None inherits this process's."""
+        return None
+
+    @staticmethod
+    def request_payload(req: GenerateRequest) -> dict:
+        """The generate_path body for a token-ids request."""
+        raise NotImplementedError
+
+    @staticmethod
+    def parse_response(body: dict | list, version: int) -> GenerateResult:
+        """A GenerateResult from a generate_path response."""
+        raise NotImplementedError
+
+    @staticmethod
+    async def _read_body(resp: aiohttp.ClientResponse) -> dict | list:
+        """The decoded body of a 200 response."""
+        raise NotImplementedError
+
+    async def _pause_server(self) -> None:
+        """Ask the server to abort in-flight requests and hold new ones."""
+        raise NotImplementedError
+
+    async def _abort_requests(self) -> None:
+        """Abort whatever is still running on the server."""
+        raise NotImplementedError
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def launch(self) -> None:
+        """Start the server process (in its own process group: stop() ends it and its worker children)."""
+        cmd = self.server_command()
+        log.info("starting %s: %s", self.name, " ".join(cmd))
+        if self.log_path is None:
+            self.proc = subprocess.Popen(cmd, env=self.server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            return
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=self.server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def start(self) -> None:
+        if self.model_path is not None and self.proc is None:
+            self.launch()
+        await self.wait_healthy(self.startup_timeout)
+
+    async def wait_healthy(self, timeout: float) -> None:
+        start = time.monotonic()
+        last_note = start
+        while time.monotonic() - start < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(f"{self.name} server exited with code {self.proc.returncode} during start-up (log: {self.log_path or 'not kept'})")
+            if await self.health():
+                log.info("%s at %s healthy after %.1f s", self.name, self.url, time.monotonic() - start)
+                return
+            if time.monotonic() - last_note > 15:
+                log.info("waiting for %s at %s (%.0f s)", self.name, self.url, time.monotonic() - start)
+                last_note = time.monotonic()
+            await asyncio.sleep(self.health_poll_s)
+        raise EngineError(f"{self.name} at {self.url} not healthy after {timeout:.0f} s")
+
+    async def close(self) -> None:
+        """Close the HTTP session only (the server keeps running)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def stop(self) -> None:
+        await self.close()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.proc.wait, self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(self.proc.wait)
+        self.proc = None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+        return self._session
+
+    async def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict | list:
+        try:
+            async with self._http().post(self.url + path, json=json, params=params) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"{self.name} {path} returned HTTP {resp.status}: {(await resp.text())[:500]}", status=resp.status)
+                return await self._read_body(resp)
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"{self.name} {path} at {self.url}: {exc}") from exc
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(self.url + self.health_path, timeout=aiohttp.ClientTimeout(total=self.health_timeout)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    # -- generation and pausing ----------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        await self._gate.wait()
+        version = self._version
+        self._in_flight += 1
+        try:
+            body = await self._post(self.generate_path, json=self.request_payload(req))
+        finally:
+            self._in_flight -= 1
+        return self.parse_response(body, version)
+
+    async def pause(self) -> None:
+        """Hold new generations, abort in-flight ones (they return finish_reason abort) and wait until they have all come back."""
+        self._gate.clear()
+        await self._pause_server()
+        # A request that reached the server after the pause would wait for resume and then run on the
+        # new weights while stamped with the old version: abort until everything sent has returned.
+        deadline = time.monotonic() + 60
+        while self._in_flight:
+            await self._abort_requests()
+            for _ in range(self.drain_polls):
+                if not self._in_flight:
+                    break
+                await asyncio.sleep(self.drain_poll_s)
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: {self._in_flight} generations still running 60 s after {self.pause_path}")
