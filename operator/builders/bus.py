@@ -14,6 +14,7 @@ from kuberl.operator import naming
 from kuberl.operator.builders.common import (
     Obj,
     container_security_context,
+    headless_service,
     metadata,
     pod_security_context,
     stable_hash,
@@ -214,20 +215,10 @@ def build_bus_services(exp: RLExperiment) -> list[Obj]:
             "ports": [{"name": "client", "port": naming.BUS_CLIENT_PORT, "targetPort": "client", "protocol": "TCP"}],
         },
     }
-    headless = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(exp, naming.bus_headless_name(exp), L.Component.BUS),
-        "spec": {
-            "clusterIP": "None",
-            # Routes must resolve before the servers are ready: they become ready only once clustered.
-            "publishNotReadyAddresses": True,
-            "selector": selector,
-            "ports": [
-                {"name": "client", "port": naming.BUS_CLIENT_PORT, "targetPort": "client", "protocol": "TCP"},
-                {"name": "cluster", "port": naming.BUS_CLUSTER_PORT, "targetPort": "cluster", "protocol": "TCP"},
-                {"name": "monitor", "port": naming.BUS_MONITOR_PORT, "targetPort": "monitor", "protocol": "TCP"},
-            ],
-        },
-    }
-    return [with_spec_hash(client), with_spec_hash(headless)]
+    headless = headless_service(
+        exp, naming.bus_headless_name(exp), L.Component.BUS, L.Role.BUS,
+        {"client": naming.BUS_CLIENT_PORT, "cluster": naming.BUS_CLUSTER_PORT, "monitor": naming.BUS_MONITOR_PORT},
+        # Routes must resolve before the servers are ready: they become ready only once clustered.
+        spec_fields={"publishNotReadyAddresses": True},
+    )
+    return [with_spec_hash(client), headless]

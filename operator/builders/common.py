@@ -55,6 +55,25 @@ def with_spec_hash(obj: Obj) -> Obj:
     return obj
 
 
+def headless_service(exp: RLExperiment, name: str, component: L.Component, role: L.Role, ports: dict[str, int],
+                     spec_fields: Obj | None = None) -> Obj:
+    """Headless Service `name` (per-pod DNS for `role`'s pods), spec-hashed; `ports`: name -> port, each
+    targeting the container port of the same name. `spec_fields` (e.g. publishNotReadyAddresses) follow clusterIP."""
+    return with_spec_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata(exp, name, component),
+            "spec": {
+                "clusterIP": "None",
+                **(spec_fields or {}),
+                "selector": L.selector_labels(exp, role),
+                "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"} for port_name, port in ports.items()],
+            },
+        }
+    )
+
+
 # --- images -----------------------------------------------------------------------------------
 def default_image(engine: str, accelerator: AcceleratorType | str) -> str:
     """The KubeRL runtime image for an engine and accelerator: runtime-npu (ascend), runtime-cpu (cpu),

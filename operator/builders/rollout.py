@@ -14,6 +14,7 @@ from kuberl.operator.builders.common import (
     Obj,
     container_resources,
     data_volumes,
+    headless_service,
     metadata,
     runtime_env,
     with_spec_hash,
@@ -115,15 +116,4 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
 
 def build_rollout_service(exp: RLExperiment) -> Obj:
     """Headless Service `{exp}-rollout`: stable DNS for each engine pod (the StatefulSet's serviceName)."""
-    return with_spec_hash(
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": metadata(exp, naming.rollout_name(exp), L.Component.ROLLOUT),
-            "spec": {
-                "clusterIP": "None",
-                "selector": L.selector_labels(exp, L.Role.ROLLOUT),
-                "ports": [{"name": "http", "port": naming.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
-            },
-        }
-    )
+    return headless_service(exp, naming.rollout_name(exp), L.Component.ROLLOUT, L.Role.ROLLOUT, {"http": naming.ENGINE_PORT})

@@ -19,6 +19,7 @@ from kuberl.operator.builders.common import (
     Obj,
     container_resources,
     data_volumes,
+    headless_service,
     metadata,
     runtime_env,
     with_spec_hash,
@@ -93,17 +94,8 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
 
 def build_trainer_service(exp: RLExperiment) -> Obj:
     """Headless Service `{exp}-trainer` for torchrun rendezvous; lists pods before they are ready."""
-    return with_spec_hash(
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": metadata(exp, naming.trainer_name(exp), L.Component.TRAINER),
-            "spec": {
-                "clusterIP": "None",
-                # The master must resolve while every rank is still starting (none is ready yet).
-                "publishNotReadyAddresses": True,
-                "selector": L.selector_labels(exp, L.Role.TRAINER),
-                "ports": [{"name": "rendezvous", "port": naming.TRAINER_MASTER_PORT, "targetPort": "rendezvous", "protocol": "TCP"}],
-            },
-        }
+    return headless_service(
+        exp, naming.trainer_name(exp), L.Component.TRAINER, L.Role.TRAINER, {"rendezvous": naming.TRAINER_MASTER_PORT},
+        # The master must resolve while every rank is still starting (none is ready yet).
+        spec_fields={"publishNotReadyAddresses": True},
     )
