@@ -215,6 +215,8 @@ class RolloutAgent:
                     slots.release()
                     continue
                 taken += 1
+                if lease.delivered > 1:  # the work queue gave it again: its holder died or handed it back
+                    log.info("agent %s: ticket %s redelivered (delivery %d)", self.agent_id, lease.value.ticket_id, lease.delivered)
                 task = asyncio.create_task(self.run_ticket(lease), name=f"ticket-{lease.value.ticket_id}")
                 self._episodes.add(task)
                 task.add_done_callback(lambda t: (self._episodes.discard(t), slots.release()))

@@ -100,7 +100,7 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_and_retrains_unsav
 
 
 def test_an_agent_killed_while_holding_tickets_has_them_reissued(tmp_path, nats_server, experiment_name):
-    steps = 10
+    steps = 25  # long enough after the kill for the tickets' ack_wait (30 s) to expire
     manifest = quickstart_manifest(tmp_path, experiment_name, **{"training.totalSteps": steps})
     workdir = tmp_path / "work"
     run = start_run(manifest, workdir, nats_server.url)
@@ -119,8 +119,11 @@ def test_an_agent_killed_while_holding_tickets_has_them_reissued(tmp_path, nats_
         if run.poll() is None:
             run.kill()
     assert [r["step"] for r in read_metrics(workdir)][-1] == steps
-    # The dead agent's tickets went back to the work queue and were delivered again.
-    assert asyncio.run(tickets_redelivered(nats_server.url, manifest)) > 0
+    # The dead agent's tickets went back to the work queue and the restarted agent got them again.
+    log = (workdir / "logs" / "rollout-0.log").read_text()
+    redelivered = [line for line in log.splitlines() if "redelivered (delivery" in line]
+    # (>= 1, not == held: a ticket may be acked in the instant between the count and the kill)
+    assert redelivered, f"{held} tickets were held just before the kill; none came back"
 
 
 async def tickets_info(bus_url: str, manifest: Path) -> dict[str, int]:
@@ -134,18 +137,3 @@ async def tickets_info(bus_url: str, manifest: Path) -> dict[str, int]:
     finally:
         await bus.close()
 
-
-async def tickets_redelivered(bus_url: str, manifest: Path) -> int:
-    """How many ticket deliveries were redeliveries (JetStream consumer info of the agents)."""
-    import nats
-
-    from kuberl.api import load_experiment
-    from kuberl.runtime.bus.names import AGENTS_CONSUMER, BusNames
-
-    names = BusNames.for_experiment(load_experiment(manifest).name)
-    nc = await nats.connect(bus_url)
-    try:
-        info = await nc.jetstream().consumer_info(names.tickets_stream, AGENTS_CONSUMER)
-        return info.num_redelivered or 0
-    finally:
-        await nc.close()

@@ -19,7 +19,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-STEPS = 40
+STEPS = 80
 ETA = 2
 
 
@@ -74,8 +74,9 @@ def test_the_run_finishes_every_step_and_exits_zero(short_run):
 def test_the_reward_rises_over_the_run(short_run):
     _, workdir = short_run
     rewards = [m["reward_mean"] for m in read_metrics(workdir)]
-    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last > first + 0.15, f"mean reward went from {first:.3f} to {last:.3f}"
+    # Measured here: ~0.003 over the first 10 steps, ~0.4 over steps 71-80 (and >0.9 by step 130).
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.1 and last > first + 0.2, f"mean reward went from {first:.3f} to {last:.3f}"
 
 
 def test_every_step_publishes_a_new_policy_version(short_run):
