@@ -137,3 +137,31 @@ async def tickets_info(bus_url: str, manifest: Path) -> dict[str, int]:
     finally:
         await bus.close()
 
+
+
+def test_ctrl_c_stops_every_role_and_the_bus_it_started(tmp_path):
+    manifest = quickstart_manifest(tmp_path, "ctrl-c", **{"training.totalSteps": 500})
+    workdir = tmp_path / "work"
+    log = open(tmp_path / "launcher.log", "w")
+    run = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(read_metrics(workdir)) >= 2, 420, "step 2", run)
+        children = psutil.Process(run.pid).children(recursive=True)
+        ports = {c.laddr.port for p in children for c in _connections(p) if c.status == psutil.CONN_LISTEN}
+        assert any("nats-server" in " ".join(p.cmdline()) for p in children) and ports
+        run.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+        assert run.wait(timeout=120) == 130
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert not ports & listening, f"ports still listening after Ctrl-C: {sorted(ports & listening)}"
+
+
+def _connections(p: psutil.Process) -> list:
+    try:
+        return p.net_connections("inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
