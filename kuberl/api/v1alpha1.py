@@ -272,7 +272,7 @@ class OptimizerSpec(KubeModel):
 class OverlongPenaltySpec(KubeModel):
     """DAPO's soft overlong punishment: a linear penalty over the last `bufferTokens` before maxNewTokens."""
 
-    enabled: bool = Field(False, description="Penalize responses that approach maxNewTokens.")
+    enabled: bool | None = Field(None, description="Penalize responses that approach maxNewTokens; unset = the algorithm's choice (on for dapo, off otherwise).")
     buffer_tokens: int = Field(64, ge=1, description="Length of the penalty ramp, in tokens.")
     penalty: float = Field(1.0, ge=0.0, description="Penalty at maxNewTokens.")
 
@@ -281,7 +281,7 @@ class AlgorithmSpec(KubeModel):
     """One advantage/loss pipeline; each named algorithm is a preset of it (defaults: AReaL's GSM8K GRPO)."""
 
     model_config = _cel(
-        ("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
+        ("!has(self.epsClipHigh) || !has(self.epsClip) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
         ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2", "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
     )
     name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++, liteppo or ppo.")
@@ -293,7 +293,10 @@ class AlgorithmSpec(KubeModel):
     learning_rate: float = Field(1.7e-5, gt=0.0, le=1.0, description="Learning rate.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer settings.")
     ppo_minibatches: int = Field(1, ge=1, le=64, description="Optimizer steps per training step (minibatches of the batch).")
-    eps_clip: float = Field(0.4, gt=0.0, le=10.0, description="PPO ratio clip, low side: r >= 1 - epsClip.")
+    eps_clip: float | None = Field(
+        None, gt=0.0, le=10.0,
+        description="PPO ratio clip, low side: r >= 1 - epsClip; unset = the algorithm's choice (0.4 as AReaL's GSM8K GRPO; dapo 0.2; gspo 3e-4).",
+    )
     eps_clip_high: float | None = Field(None, gt=0.0, le=10.0, description="Clip-higher (DAPO): r <= 1 + epsClipHigh; unset = epsClip.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty against the reference (initial) policy; 0 = none.")
     decoupled_loss: bool = Field(True, description="Decoupled PPO objective (AReaL): clip against the proximal policy, weight by pi_prox/pi_behave.")
@@ -302,14 +305,16 @@ class AlgorithmSpec(KubeModel):
     reward_scaling: float = Field(10.0, gt=0.0, description="reward' = (reward + rewardBias) * rewardScaling.")
     reward_bias: float = Field(-0.5, description="Added to rewards before scaling.")
     normalize_advantages: bool = Field(True, description="Divide advantages by their std (group std for GRPO, batch std for REINFORCE++/LitePPO).")
-    dynamic_sampling: bool = Field(False, description="Reject groups whose rewards are all equal (DAPO); their ticket is given back.")
+    dynamic_sampling: bool | None = Field(
+        None, description="Reject groups whose rewards are all equal (DAPO); their ticket is given back. Unset = the algorithm's choice (on for dapo)."
+    )
     overlong_penalty: OverlongPenaltySpec = Field(default_factory=OverlongPenaltySpec, description="DAPO overlong reward shaping.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount (ppo, reinforce++).")
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (ppo).")
 
     @model_validator(mode="after")
     def _rules(self) -> AlgorithmSpec:
-        if self.eps_clip_high is not None and self.eps_clip_high < self.eps_clip:
+        if self.eps_clip_high is not None and self.eps_clip is not None and self.eps_clip_high < self.eps_clip:
             raise ValueError("algorithm.epsClipHigh must be >= algorithm.epsClip")
         group = {AlgorithmName.GRPO, AlgorithmName.DRGRPO, AlgorithmName.DAPO, AlgorithmName.GSPO, AlgorithmName.RLOO}
         if self.name in group and self.samples_per_prompt < 2:

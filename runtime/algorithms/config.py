@@ -23,6 +23,7 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-t
 SUPPORTED = tuple(n.value for n in AlgorithmName if n != AlgorithmName.PPO)
 
 # Presets from the papers, used where the spec leaves a field at its API default.
+PPO_EPS = 0.4  # AReaL's GSM8K GRPO example (eps_clip 0.4): the default of every other algorithm
 DAPO_EPS_LOW, DAPO_EPS_HIGH = 0.2, 0.28  # DAPO (Yu et al. 2025), section 3.1
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO (Zheng et al. 2025), section 5.1
 
@@ -82,20 +83,11 @@ class AlgorithmConfig:
         return new
 
 
-def _default(field_name: str):
-    return AlgorithmSpec.model_fields[field_name].get_default(call_default_factory=True)
-
-
-def _is_default(spec: AlgorithmSpec, field_name: str) -> bool:
-    """True where the spec holds the API default. Decided by value, not by `model_fields_set`, because a
-    spec that went through the operator's ConfigMap has every field written out."""
-    return getattr(spec, field_name) == _default(field_name)
-
-
 def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
     """Apply the named algorithm's preset to the spec.
 
-    Presets only fill fields the spec leaves at their API default (e.g. DAPO's clip 0.2/0.28), except where a
+    Presets only fill fields the manifest leaves unset (epsClip, epsClipHigh, dynamicSampling,
+    overlongPenalty.enabled: e.g. DAPO's clip 0.2/0.28), so an explicit value always wins, except where a
     setting *is* the algorithm (Dr.GRPO and RLOO never divide by a std; GSPO's ratio is per sequence).
     Raises ValueError naming the field for combinations that cannot run.
     """
@@ -110,15 +102,15 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
             f"use one of {', '.join(SUPPORTED)} (liteppo is critic-free PPO with group-mean/batch-std advantages)"
         )
 
-    eps_low = spec.eps_clip
-    eps_high = spec.eps_clip_high if spec.eps_clip_high is not None else spec.eps_clip
+    eps_low = spec.eps_clip if spec.eps_clip is not None else PPO_EPS
+    eps_high = spec.eps_clip_high if spec.eps_clip_high is not None else eps_low
     estimator: Estimator = "grpo"
     baseline: Baseline = "group"
     std_norm: StdNorm = "group" if spec.normalize_advantages else "none"
     aggregation: Aggregation = "token-mean"
     ratio_level: RatioLevel = "token"
-    dynamic = spec.dynamic_sampling
-    overlong: OverlongPenaltySpec = spec.overlong_penalty
+    dynamic = bool(spec.dynamic_sampling)
+    overlong: OverlongPenaltySpec = spec.overlong_penalty.model_copy(update={"enabled": bool(spec.overlong_penalty.enabled)})
     kl_in_reward = False
     kl_kind: KLKind = "k3"
 
@@ -127,23 +119,24 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
         if spec.normalize_advantages:
             notes.append("drgrpo: advantages are not divided by the group std (algorithm.normalizeAdvantages ignored)")
     elif name == AlgorithmName.DAPO:
-        if _is_default(spec, "eps_clip") and spec.eps_clip_high is None:
-            eps_low, eps_high = DAPO_EPS_LOW, DAPO_EPS_HIGH
-            notes.append(f"dapo: clip-higher epsClip={eps_low}, epsClipHigh={eps_high}")
-        elif spec.eps_clip_high is None:
-            eps_high = eps_low * DAPO_EPS_HIGH / DAPO_EPS_LOW
-            notes.append(f"dapo: clip-higher epsClipHigh={eps_high:g} (epsClip * 1.4, as 0.28/0.2 in DAPO)")
-        if not dynamic:
+        if spec.eps_clip is None:
+            eps_low = DAPO_EPS_LOW
+        if spec.eps_clip_high is None:
+            eps_high = DAPO_EPS_HIGH if spec.eps_clip is None else eps_low * DAPO_EPS_HIGH / DAPO_EPS_LOW
+        notes.append(f"dapo: clip-higher epsClip={eps_low:g}, epsClipHigh={eps_high:g} (unset values: DAPO's 0.2 and 0.28, or epsClip * 1.4)")
+        if spec.dynamic_sampling is None:
             dynamic = True
-            notes.append("dapo: dynamic sampling on (use name grpo to pick DAPO components one by one)")
-        if not overlong.enabled:
+            notes.append("dapo: dynamic sampling on (set algorithm.dynamicSampling false to turn it off)")
+        if spec.overlong_penalty.enabled is None:
             overlong = overlong.model_copy(update={"enabled": True})
             notes.append(f"dapo: overlong penalty on (buffer {overlong.buffer_tokens} tokens, penalty {overlong.penalty})")
     elif name == AlgorithmName.GSPO:
         ratio_level, aggregation = "sequence", "seq-mean-token-mean"
-        if _is_default(spec, "eps_clip") and spec.eps_clip_high is None:
-            eps_low, eps_high = GSPO_EPS_LOW, GSPO_EPS_HIGH
-            notes.append(f"gspo: sequence-ratio clip epsClip={eps_low}, epsClipHigh={eps_high}")
+        if spec.eps_clip is None:
+            eps_low = GSPO_EPS_LOW
+        if spec.eps_clip_high is None:
+            eps_high = GSPO_EPS_HIGH if spec.eps_clip is None else eps_low
+        notes.append(f"gspo: sequence-ratio clip epsClip={eps_low:g}, epsClipHigh={eps_high:g}")
     elif name == AlgorithmName.RLOO:
         estimator, baseline, std_norm = "rloo", "loo", "none"
         if spec.normalize_advantages:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import Item
@@ -63,7 +64,8 @@ class RolloutAgent:
         # bus mode: where downloaded weights go; the engine must see the same path (a shared emptyDir in a pod).
         self.weights_cache = Path(weights_cache or os.environ.get("KUBERL_WEIGHTS_CACHE") or self.workdir / "agent-weights" / self.agent_id)
         self.concurrency = exp.spec.rollout.concurrency
-        self.dynamic_sampling = exp.spec.algorithm.dynamic_sampling
+        # The resolved setting: dapo turns dynamic sampling on unless the manifest says otherwise.
+        self.dynamic_sampling = resolve_algorithm(exp.spec.algorithm).dynamic_sampling
         self.stats = AgentStats()
         self._update_lock = asyncio.Lock()
         self._last_weights: dict[str, Any] | None = None

@@ -47,6 +47,21 @@ class TestPresets:
         assert (cfg.baseline, cfg.std_norm, cfg.aggregation, cfg.ratio_level) == (baseline, std, aggregation, ratio)
         assert cfg.name == name
 
+    def test_an_explicit_setting_wins_over_the_dapo_preset(self):
+        spec = AlgorithmSpec(name="dapo", epsClip=0.4, dynamicSampling=False, overlongPenalty={"enabled": False}, maxNewTokens=64)
+        cfg = resolve_algorithm(spec)
+        assert (cfg.eps_low, cfg.eps_high) == (0.4, pytest.approx(0.56))  # clip-higher keeps DAPO's 1.4 ratio
+        assert cfg.dynamic_sampling is False and cfg.overlong_penalty is False
+
+    def test_the_dapo_preset_fills_only_what_the_manifest_leaves_unset(self):
+        cfg = resolve_algorithm(AlgorithmSpec(name="dapo", maxNewTokens=64))
+        assert (cfg.eps_low, cfg.eps_high, cfg.dynamic_sampling, cfg.overlong_penalty) == (0.2, 0.28, True, True)
+        assert resolve_algorithm(AlgorithmSpec(name="grpo")).dynamic_sampling is False
+
+    def test_a_clip_high_below_the_presets_clip_low_is_refused(self):
+        with pytest.raises(ValueError, match="epsClipHigh 0.1 must be >= algorithm.epsClip 0.2"):
+            resolve_algorithm(AlgorithmSpec(name="dapo", epsClipHigh=0.1))
+
     def test_grpo_defaults_are_areal_gsm8k(self):
         cfg = resolve("grpo")
         assert (cfg.eps_low, cfg.eps_high, cfg.reward_bias, cfg.reward_scaling) == (0.4, 0.4, -0.5, 10.0)

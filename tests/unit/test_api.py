@@ -54,7 +54,10 @@ class TestDefaults:
         assert a.samples_per_prompt == 4
         assert a.batch_size == 256
         assert a.max_new_tokens == 1024
-        assert a.eps_clip == 0.4
+        # epsClip unset = the algorithm's choice; for grpo that is AReaL's 0.4 (see also the preset tests)
+        from kuberl.runtime.algorithms import resolve_algorithm
+
+        assert a.eps_clip is None and resolve_algorithm(a).eps_low == 0.4 == resolve_algorithm(a).eps_high
         assert a.learning_rate == pytest.approx(1.7e-5)
         assert a.optimizer.weight_decay == pytest.approx(0.017)
         assert (a.reward_scaling, a.reward_bias) == (10.0, -0.5)
