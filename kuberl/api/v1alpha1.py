@@ -277,14 +277,21 @@ class OverlongPenaltySpec(KubeModel):
     penalty: float = Field(1.0, ge=0.0, description="Penalty at maxNewTokens.")
 
 
+PPO_UNSUPPORTED = (
+    "algorithm.name ppo (PPO with a value critic) is not supported yet: the trainer has no critic model; "
+    "use liteppo (critic-free PPO) or another algorithm"
+)
+
+
 class AlgorithmSpec(KubeModel):
     """One advantage/loss pipeline; each named algorithm is a preset of it (defaults: AReaL's GSM8K GRPO)."""
 
     model_config = _cel(
         ("!has(self.epsClipHigh) || !has(self.epsClip) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
         ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2", "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+        ("self.name != 'ppo'", PPO_UNSUPPORTED),
     )
-    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++, liteppo or ppo.")
+    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++ or liteppo (ppo, with a value critic, is reserved and refused for now).")
     samples_per_prompt: int = Field(4, ge=1, le=256, description="Responses sampled per prompt (group size n).")
     batch_size: int = Field(256, ge=1, le=65536, description="Prompts (groups) per training step, B.")
     max_new_tokens: int = Field(1024, ge=1, le=131072, description="Generation length limit.")
@@ -319,6 +326,8 @@ class AlgorithmSpec(KubeModel):
         group = {AlgorithmName.GRPO, AlgorithmName.DRGRPO, AlgorithmName.DAPO, AlgorithmName.GSPO, AlgorithmName.RLOO}
         if self.name in group and self.samples_per_prompt < 2:
             raise ValueError("group-relative algorithms need algorithm.samplesPerPrompt >= 2")
+        if self.name == AlgorithmName.PPO:
+            raise ValueError(PPO_UNSUPPORTED)
         return self
 
 

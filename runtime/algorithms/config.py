@@ -95,12 +95,8 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
         raise TypeError(f"resolve_algorithm needs an AlgorithmSpec, got {type(spec).__name__}")
     name = AlgorithmName(spec.name).value
     notes: list[str] = []
-    if name == AlgorithmName.PPO:
-        raise ValueError(
-            "algorithm.name ppo (with a value critic) is not supported yet: the trainer has no critic model "
-            "(kuberl.runtime.algorithms.advantages.gae exists for when it does); "
-            f"use one of {', '.join(SUPPORTED)} (liteppo is critic-free PPO with group-mean/batch-std advantages)"
-        )
+    # `ppo` (with a value critic) never gets here: AlgorithmSpec refuses it (PPO_UNSUPPORTED); gae() in
+    # advantages.py is ready for when the trainer has a critic.
 
     eps_low = spec.eps_clip if spec.eps_clip is not None else PPO_EPS
     eps_high = spec.eps_clip_high if spec.eps_clip_high is not None else eps_low

@@ -127,8 +127,10 @@ class TestPresets:
 
 
 class TestErrors:
-    def test_ppo_with_a_critic_is_refused_with_a_fix(self):
-        with pytest.raises(ValueError, match=r"algorithm.name ppo \(with a value critic\) is not supported yet.*liteppo"):
+    def test_ppo_with_a_critic_is_refused_by_the_spec_with_a_fix(self):
+        # The API model refuses it (so `kuberl validate`, `kubectl apply` via CEL, the operator and the
+        # trainer all agree); no AlgorithmSpec named ppo reaches resolve_algorithm.
+        with pytest.raises(ValueError, match=r"algorithm.name ppo \(PPO with a value critic\) is not supported yet.*liteppo"):
             resolve("ppo")
 
     def test_buffer_longer_than_max_new_tokens_names_both_fields(self):

@@ -166,6 +166,8 @@ class TestAllocation:
 # CEL (admission) and pydantic (kuberl run, the operator) must agree
 # ---------------------------------------------------------------------------------------------
 
+from kuberl.api.v1alpha1 import PPO_UNSUPPORTED  # noqa: E402
+
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
 AGREEMENT_CASES = [
@@ -183,6 +185,8 @@ AGREEMENT_CASES = [
     ("clip-higher below clip", {"algorithm": {"epsClip": 0.3, "epsClipHigh": 0.2}}, "algorithm.epsClipHigh must be >= algorithm.epsClip"),
     ("grpo with one sample", {"algorithm": {"name": "grpo", "samplesPerPrompt": 1}}, "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
     ("rloo with one sample", {"algorithm": {"name": "rloo", "samplesPerPrompt": 1}}, "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+    ("ppo with a critic", {"algorithm": {"name": "ppo"}}, PPO_UNSUPPORTED),
+    ("liteppo, critic-free", {"algorithm": {"name": "liteppo"}}, None),
     ("reinforce++ with one sample", {"algorithm": {"name": "reinforce++", "samplesPerPrompt": 1}}, None),
     ("autoscaling min above max", {"rollout": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}, "rollout.autoscaling.minReplicas must be <= maxReplicas"),
     ("replicas within autoscaling", {"rollout": {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}}, None),
