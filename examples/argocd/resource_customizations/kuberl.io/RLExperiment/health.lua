@@ -1,10 +1,11 @@
--- Argo CD health check for kuberl.io/RLExperiment (resource.customizations.health.kuberl.io_RLExperiment).
--- Reads status.phase and the metav1-style conditions the operator writes (kuberl/api/v1alpha1.py):
+-- Health of kuberl.io/RLExperiment, from status.phase and the metav1-style conditions the KubeRL
+-- operator writes:
 --   Healthy     Succeeded, or Running with condition Ready=True
 --   Progressing Pending/Initializing, Running not yet Ready, or a spec change not yet reconciled
 --   Degraded    Failed, condition Failed=True, condition Degraded=True, or Validated=False
 --   Suspended   phase Suspended
--- Portable Lua 5.1 (Argo CD runs gopher-lua); tests/unit/test_argocd.py runs it through lupa.
+-- Lua 5.1 for gopher-lua using only the base and table libraries (no string, math or os), so it also
+-- runs from argocd-cm without resource.customizations.useOpenLibs.
 
 local function condition(status, ctype)
   if status.conditions == nil then
