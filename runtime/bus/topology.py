@@ -6,6 +6,7 @@ chose; `_bind()` only checks they exist. Settings follow docs/design/contracts.m
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import nats.errors
@@ -15,6 +16,23 @@ from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
 from nats.js import api
 
 DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
+# Overrides it for streams created from now on (seconds). The fault tests shorten it to show that a
+# trainer restarted after the window does not roll out or train a ticket twice; it also bounds the
+# server's memory of message ids on very long runs.
+DUPLICATE_WINDOW_ENV = "KUBERL_BUS_DUPLICATE_WINDOW"
+
+
+def duplicate_window() -> float:
+    raw = os.environ.get(DUPLICATE_WINDOW_ENV)
+    if raw is None:
+        return DUPLICATE_WINDOW
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BusError(f"{DUPLICATE_WINDOW_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise BusError(f"{DUPLICATE_WINDOW_ENV}={raw!r} must be > 0 seconds")
+    return value
 DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
 DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
 
@@ -41,7 +59,7 @@ class Topology:
     def _stream_config(self, which: str) -> api.StreamConfig:
         n = self.names
         common = {"retention": api.RetentionPolicy.WORK_QUEUE, "storage": api.StorageType.FILE,
-                  "discard": api.DiscardPolicy.NEW, "duplicate_window": DUPLICATE_WINDOW, "num_replicas": 1}
+                  "discard": api.DiscardPolicy.NEW, "duplicate_window": duplicate_window(), "num_replicas": 1}
         if which == "tickets":
             return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
         return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],

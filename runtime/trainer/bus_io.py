@@ -47,6 +47,10 @@ class TrainerBusIO:
     async def put_tickets(self, state: dict[str, Any]) -> None:
         await self.bus.put_state(KEY_TICKETS, {**state, "time": time.time()})
 
+    async def get_tickets(self) -> dict[str, Any] | None:
+        """The ticket book as the trainer last wrote it (before a crash, on a restart)."""
+        return await self.bus.get_state(KEY_TICKETS)
+
     async def fetch_groups(self, max_n: int, timeout: float) -> list[tuple[TrajectoryGroup, Lease]]:
         return [(lease.value, lease) for lease in await self.bus.pull_groups(max_n, timeout=timeout)]
 

@@ -34,7 +34,7 @@ from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, minibatch_rows, response_logprobs, shard_micro_batches
 from kuberl.runtime.trainer.bus_io import TrainerBusIO
 from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
-from kuberl.runtime.trainer.tickets import TicketBook
+from kuberl.runtime.trainer.tickets import SeenGroups, TicketBook
 from kuberl.runtime.trainer.weights import digest_state, export_weights
 
 log = logging.getLogger("kuberl.trainer")
@@ -74,6 +74,9 @@ class Trainer:
         self.answered_request: str | None = None
         self.held: list[Any] = []  # bus handles of groups trained or accounted, not yet covered by a checkpoint
         self.buffer: list[tuple[Any, Any]] = []  # (group, handle) pulled but not yet trained
+        # Far more than can be in flight at once ((eta + 1) * B): a duplicate arrives within that span.
+        self.seen = SeenGroups(max(4096, 8 * self.B * (self.eta + 2)))
+        self.duplicates = 0
         self.recent: deque[tuple[int, float]] = deque(maxlen=5)  # (samples, seconds) of recent steps
         self.last_checkpoint: dict[str, Any] | None = None
         self.stop_reason: str | None = None
@@ -169,6 +172,8 @@ class Trainer:
             self.setup()
             if self.bus is not None:
                 await self.bus.start(resumed=self.resumed_from is not None)
+                if self.resumed_from is not None:
+                    await self.stage_catch_up()
             await self.stage_publish_weights()  # v0 on a fresh start; the checkpoint's version on resume
             await self.stage_report(None)
             while self.step < self.total_steps:
@@ -267,6 +272,23 @@ class Trainer:
             await self.bus.put_tickets(self.book.state())
         return len(tickets)
 
+    async def stage_catch_up(self) -> int:
+        """On resume: tickets issued after the checkpoint are still on the bus; do not issue them again."""
+        n = self.book.catch_up(await self.bus.get_tickets())
+        if n:
+            log.info("resume: %d tickets issued after the checkpoint are still on the bus (they or their groups "
+                     "come back): not issuing them again", n)
+        return n
+
+    def _first_time(self, group: Any, handle: Any) -> bool:
+        """False for a group id already taken in this process: it is held for the ack and otherwise ignored."""
+        if self.seen.add(group.group_id):
+            return True
+        self.duplicates += 1
+        self.held.append(handle)
+        log.warning("group %s arrived twice (the same ticket rolled out again): the copy is ignored", group.group_id)
+        return False
+
     def _usable(self, group: Any) -> bool:
         """Account for a group that cannot be trained on (rejected, stale, malformed); True if usable."""
         if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
@@ -314,6 +336,8 @@ class Trainer:
             elif self.collect_timeout is not None and time.monotonic() - last_seen > self.collect_timeout:
                 raise TimeoutError(f"no trajectory group arrived for {self.collect_timeout:.0f}s (are rollout agents running?)")
             for group, handle in got:
+                if not self._first_time(group, handle):
+                    continue
                 if self._usable(group):
                     self.buffer.append((group, handle))
                 else:

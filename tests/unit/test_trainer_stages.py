@@ -146,3 +146,41 @@ async def test_waiting_longer_than_collect_timeout_fails_with_a_reason(tmp_path)
     t.collect_timeout = 0.0
     with pytest.raises(TimeoutError, match="no trajectory group arrived"):
         await t.stage_collect()
+
+
+async def test_a_group_that_arrives_twice_is_trained_once_and_both_copies_are_acked(tmp_path):
+    t = make_trainer(tmp_path)
+    await t.stage_issue_tickets()
+    first, second = t.bus.tickets
+    # The same ticket rolled out twice (e.g. re-issued after a restart beyond the dedupe window);
+    # one copy is a rejected group, which must not give its slot back a second time either.
+    t.bus.stream = [group(first), group(first), group(second, rejected=True), group(second, rejected=True)]
+    t.bus._answered = len(t.bus.tickets)  # the agents answer only tickets issued from now on
+    t.bus.answer = lambda tk: group(tk)  # the replacement for the rejected group
+    plan = await t.stage_collect()
+    ids = [g["group_id"] for g in plan["groups"]]
+    assert ids.count(first.ticket_id) == 1 and second.ticket_id not in ids
+    assert t.duplicates == 2 and t.book.rejected == 1
+    assert sorted(t.held) == sorted(f"lease-{i}" for i in [first.ticket_id] * 2 + [second.ticket_id] * 2 + [ids[1]])
+
+
+async def test_a_resumed_trainer_does_not_reissue_tickets_already_on_the_bus(tmp_path):
+    crashed = make_trainer(tmp_path / "a", eta=1)
+    await crashed.stage_issue_tickets()
+    checkpoint = crashed.book.state()
+    crashed.version = 1
+    await crashed.stage_issue_tickets()  # B more, after the checkpoint; KV `tickets` holds them
+    restarted = make_trainer(tmp_path / "b", eta=1)
+    restarted.book.load_state(checkpoint)
+    restarted.bus.book = crashed.bus.book
+    restarted.bus.get_tickets = lambda: _value(crashed.bus.book)
+    assert await restarted.stage_catch_up() == B
+    restarted.version = 1
+    assert await restarted.stage_issue_tickets() == 0, "the bound is full with the tickets already out"
+    restarted.version = 2
+    await restarted.stage_issue_tickets()
+    assert [tk.ticket_id for tk in restarted.bus.tickets] == [tk.ticket_id for tk in crashed.book.next_tickets(2)]
+
+
+async def _value(v):
+    return v

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kuberl.runtime.trainer.tickets import TicketBook
+from kuberl.runtime.trainer.tickets import SeenGroups, TicketBook
 
 
 def book(**kw) -> TicketBook:
@@ -87,3 +87,42 @@ class TestTicketsAndData:
     def test_an_empty_data_set_is_refused(self):
         with pytest.raises(ValueError, match="at least one item"):
             book(num_items=0)
+
+
+class TestCatchUpAfterARestart:
+    """A restarted trainer resumes the book from its checkpoint, then moves it to the bus's later copy."""
+
+    def test_tickets_issued_after_the_checkpoint_are_counted_not_issued_again(self):
+        before_crash = book(eta=2)
+        before_crash.next_tickets(0)
+        at_checkpoint = before_crash.state()
+        later = before_crash.next_tickets(1)  # issued after the checkpoint, then the trainer died
+        restarted = book(eta=2)
+        restarted.load_state(at_checkpoint)
+        assert restarted.catch_up(before_crash.state()) == len(later) == 4
+        assert restarted.issued == before_crash.issued and restarted.started == before_crash.started
+        # The next tickets continue after the ones already on the bus, in the same data order.
+        assert restarted.next_tickets(2)[0].ticket_id == before_crash.next_tickets(2)[0].ticket_id
+
+    def test_without_a_copy_or_with_one_behind_the_checkpoint_nothing_changes(self):
+        b = book()
+        b.next_tickets(0)
+        stale = book().state()
+        assert b.catch_up(None) == 0 and b.catch_up({}) == 0 and b.catch_up(stale) == 0
+        assert b.issued == 8
+
+    def test_a_copy_made_with_another_data_order_is_ignored(self):
+        other = book(seed=2)
+        other.next_tickets(0)
+        b = book()
+        assert b.catch_up(other.state()) == 0 and b.issued == 0
+
+
+class TestSeenGroups:
+    def test_a_repeated_id_is_spotted_and_the_memory_is_bounded(self):
+        seen = SeenGroups(size=3)
+        assert [seen.add(i) for i in ("a", "b", "a")] == [True, True, False]
+        for i in ("c", "d", "e"):
+            seen.add(i)
+        assert seen.add("a"), "forgotten after `size` newer ids"
+        assert not seen.add("e")
