@@ -2,7 +2,8 @@
 
 Called by kuberl.cli (`main(args)`). Settings: watch timeouts (server and client side, so a silent
 connection is noticed), peering (one active replica; --standalone disables it), event posting level,
-JSON logs, kopf's liveness endpoint on --health-port and Prometheus metrics on --metrics-port.
+JSON logs, kopf's liveness endpoint on --health-port and Prometheus metrics on --metrics-port; the
+repository of the default runtime images from $KUBERL_RUNTIME_IMAGE_REPOSITORY.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 PEERING_NAME = "kuberl"
+# The repository of the default runtime images (<repository>/runtime-<flavour>:<version>); unset or
+# empty: ghcr.io/kuberl. Pods whose spec names an image are not affected.
+RUNTIME_IMAGE_REPOSITORY_ENV = "KUBERL_RUNTIME_IMAGE_REPOSITORY"
 
 
 def configure_settings(settings: object, *, standalone: bool, clusterwide: bool) -> None:
@@ -43,6 +48,18 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool)
     settings.background.cancellation_polling = 2
 
 
+def configure_runtime_images(environ: Mapping[str, str]) -> str:
+    """Read $KUBERL_RUNTIME_IMAGE_REPOSITORY once, at start-up, and hand it to the pod builders
+    (the chart sets it from runtimeImages.repository); returns the repository in force. A bad value
+    raises ValueError naming the variable."""
+    from kuberl.operator.builders import common
+
+    try:
+        return common.configure_images(environ.get(RUNTIME_IMAGE_REPOSITORY_ENV))
+    except ValueError as exc:
+        raise ValueError(f"{RUNTIME_IMAGE_REPOSITORY_ENV}: {exc}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes.config import ConfigException
@@ -51,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
         from kuberl.operator import handlers, metrics
         from kuberl.operator.kube import KubeClient
 
+        runtime_images = configure_runtime_images(os.environ)
         handlers.CONFIG.kube = KubeClient.from_environment()
     except (ValueError, ConfigException) as exc:
         print(f"kuberl operator: {exc}", file=sys.stderr)
@@ -74,8 +92,9 @@ def main(args: argparse.Namespace) -> int:
 
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     logging.getLogger("kuberl.operator").info(
-        "starting: %s, metrics port %s, health port %s, %s", "cluster-wide" if clusterwide else f"namespaces {namespaces}",
-        args.metrics_port or "off", args.health_port or "off", "standalone" if args.standalone else f"peering {PEERING_NAME}")
+        "starting: %s, metrics port %s, health port %s, %s, runtime images from %s",
+        "cluster-wide" if clusterwide else f"namespaces {namespaces}", args.metrics_port or "off", args.health_port or "off",
+        "standalone" if args.standalone else f"peering {PEERING_NAME}", runtime_images)
     try:
         asyncio.run(kopf.operator(
             standalone=args.standalone, clusterwide=clusterwide, namespaces=namespaces,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from typing import Any
 
 from kuberl.operator import labels as L
@@ -31,7 +32,11 @@ CACHE_DIR = "/cache"  # HOME and caches (HF, vLLM, torch) on an emptyDir: the im
 # runtime/data.py DATA_VOLUME_ROOT), though experiment.yaml already carries the absolute paths.
 MODELS_DIR = "/models"  # spec.model.volume is mounted at /models/<claim>
 DATASETS_DIR = "/data"  # spec.dataset.volume is mounted at /data/<claim>
-IMAGE_REPOSITORY = "ghcr.io/kuberl"
+DEFAULT_IMAGE_REPOSITORY = "ghcr.io/kuberl"  # where .github/workflows/images.yml publishes (docker-bake.hcl)
+# The repository of the default runtime images. `kuberl operator` sets it once at start-up from
+# $KUBERL_RUNTIME_IMAGE_REPOSITORY (the chart's runtimeImages.repository) through configure_images();
+# the builders only read it, so they stay functions of (experiment, this setting).
+IMAGE_REPOSITORY = DEFAULT_IMAGE_REPOSITORY
 RUNTIME_UID = 1000  # the runtime images run as this user (images/ Dockerfiles)
 
 Obj = dict[str, Any]
@@ -75,12 +80,38 @@ def headless_service(exp: RLExperiment, name: str, component: L.Component, role:
 
 
 # --- images -----------------------------------------------------------------------------------
-def default_image(engine: str, accelerator: AcceleratorType | str) -> str:
+# An image repository without tag or digest (the distribution reference grammar): an optional
+# registry host[:port], then lowercase path components, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/kuberl.
+_HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY = re.compile(rf"(?:{_HOST}/)?{_PATH}(?:/{_PATH})*")
+
+
+def image_repository(value: str) -> str:
+    """`value` as an image repository (a trailing "/" dropped); ValueError names what is wrong."""
+    repo = value.strip().rstrip("/")
+    if "@" in repo or ":" in repo.rpartition("/")[2]:
+        raise ValueError(f"image repository {value!r} must not carry a tag or digest (the operator appends :<version>)")
+    if not _REPOSITORY.fullmatch(repo):
+        raise ValueError(f"image repository {value!r} is no valid repository (e.g. registry.example.com/team/kuberl)")
+    return repo
+
+
+def configure_images(repository: str | None) -> str:
+    """Set the repository of the default runtime images (None or "": ghcr.io/kuberl); returns it.
+    Called once by `kuberl operator` at start-up, before any handler runs."""
+    global IMAGE_REPOSITORY
+    IMAGE_REPOSITORY = image_repository(repository) if repository and repository.strip() else DEFAULT_IMAGE_REPOSITORY
+    return IMAGE_REPOSITORY
+
+
+def default_image(engine: str, accelerator: AcceleratorType | str, repository: str | None = None) -> str:
     """The KubeRL runtime image for an engine and accelerator: runtime-npu (ascend), runtime-cpu (cpu),
-    else runtime-<engine>. Tagged with the operator's own version so pods match the operator."""
+    else runtime-<engine>, under `repository` (default: the configured IMAGE_REPOSITORY). Tagged with
+    the operator's own version so pods match the operator."""
     accel = AcceleratorType(accelerator)
     flavour = {AcceleratorType.ASCEND: "npu", AcceleratorType.CPU: "cpu"}.get(accel, str(engine))
-    return f"{IMAGE_REPOSITORY}/runtime-{flavour}:{kuberl.__version__}"
+    return f"{repository or IMAGE_REPOSITORY}/runtime-{flavour}:{kuberl.__version__}"
 
 
 def image_of(exp: RLExperiment, sched: SchedulingSpec, accelerator: AcceleratorSpec) -> str:

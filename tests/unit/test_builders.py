@@ -628,3 +628,66 @@ class TestImmutableFields:
         assert len(notes) == 2
         bigger = build_checkpoint_pvc(make_experiment(checkpoint={"size": "200Gi"}))
         assert keep_immutable_fields(bigger, live)[0]["spec"]["resources"]["requests"]["storage"] == "200Gi"
+
+
+class TestRuntimeImageRepository:
+    """The operator's runtime image repository (KUBERL_RUNTIME_IMAGE_REPOSITORY, read once by
+    `kuberl operator`): one value moves every default image to a mirror; explicit images stay."""
+
+    MIRROR = "europe-docker.pkg.dev/my-project/kuberl"
+
+    @pytest.fixture
+    def mirror(self):
+        from kuberl.operator.builders import common
+
+        assert common.configure_images(self.MIRROR) == self.MIRROR
+        try:
+            yield self.MIRROR
+        finally:
+            common.configure_images(None)
+
+    @staticmethod
+    def images(exp: RLExperiment) -> dict[str, str]:
+        out = {}
+        for obj in (build_rollout_statefulset(exp), build_trainer_job(exp)):
+            for name, c in containers(obj).items():
+                out[name] = c["image"]
+        return out
+
+    @pytest.mark.parametrize("case,flavour", [("nvidia sglang", "sglang"), ("cpu vllm", "cpu"), ("ascend", "npu")])
+    def test_default_images_come_from_the_configured_repository(self, mirror, case, flavour) -> None:
+        engine = self.images(IN_TEST[case])["engine"]
+        assert engine == f"{mirror}/runtime-{flavour}:{kuberl.__version__}"
+
+    def test_every_runtime_container_of_every_child_uses_it(self, mirror) -> None:
+        for obj in build_children(make_experiment(rollout__engine="vllm"), bus_token=TOKEN):
+            for c in (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+                if "runtime-" in c["image"]:
+                    assert c["image"].startswith(f"{mirror}/runtime-vllm:"), (obj["kind"], c["name"], c["image"])
+
+    def test_an_image_in_the_spec_still_wins(self, mirror) -> None:
+        assert self.images(IN_TEST["scheduling"])["trainer"] == "registry.example/trainer:1"
+
+    def test_unset_or_empty_means_ghcr(self) -> None:
+        from kuberl.operator.builders import common
+
+        for value in (None, "", "  "):
+            assert common.configure_images(value) == "ghcr.io/kuberl"
+            assert self.images(make_experiment())["engine"] == f"ghcr.io/kuberl/runtime-sglang:{kuberl.__version__}"
+
+    @pytest.mark.parametrize("bad", ["ghcr.io/kuberl:0.1.0", "ghcr.io/kuberl@sha256:0123", "Registry.example.com/KubeRL", "https://ghcr.io/kuberl"])
+    def test_a_repository_with_a_tag_or_bad_characters_is_refused_and_changes_nothing(self, bad) -> None:
+        from kuberl.operator.builders import common
+        from kuberl.operator.main import RUNTIME_IMAGE_REPOSITORY_ENV, configure_runtime_images
+
+        with pytest.raises(ValueError, match=RUNTIME_IMAGE_REPOSITORY_ENV):
+            configure_runtime_images({RUNTIME_IMAGE_REPOSITORY_ENV: bad})
+        assert common.IMAGE_REPOSITORY == "ghcr.io/kuberl"
+
+    def test_a_trailing_slash_is_dropped(self) -> None:
+        from kuberl.operator.builders import common
+
+        try:
+            assert common.configure_images(self.MIRROR + "/") == self.MIRROR
+        finally:
+            common.configure_images(None)

@@ -57,6 +57,10 @@ VARIANTS = {
     "namespaced with servicemonitor": {"watchNamespaces": ["team-a", "team-b"], "metrics": {"serviceMonitor": {"enabled": True}}},
     "standalone without metrics": {"peering": {"enabled": False}, "metrics": {"enabled": False}, "replicaCount": 1},
     "existing service account": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
+    "private registry": {
+        "image": {"repository": "europe-docker.pkg.dev/my-project/kuberl/operator"},
+        "runtimeImages": {"repository": "europe-docker.pkg.dev/my-project/kuberl"},
+    },
 }
 
 
@@ -113,6 +117,24 @@ class TestOperatorDeployment:
         app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
         assert self.container()["image"] == f"ghcr.io/kuberl/operator:{app_version}"
         assert self.container({"image": {"tag": "dev"}})["image"] == "ghcr.io/kuberl/operator:dev"
+
+    def test_runtime_image_repository_reaches_the_operator_as_the_env_it_reads(self):
+        main = pytest.importorskip("kuberl.operator.main", reason="needs kuberl[operator]")
+        common = pytest.importorskip("kuberl.operator.builders.common", reason="needs kuberl[operator]")
+
+        def env(values=None) -> dict:
+            return {e["name"]: e.get("value") for e in self.container(values)["env"]}
+
+        assert env()[main.RUNTIME_IMAGE_REPOSITORY_ENV] == common.DEFAULT_IMAGE_REPOSITORY == "ghcr.io/kuberl"
+        ecr = "123456789012.dkr.ecr.us-east-1.amazonaws.com/kuberl"
+        rendered = env({"runtimeImages": {"repository": ecr}})
+        assert rendered[main.RUNTIME_IMAGE_REPOSITORY_ENV] == ecr
+        # What the operator makes of the rendered env: its default runtime images come from there.
+        try:
+            assert main.configure_runtime_images(rendered) == ecr
+            assert common.default_image("vllm", "nvidia").startswith(f"{ecr}/runtime-vllm:")
+        finally:
+            common.configure_images(None)
 
     def test_args_parse_as_kuberl_operator_with_the_ports_and_namespaces_of_the_values(self):
         c = self.container({"watchNamespaces": ["ns1"], "metrics": {"port": 9090}, "health": {"port": 9091}})
@@ -278,6 +300,9 @@ BAD_VALUES = {
     "root allowed": ({"podSecurityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
     "cpu that is no quantity": ({"resources": {"requests": {"cpu": "lots"}}}, "cpu"),
     "health path without slash": ({"health": {"path": "healthz"}}, "path"),
+    "runtime image repository with a tag": ({"runtimeImages": {"repository": "ghcr.io/kuberl:0.1.0"}}, "repository"),
+    "runtime image repository in capitals": ({"runtimeImages": {"repository": "ghcr.io/KubeRL"}}, "repository"),
+    "runtime image repository empty": ({"runtimeImages": {"repository": ""}}, "repository"),
 }
 
 
@@ -292,3 +317,28 @@ def test_values_schema_accepts_the_defaults_and_every_variant():
     with helm.Chart.load(CHART) as chart:
         for values in VARIANTS.values():
             chart.validate_schema(chart.merge_values(values))
+
+
+REPOSITORIES = [
+    "ghcr.io/kuberl", "kuberl", "localhost:5000/kuberl", "europe-docker.pkg.dev/my-project/kuberl",
+    "123456789012.dkr.ecr.us-east-1.amazonaws.com/team/kuberl", "registry.example.com/a__b/c-d.e",
+    "ghcr.io/kuberl:0.1.0", "ghcr.io/KubeRL", "ghcr.io/kuberl@sha256:00", "https://ghcr.io/kuberl", "ghcr.io//kuberl", "",
+]
+
+
+@pytest.mark.parametrize("repository", REPOSITORIES)
+def test_the_chart_accepts_the_runtime_image_repositories_the_operator_accepts(repository):
+    """values.schema.json and the operator (KUBERL_RUNTIME_IMAGE_REPOSITORY) agree on what is a repository."""
+    common = pytest.importorskip("kuberl.operator.builders.common", reason="needs kuberl[operator]")
+    try:
+        common.image_repository(repository)
+        operator_ok = True
+    except ValueError:
+        operator_ok = False
+    with helm.Chart.load(CHART) as chart:
+        try:
+            chart.validate_schema(chart.merge_values({"runtimeImages": {"repository": repository}}))
+            chart_ok = True
+        except helm.HelmError:
+            chart_ok = False
+    assert chart_ok == operator_ok, f"{repository!r}: chart {'accepts' if chart_ok else 'rejects'} it, the operator does not"
