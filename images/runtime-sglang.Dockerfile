@@ -15,6 +15,10 @@ FROM ${CUDA_DEVEL_IMAGE} AS build
 # Versions agree with pyproject.toml (tests/unit/test_images.py checks them).
 ARG TORCH_VERSION=2.13.0
 # 0.5.21 is the newest SGLang that pins torch==2.13.0 (0.5.22 and later pin torch 2.14.1).
+# KNOWN BROKEN: it does not install from PyPI. SGLang 0.5.18-0.5.22 pin cuda-tile==1.6.0rc5, which PyPI
+# does not have, and 0.5.18-0.5.21 pin transformers==5.12.1, below kuberl[runtime]'s >=5.16.1. The
+# first installable release, 0.5.23, pins torch==2.14.1 and transformers==5.19.0: moving to it needs
+# kuberl[runtime] to accept that torch. `python scripts/check-image-deps.py runtime-sglang` shows it.
 ARG SGLANG_VERSION=0.5.21
 ARG FLASH_ATTN_VERSION=2.8.3.post2
 ARG KUBERL_EXTRAS=runtime,sglang,gpu

