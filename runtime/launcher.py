@@ -3,7 +3,9 @@
 Starts the same role processes the operator puts in pods (nats-server, `kuberl engine` + `kuberl
 rollout` per rollout replica, `kuberl trainer`, torchrun when the trainer has several processes),
 shows live progress read from the bus, restarts a crashed role per the failure policy, plots the
-reward curve, and on the end of training or Ctrl-C stops every process group it started.
+reward curve, and on the end of training or Ctrl-C stops every process group it started. A role that
+exits 2 (a configuration error, contracts.md) is not restarted: the run stops at once and prints the
+reason the role wrote to its termination message ($KUBERL_TERMINATION_LOG, logs/<role>.termination-log).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from kuberl.api import RLExperiment, load_experiment
+from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
 
 log = logging.getLogger("kuberl.run")
 
@@ -48,8 +51,24 @@ class Role:
     next_start: float = 0.0
     done: bool = False
 
+    @property
+    def termination_log(self) -> Path | None:
+        """Where the role writes the reason of a configuration error (its pod's termination message)."""
+        path = self.env.get(TERMINATION_LOG_ENV)
+        return Path(path) if path else None
+
+    def termination_message(self) -> str:
+        """The reason the role's last run wrote before exiting ("" when it wrote none)."""
+        path = self.termination_log
+        try:
+            return path.read_text().strip() if path else ""
+        except OSError:
+            return ""
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.termination_log is not None:
+            self.termination_log.unlink(missing_ok=True)  # a message is about the latest run only
         out = open(self.log_path, "ab")
         out.write(f"\n==> {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
         out.flush()
@@ -91,10 +110,12 @@ class LocalRun:
     workdir: Path
     bus_url: str
     roles: list[Role] = field(default_factory=list)
+    config_error: bool = False  # a role exited 2: the run failed on its configuration
 
-    def role_env(self, **extra: str) -> dict[str, str]:
+    def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"KUBERL_BUS_URL": self.bus_url, "KUBERL_WORKDIR": str(self.workdir), "PYTHONUNBUFFERED": "1"})
+        env.update({"KUBERL_BUS_URL": self.bus_url, "KUBERL_WORKDIR": str(self.workdir), "PYTHONUNBUFFERED": "1",
+                    TERMINATION_LOG_ENV: str(self.workdir / "logs" / f"{role}.termination-log")})
         env.update(extra)
         return env
 
@@ -112,23 +133,27 @@ class LocalRun:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
-                                   self.role_env(**devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
+                                   self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
             self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
-                                   self.role_env(KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}"), logs / f"rollout-{i}.log"))
+                                   self.role_env(f"rollout-{i}", KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}"),
+                                   logs / f"rollout-{i}.log"))
         nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
         trainer_cmd = ["trainer", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)]
         if nproc > 1:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "kuberl.cli", *trainer_cmd]
+            # torchrun, passing a rank's exit code 2 on (plain torchrun turns every failure into 1).
+            argv = [sys.executable, "-m", "kuberl.runtime.trainer.torchrun", "--standalone", f"--nproc-per-node={nproc}",
+                    "-m", "kuberl.cli", *trainer_cmd]
         else:
             argv = [*cli, *trainer_cmd]
-        self.roles.append(Role("trainer", argv, self.role_env(**devices.get("trainer", {})), logs / "trainer.log"))
+        self.roles.append(Role("trainer", argv, self.role_env("trainer", **devices.get("trainer", {})), logs / "trainer.log"))
 
     @property
     def trainer(self) -> Role:
         return next(r for r in self.roles if r.name == "trainer")
 
     def supervise(self) -> str | None:
-        """Restart roles that died; returns a failure message once the trainer exceeds its restarts."""
+        """Restart roles that died; returns a failure message once the trainer exceeds its restarts, or
+        at once when a role exits 2 (a configuration error: restarting cannot fix it; see config_error)."""
         policy = self.exp.spec.failure_policy
         now = time.monotonic()
         for role in self.roles:
@@ -139,8 +164,10 @@ class LocalRun:
                 if role is self.trainer and code == 0:
                     role.done = True
                     continue
-                if code == 2:  # the roles' exit code for a bad setting: a restart cannot fix it
-                    return f"{role.name} rejected the configuration (exit 2); see {role.log_path}"
+                if code == CONFIG_ERROR_EXIT:  # the roles' exit code for a bad setting: a restart cannot fix it
+                    self.config_error = True
+                    reason = role.termination_message() or "no reason given"
+                    return f"{role.name} stopped on a configuration error (exit 2): {reason}; see {role.log_path}"
                 if role.restarts >= policy.max_restarts:
                     return f"{role.name} exited with code {code} after {role.restarts} restarts; see {role.log_path}"
                 delay = min(policy.backoff_seconds * (2**role.restarts), 300) if role is self.trainer else 2.0
@@ -295,7 +322,12 @@ def main(args) -> int:
     from kuberl.runtime.models import resolve_model
 
     print(f"kuberl run: {exp.name} in {workdir}")
-    resolve_model(exp.spec.model, str(workdir))  # build/fetch once, before the roles race for it
+    try:
+        with spec_errors():
+            resolve_model(exp.spec.model, str(workdir))  # build/fetch once, before the roles race for it
+    except ConfigError as exc:
+        print(f"kuberl run: configuration error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
 
     server = None
     bus_url = args.bus_url
@@ -368,7 +400,7 @@ def main(args) -> int:
         print(f"kuberl run: reward curve in {png}; metrics in {workdir / 'metrics.jsonl'}")
     if failure:
         print(f"kuberl run: failed: {failure}", file=sys.stderr)
-        return 1
+        return CONFIG_ERROR_EXIT if run.config_error else 1
     if interrupted:
         return 130
     if report and report.get("failed"):

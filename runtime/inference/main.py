@@ -3,6 +3,8 @@
 The engine container of each rollout pod runs this (and `kuberl run` does locally). It resolves the
 model (builtin: built into $KUBERL_WORKDIR/models, or a temp folder), picks launch settings, then
 execs the server so it becomes the container's main process (signals and exit codes go straight to it).
+Before the exec, a configuration error (manifest, model, engine settings) exits 2 with the reason in
+the termination message (contracts.md); a model hub that cannot be reached exits 1 (retryable).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import ValidationError
 
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.api.v1alpha1 import AcceleratorType
+from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
 
 log = logging.getLogger("kuberl.engine")
 
@@ -72,16 +75,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         exp = load_experiment(args.config)
     except (ValueError, ValidationError, OSError) as exc:
-        print(f"kuberl engine: {exc}", file=sys.stderr)
-        return 2
-    from kuberl.runtime.models import ModelResolutionError, resolve_model
+        return config_error_exit("engine", exc)
+    from kuberl.runtime.models import resolve_model
 
     try:
-        model_path = resolve_model(exp.spec.model, model_workdir(getattr(args, "workdir", None)))
-    except ModelResolutionError as exc:
+        with spec_errors():
+            model_path = resolve_model(exp.spec.model, model_workdir(getattr(args, "workdir", None)))
+            cmd, env = server_command(exp, model_path, args.port, args.host)
+    except ConfigError as exc:
+        return config_error_exit("engine", exc)
+    except ValueError as exc:  # only a transient one gets past spec_errors (the hub unreachable): retry
         print(f"kuberl engine: {exc}", file=sys.stderr)
-        return 2
-    cmd, env = server_command(exp, model_path, args.port, args.host)
+        return 1
     log.info("exec: %s", " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,8 +1,9 @@
 """`kuberl rollout --config FILE`: the rollout agent of one rollout pod (or of one local replica in `kuberl run`).
 
 Engine: attaches to $KUBERL_ENGINE_URL (the pod's engine container), or starts its own engine when it
-is unset. Bus: --bus-url, $KUBERL_BUS_URL or spec.bus.external.url. Exit codes: 0 stopped (SIGTERM),
-1 failed, 2 bad arguments.
+is unset. Bus: --bus-url, $KUBERL_BUS_URL or spec.bus.external.url. Exit codes (contracts.md):
+0 stopped (SIGTERM), 1 failed (retryable), 2 configuration error: bad arguments, or a model, data set
+or workflow setting the agent cannot set up from (the reason also goes to the termination message).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 from pydantic import ValidationError
 
 from kuberl.api import RLExperiment, load_experiment
+from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
 
 log = logging.getLogger("kuberl.rollout")
 
@@ -52,12 +54,14 @@ async def run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: s
     from transformers import AutoTokenizer
 
     spec = exp.spec
-    model_path = resolve_model(spec.model, workdir)
+    with spec_errors():  # what the spec names but cannot be had: ConfigError, exit 2
+        model_path = resolve_model(spec.model, workdir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    items = load_items(spec.dataset, seed=spec.seed)
-    max_total = BUILTIN_MAX_MODEL_LEN if spec.model.builtin is not None else None
-    workflow = make_workflow(spec, tokenizer, max_total_tokens=max_total)
-    engine = make_engine(exp, model_path, engine_url)
+    with spec_errors():
+        items = load_items(spec.dataset, seed=spec.seed)
+        max_total = BUILTIN_MAX_MODEL_LEN if spec.model.builtin is not None else None
+        workflow = make_workflow(spec, tokenizer, max_total_tokens=max_total)
+        engine = make_engine(exp, model_path, engine_url)
     log.info("experiment %s: %d items, engine %s at %s, bus %s", exp.name, len(items), spec.rollout.engine, engine.url, bus_url)
     bus = await Bus.connect(bus_url, exp.name, max_payload=spec.bus.max_payload, name=f"kuberl-rollout-{os.getpid()}")
     try:
@@ -80,8 +84,7 @@ def main(args: argparse.Namespace) -> int:
         exp = load_experiment(args.config)
         bus_url = resolve_bus_url(exp, getattr(args, "bus_url", None))
     except (ValueError, ValidationError, OSError) as exc:
-        print(f"kuberl rollout: {exc}", file=sys.stderr)
-        return 2
+        return config_error_exit("rollout", exc)
     workdir = getattr(args, "workdir", None) or os.environ.get("KUBERL_WORKDIR") or os.path.join(tempfile.gettempdir(), "kuberl")
     os.makedirs(workdir, exist_ok=True)
     engine_url = os.environ.get("KUBERL_ENGINE_URL") or None
@@ -100,6 +103,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(runner())
+    except ConfigError as exc:  # found while setting up: a restart cannot fix it
+        return config_error_exit("rollout", exc)
     except Exception:
         log.exception("rollout agent failed")
         return 1

@@ -1,8 +1,10 @@
 """`kuberl trainer --config FILE`: one trainer rank (torchrun starts one per process; without torchrun, one).
 
 Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR from torchrun's environment, the bus URL from --bus-url,
-$KUBERL_BUS_URL or spec.bus.external.url, the workdir from --workdir or $KUBERL_WORKDIR. Exit codes:
-0 done (or stopped by control.stop), 1 failed (progress.failed says why), 2 bad arguments, 143 SIGTERM.
+$KUBERL_BUS_URL or spec.bus.external.url, the workdir from --workdir or $KUBERL_WORKDIR. Exit codes
+(docs/design/contracts.md): 0 done (or stopped by control.stop), 1 failed, retryable (progress.failed
+says why), 2 configuration error: bad arguments, or a spec this trainer cannot run (the reason also
+goes to the termination message and progress.failed; kuberl.runtime.errors), 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pydantic import ValidationError
 
 from kuberl.api import RLExperiment, load_experiment
+from kuberl.runtime.errors import config_error_exit
 
 
 def _setup_logging() -> None:
@@ -49,8 +52,7 @@ def main(args: argparse.Namespace) -> int:
         bus_url = resolve_bus_url(exp, getattr(args, "bus_url", None))
         workdir = resolve_workdir(getattr(args, "workdir", None))
     except (ValueError, ValidationError, OSError) as exc:
-        print(f"kuberl trainer: {exc}", file=sys.stderr)
-        return 2
+        return config_error_exit("trainer", exc)
     os.makedirs(workdir, exist_ok=True)
     from kuberl.runtime.trainer.trainer import Trainer
 
@@ -58,6 +60,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(exp, bus_url=bus_url, workdir=workdir, bus_token=os.environ.get("KUBERL_BUS_TOKEN") or None)
     except ValueError as exc:  # a setting this trainer cannot run (e.g. an unsupported backend or algorithm)
-        print(f"kuberl trainer: {exc}", file=sys.stderr)
-        return 2
+        return config_error_exit("trainer", exc)
+    # run() returns 2 itself for a configuration error found while setting up (model, data set).
     return asyncio.run(trainer.run())

@@ -29,6 +29,7 @@ from kuberl.runtime.algorithms import (
     resolve_algorithm,
     shape_rewards,
 )
+from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, minibatch_rows, response_logprobs, shard_micro_batches
@@ -57,8 +58,9 @@ class Trainer:
         self.workdir = Path(workdir)
         if self.spec.trainer.backend != "fsdp":
             # Say so instead of silently training with FSDP: the manifest asked for something else.
-            raise ValueError(f"trainer.backend {self.spec.trainer.backend!r} is not implemented by this trainer yet; use trainer.backend fsdp")
-        self.cfg = resolve_algorithm(self.spec.algorithm)
+            raise ConfigError(f"trainer.backend {self.spec.trainer.backend!r} is not implemented by this trainer yet; use trainer.backend fsdp")
+        with spec_errors():
+            self.cfg = resolve_algorithm(self.spec.algorithm)
         self.B, self.n = self.spec.algorithm.batch_size, self.cfg.group_size
         self.eta = self.spec.staleness.max_head_offpolicyness
         self.max_steps = max_steps
@@ -87,7 +89,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Process group, model (FSDP2), optimizer, schedule, ticket book; then resume from `latest`."""
+        """Process group, model (FSDP2), optimizer, schedule, ticket book; then resume from `latest`.
+
+        A model or data set the spec names but that cannot be had raises ConfigError (exit code 2).
+        """
         from transformers import AutoModelForCausalLM
 
         from kuberl.runtime.data import load_items
@@ -97,7 +102,8 @@ class Trainer:
         if self.info.is_main:
             for note in self.cfg.notes:
                 log.info("algorithm: %s", note)
-        self.model_dir = resolve_model(self.spec.model, self.workdir)
+        with spec_errors():  # model.path not on the volume, no config.json, an unknown builtin...
+            self.model_dir = resolve_model(self.spec.model, self.workdir)
         on_gpu = self.info.device.type == "cuda"
         # Master weights in float32; on CPU everything stays float32 (bf16 matmuls are slow or unsupported here).
         param_dtype = getattr(torch, self.spec.model.dtype) if on_gpu else None
@@ -113,7 +119,9 @@ class Trainer:
         self.ref_model = None
         if self.cfg.kl_coef > 0:
             self.ref_model = load().eval().requires_grad_(False)
-        self.total_steps = self._total_steps(len(load_items(self.spec.dataset, self.spec.seed)))
+        with spec_errors():  # dataset.path missing, a row without promptField/answerField...
+            items = load_items(self.spec.dataset, self.spec.seed)
+        self.total_steps = self._total_steps(len(items))
         self.optimizer = build_optimizer(self.model, self.spec.algorithm)
         self.scheduler = build_scheduler(self.optimizer, self.spec.algorithm.optimizer, self.total_steps * self.spec.algorithm.ppo_minibatches)
         self.book = TicketBook(
@@ -160,7 +168,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Train until totalSteps; returns the process exit code (0 done or stopped, 1 failed, 143 SIGTERM)."""
+        """Train until totalSteps; returns the process exit code (0 done or stopped, 1 failed, 2 configuration
+        error found while setting up, 143 SIGTERM). Either failure is reported in progress.failed."""
         self.bus: TrainerBusIO | None = None
         try:
             self.info = D.init_distributed()
@@ -188,13 +197,17 @@ class Trainer:
                 log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
             return 143 if self.stop_reason == "SIGTERM" else 0
         except Exception as exc:
-            log.exception("trainer failed")
+            config = isinstance(exc, ConfigError)
+            if config:  # no traceback: the message names the field, and a restart cannot fix it
+                log.error("configuration error: %s", exc)
+            else:
+                log.exception("trainer failed")
             if self.bus is not None:
                 try:
                     await self.bus.put_progress({**self._progress_base(), "failed": f"{type(exc).__name__}: {exc}"})
                 except Exception:  # the bus may be what failed
                     log.warning("could not report the failure on the bus")
-            return 1
+            return config_error_exit("trainer", exc) if config else 1
         finally:
             if self.bus is not None:
                 await self.bus.close()

@@ -55,7 +55,44 @@ def test_the_plan_runs_an_engine_and_an_agent_per_replica_and_torchrun_for_sever
     assert [r.name for r in run.roles] == ["engine-0", "rollout-0", "engine-1", "rollout-1", "trainer"]
     engine_urls = {r.env["KUBERL_ENGINE_URL"] for r in run.roles if r.name.startswith("rollout")}
     assert len(engine_urls) == 2
-    assert "torch.distributed.run" in run.trainer.argv and "--nproc-per-node=2" in run.trainer.argv
+    # torchrun through the wrapper that passes a rank's exit code 2 on (plain torchrun exits 1).
+    assert "kuberl.runtime.trainer.torchrun" in run.trainer.argv and "--nproc-per-node=2" in run.trainer.argv
+    logs = {r.name: r.env["KUBERL_TERMINATION_LOG"] for r in run.roles}
+    assert logs["trainer"] == str(tmp_path / "logs" / "trainer.termination-log") and len(set(logs.values())) == len(logs)
+
+
+def _role_exiting(run: LocalRun, name: str, code: int, message: str) -> None:
+    """A role process that writes `message` to its termination log and exits with `code`."""
+    import sys
+
+    script = f"import os, sys; open(os.environ['KUBERL_TERMINATION_LOG'], 'w').write({message!r}); sys.exit({code})"
+    for role in run.roles:
+        if role.name == name:
+            role.argv = [sys.executable, "-c", script]
+            role.start()
+            role.proc.wait(timeout=30)
+
+
+def test_a_role_that_exits_2_stops_the_run_with_its_reason_and_is_not_restarted(tmp_path):
+    exp = make_experiment(rollout={"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
+                          trainer={"accelerator": {"type": "cpu", "count": 1}}, failurePolicy={"maxRestarts": 3})
+    run = LocalRun(exp, tmp_path / "e.yaml", tmp_path, "nats://127.0.0.1:1")
+    run.plan(gpus=0)
+    _role_exiting(run, "rollout-0", 2, "dataset.path: '/data/x.jsonl' does not exist\n")
+    failure = run.supervise()
+    assert failure is not None and run.config_error
+    assert "rollout-0 stopped on a configuration error (exit 2): dataset.path: '/data/x.jsonl' does not exist" in failure
+    assert next(r for r in run.roles if r.name == "rollout-0").restarts == 0
+
+
+def test_a_role_that_exits_1_is_restarted_under_the_failure_policy(tmp_path):
+    exp = make_experiment(rollout={"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
+                          trainer={"accelerator": {"type": "cpu", "count": 1}}, failurePolicy={"maxRestarts": 3})
+    run = LocalRun(exp, tmp_path / "e.yaml", tmp_path, "nats://127.0.0.1:1")
+    run.plan(gpus=0)
+    _role_exiting(run, "trainer", 1, "")
+    assert run.supervise() is None and not run.config_error
+    assert run.trainer.next_start > 0  # a restart is scheduled after the backoff
 
 
 def test_the_reward_plot_is_a_png_and_needs_metrics(tmp_path):

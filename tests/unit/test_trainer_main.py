@@ -69,3 +69,25 @@ def test_torchrun_environment_is_read_and_checked(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match=r"\$RANK: 'x' is not an integer"):
         dist.init_distributed()
+
+
+def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_termination_message(tmp_path):
+    """contracts.md: exit code 2 and a one-line reason in $KUBERL_TERMINATION_LOG; the pod's podFailurePolicy
+    and the operator read these, so neither the Job nor `kuberl run` retries it."""
+    import os
+    import subprocess
+    import sys
+
+    path = manifest(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["trainer"] = {"backend": "megatron"}
+    path.write_text(yaml.safe_dump(doc))
+    log = tmp_path / "termination-log"
+    env = {**os.environ, "KUBERL_TERMINATION_LOG": str(log)}
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "trainer", "--config", str(path), "--bus-url", "nats://127.0.0.1:1",
+                           "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = log.read_text()
+    assert message.strip() == "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
+    assert message.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "configuration error: trainer.backend 'megatron'" in proc.stderr
