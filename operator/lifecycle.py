@@ -32,11 +32,13 @@ from kuberl.operator.kube import KubeClient
 from kuberl.operator.labels import EventReason, Reason
 from kuberl.operator.progress import BusReader
 
-from kuberl.api.v1alpha1 import Phase, RLExperiment
+from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist).
 BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
+# Event reason when the operator stops the pods of an experiment that failed on a configuration error.
+STOPPED_EVENT = "Stopped"
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -112,6 +114,16 @@ def restart_due(restarts: int, backoff_seconds: float, failed_at: dt.datetime | 
     return (t - failed_at).total_seconds() >= backoff_seconds * (2 ** restarts)
 
 
+def restart_trainer(observed: st.ObservedChildren, policy: FailurePolicySpec, t: dt.datetime) -> bool:
+    """Whether to re-create the trainer Job now: it failed, restarts are left and their backoff has
+    passed; never after a configuration error (exit code 2: the same spec fails the same way)."""
+    failed = job_condition(dict(observed.trainer) if observed.trainer else None, "Failed")
+    if failed is None or observed.configuration_error is not None:
+        return False
+    restarts = observed.trainer_restarts or 0
+    return restarts < policy.max_restarts and restart_due(restarts, policy.backoff_seconds, parse_time(failed.get("lastTransitionTime")), t)
+
+
 def checkpoint_answered(progress: dict[str, Any] | None, requested_at: float) -> bool:
     """Did the trainer write a checkpoint after we asked (progress.checkpoint.time >= request time)?"""
     ckpt = (progress or {}).get("checkpoint") or {}
@@ -149,6 +161,27 @@ def decode_secret_value(secret: dict[str, Any] | None, key: str) -> str | None:
     if key in (secret.get("data") or {}):
         return base64.b64decode(secret["data"][key]).decode()
     return (secret.get("stringData") or {}).get(key)
+
+
+def configuration_error_event_due(status: dict[str, Any], message: str, memo: Any) -> bool:
+    """Whether the ConfigurationError event is still to be posted: once per message, also across
+    operator restarts (the status's Failed condition already carrying it means it was posted)."""
+    if memo.get("configuration_error_reported") == message:
+        return False
+    failed = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"), None)
+    return not (failed and failed.get("reason") == st.CONFIGURATION_ERROR and failed.get("message") == message)
+
+
+def trainer_running(job: dict[str, Any] | None) -> bool:
+    """A trainer Job that still has (or will get) pods: not finished, not suspended."""
+    if not job or ((job.get("spec") or {}).get("suspend")):
+        return False
+    return not any(job_condition(job, kind) for kind in ("Complete", "Failed", "FailureTarget"))
+
+
+def stopped_copy(exp: RLExperiment) -> RLExperiment:
+    """The experiment as if spec.suspend were true: its trainer Job built suspended (no pods)."""
+    return exp.model_copy(update={"spec": exp.spec.model_copy(update={"suspend": True})})
 
 
 def suspend_applied(exp: RLExperiment, job: dict[str, Any] | None, memo: Any) -> bool:
@@ -203,14 +236,17 @@ async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
     needs = [accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)]
     per_node = await accelerators_per_node() if any(needs) else None
     pods = await kube().list("Pod", ns, f"kuberl.io/experiment={name}")
+    trainer = await kube().get("Job", ns, naming.trainer_name(exp))
     return st.ObservedChildren(
         bus=None if exp.spec.bus.external is not None else await kube().get("StatefulSet", ns, naming.bus_name(exp)),
         rollout=await kube().get("StatefulSet", ns, naming.rollout_name(exp)),
-        trainer=await kube().get("Job", ns, naming.trainer_name(exp)),
+        trainer=trainer,
         missing_secrets=frozenset(missing_secrets), missing_secret_keys=frozenset(missing_keys),
         missing_claims=frozenset(missing_claims),
         pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
-        accelerators_per_node=per_node, trainer_restarts=restarts)
+        accelerators_per_node=per_node, trainer_restarts=restarts,
+        # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
+        configuration_error=st.configuration_error(trainer, pods))
 
 
 def blockers(exp: RLExperiment, observed: st.ObservedChildren) -> list[st.Problem]:
@@ -333,6 +369,8 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
         return {}, await suspend(body, exp, status, memo, job, progress, url, token)
     memo.pop("suspend_applied", None)
     memo.pop("ckpt_requested_at", None)
+    if observed.configuration_error is not None:  # before restarts: exit code 2 is never restarted
+        return await stop_on_configuration_error(body, exp, status, memo, observed)
     if job_condition(job, "Complete") or (progress or {}).get("done"):
         rollout = observed.rollout
         if rollout and (rollout.get("spec") or {}).get("replicas", 0) > 0:
@@ -342,14 +380,48 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
         return {}, False
     failed = job_condition(job, "Failed")
     if failed:
-        restarts, policy = observed.trainer_restarts, exp.spec.failure_policy
-        if restarts < policy.max_restarts and restart_due(restarts, policy.backoff_seconds, parse_time(failed.get("lastTransitionTime")), t):
+        restarts, policy = observed.trainer_restarts or 0, exp.spec.failure_policy
+        if restart_trainer(observed, policy, t):
             why = f"the trainer failed ({failed.get('reason')}); restart {restarts + 1}/{policy.max_restarts} from the last checkpoint"
             await recreate_job(body, build_trainer_job(exp), why)
             await event(body, "Warning", EventReason.TRAINER_RESTARTED.value, why)
             return {"restarts": restarts + 1}, True
         return {}, False
     return await autoscale(body, exp, status, progress, t)
+
+
+async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
+                                      observed: st.ObservedChildren) -> tuple[dict[str, Any], bool]:
+    """A role exited 2: the status goes Failed (compute_status); post the reason once as a Warning
+    event, restart nothing, and release the accelerators the experiment still holds.
+
+    Rollout goes to 0 rather than staying in CrashLoopBackOff: an engine or agent that exits 2 exits
+    2 on every restart, and each crash-looping pod keeps its GPUs (and a trainer Job that failed on its
+    configuration leaves the engines idle forever). The reason survives the pods: it is in the
+    condition and the event; the StatefulSet stays (at 0, as for any finished experiment, which
+    apply_children keeps at 0). A trainer that still runs (the error was the rollout's) would wait for
+    trajectories forever: its Job is suspended (the trainer checkpoints on SIGTERM), not deleted, so
+    the Job stays to be described. A trainer Job that failed by the podFailurePolicy has no pods left.
+    """
+    failure = observed.configuration_error
+    assert failure is not None
+    message = failure.describe()
+    if configuration_error_event_due(status, message, memo):
+        await event(body, "Warning", st.CONFIGURATION_ERROR, message)
+        memo["configuration_error_reported"] = message
+    changed = False
+    rollout = observed.rollout
+    if rollout and ((rollout.get("spec") or {}).get("replicas") or 0) > 0:
+        await apply_child(body, build_rollout_statefulset(exp, replicas=0))
+        changed = True
+    job = dict(observed.trainer) if observed.trainer else None
+    if failure.role != "trainer" and trainer_running(job):  # a failing trainer Job ends by itself (FailJob)
+        await apply_child(body, build_trainer_job(stopped_copy(exp)))
+        changed = True
+    if changed:
+        await event(body, "Normal", STOPPED_EVENT, "configuration error: rollout scaled to 0 and no trainer left running; "
+                    "fix the spec, then delete and re-apply the experiment")
+    return {}, changed
 
 
 async def suspend(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, job: dict[str, Any] | None,

@@ -4,6 +4,10 @@ Pure: the kopf handlers (O2) read the children, pods, Secrets, PVCs and node cap
 `ObservedChildren`, patch the dict `compute_status` returns (manifest camelCase) only when
 `status_changed` says so, and turn `explain_unrunnable` problems into events. Phases and condition
 types come from kuberl.api.v1alpha1; reasons from kuberl.operator.labels.
+
+Configuration errors (contracts.md: a role exits 2 and writes the reason to its termination message)
+are read from the trainer Job and the pods by `configuration_error`: the experiment fails at once with
+reason ConfigurationError and that message, and the handlers do not restart anything.
 """
 
 from __future__ import annotations
@@ -14,20 +18,25 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kuberl.operator.builders.common import accelerator_resource
-from kuberl.operator.builders.rollout import rollout_replicas
-from kuberl.operator.labels import EventReason, Reason, Role, selector_string
+from kuberl.operator.builders.rollout import AGENT_CONTAINER, ENGINE_CONTAINER, rollout_replicas
+from kuberl.operator.builders.trainer import CONFIG_ERROR_EXIT_CODE, TRAINER_CONTAINER
+from kuberl.operator.labels import ROLE_LABEL, EventReason, Reason, Role, selector_string
 
 from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 
 __all__ = [
+    "CONFIGURATION_ERROR",
+    "ConfigurationFailure",
     "EventReason",
     "ObservedChildren",
     "PodProblem",
     "Problem",
     "Reason",
     "compute_status",
+    "configuration_error",
     "explain_unrunnable",
     "invalid_status",
+    "job_pods",
     "pod_problems",
     "referenced_claims",
     "referenced_secrets",
@@ -37,6 +46,15 @@ __all__ = [
 # kubelet "waiting" reasons that mean the image cannot be had (never fixes itself without a change).
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+# Reason of the Ready/Failed conditions and of the Warning event when a role exited with
+# CONFIG_ERROR_EXIT_CODE: the spec cannot run, and no restart can change that.
+CONFIGURATION_ERROR = "ConfigurationError"
+# The Job controller's reason on the Failed condition of a Job that a podFailurePolicy FailJob rule
+# ended (the trainer's only such rule is its exit code 2).
+POD_FAILURE_POLICY = "PodFailurePolicy"
+# Labels the Job controller puts on its pods (current names first, then the legacy ones).
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+JOB_UID_LABELS = ("batch.kubernetes.io/controller-uid", "controller-uid")
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,21 @@ class PodProblem:
     message: str = ""
     container: str | None = None
     image: str | None = None
+
+
+@dataclass(frozen=True)
+class ConfigurationFailure:
+    """A role stopped on a configuration error (exit code 2): what the container said, and where."""
+
+    role: str  # "trainer" or "rollout"
+    message: str  # the container's termination message (the runtime's one-line reason), or the Job's
+    pod: str | None = None
+    container: str | None = None
+
+    def describe(self) -> str:
+        """The condition and event message: where it happened, then the reason as the role gave it."""
+        where = f"the {self.role}" + (f" (pod {self.pod}, container {self.container})" if self.pod else "")
+        return f"{where} stopped on a configuration error (exit code {CONFIG_ERROR_EXIT_CODE}): {self.message or 'no reason given'}"
 
 
 @dataclass(frozen=True)
@@ -70,6 +103,8 @@ class ObservedChildren:
     blockers: tuple[tuple[str, str], ...] = ()
     # How many times the handlers re-created the trainer Job; None = take status.restarts.
     trainer_restarts: int | None = None
+    # A role that exited 2 (configuration_error() over the trainer Job and the pods): fail, do not restart.
+    configuration_error: ConfigurationFailure | None = None
 
     @classmethod
     def from_objects(
@@ -143,6 +178,74 @@ def pod_problems(pod: Mapping[str, Any]) -> list[PodProblem]:
         if reason in IMAGE_PULL_REASONS or reason in ("CreateContainerConfigError", "CrashLoopBackOff"):
             out.append(PodProblem(name, reason, waiting.get("message", ""), cs.get("name"), cs.get("image") or images.get(cs.get("name"))))
     return out
+
+
+# --- configuration errors (exit code 2) ---------------------------------------------------------
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def job_pods(job: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods of this Job (not of an earlier Job of the same name), found by the Job's labels: its
+    selector's matchLabels (the API server sets the controller uid there), else the job-name label,
+    and a pod that carries a controller-uid label must carry this Job's uid."""
+    if not job:
+        return []
+    meta = job.get("metadata") or {}
+    uid = meta.get("uid")
+    match = dict((((job.get("spec") or {}).get("selector") or {}).get("matchLabels")) or {})
+    out = []
+    for pod in pods:
+        labels = _labels(pod)
+        if match:
+            mine = all(labels.get(k) == v for k, v in match.items())
+        else:
+            mine = any(labels.get(k) == meta.get("name") for k in JOB_NAME_LABELS)
+        pod_uid = next((labels[k] for k in JOB_UID_LABELS if k in labels), None)
+        if mine and (pod_uid is None or uid is None or pod_uid == uid):
+            out.append(pod)
+    return out
+
+
+def _terminated_with_config_error(pod: Mapping[str, Any], containers: Iterable[str]) -> tuple[str, str] | None:
+    """(container, termination message) of the first of `containers` whose current or last
+    termination had exit code 2."""
+    wanted = set(containers)
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") not in wanted:
+            continue
+        for key in ("state", "lastState"):
+            terminated = (cs.get(key) or {}).get("terminated") or {}
+            if terminated.get("exitCode") == CONFIG_ERROR_EXIT_CODE:
+                return cs["name"], str(terminated.get("message") or "").strip()
+    return None
+
+
+def configuration_error(trainer: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> ConfigurationFailure | None:
+    """The configuration error a role stopped on, from the objects as read; None when there is none.
+
+    Trainer: a pod of the current Job whose trainer container terminated with exit code 2 (message:
+    its termination message), or, the pod being gone, the Job's Failed (or FailureTarget) condition
+    with reason PodFailurePolicy (message: the Job controller's). Rollout: an engine or agent
+    container whose current or last termination had exit code 2 (a StatefulSet has no
+    podFailurePolicy: the kubelet would restart it in CrashLoopBackOff forever).
+    """
+    pods = list(pods)
+    for pod in job_pods(trainer, pods):
+        found = _terminated_with_config_error(pod, [TRAINER_CONTAINER])
+        if found:
+            return ConfigurationFailure("trainer", found[1], (pod.get("metadata") or {}).get("name"), found[0])
+    for kind in ("Failed", "FailureTarget"):
+        cond = _job_condition(trainer, kind)
+        if cond and cond.get("reason") == POD_FAILURE_POLICY:
+            return ConfigurationFailure("trainer", str(cond.get("message") or ""))
+    for pod in pods:
+        if _labels(pod).get(ROLE_LABEL) != Role.ROLLOUT.value:
+            continue
+        found = _terminated_with_config_error(pod, [ENGINE_CONTAINER, AGENT_CONTAINER])
+        if found:
+            return ConfigurationFailure("rollout", found[1], (pod.get("metadata") or {}).get("name"), found[0])
+    return None
 
 
 # --- unrunnable ---------------------------------------------------------------------------------
@@ -350,7 +453,12 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     if invalid:
         msg = "; ".join(p.message for p in invalid)
         return _Verdict(Phase.FAILED, Reason.VALIDATION_FAILED, msg, False, failed=(Reason.VALIDATION_FAILED, msg))
-    # 2. The trainer failed for good: it said so, or its Job failed with every restart used.
+    # 2. A role stopped on a configuration error (exit code 2): failed now, no restart can help.
+    #    Before the trainer's own progress.failed, which says the same less precisely.
+    if observed.configuration_error is not None:
+        msg = observed.configuration_error.describe()
+        return _Verdict(Phase.FAILED, CONFIGURATION_ERROR, msg, False, failed=(CONFIGURATION_ERROR, msg))
+    #    The trainer failed for good: it said so, or its Job failed with every restart used.
     if progress and progress.get("failed"):
         msg = f"the trainer reported: {progress['failed']}"
         return _Verdict(Phase.FAILED, Reason.TRAINER_FAILED, msg, False, failed=(Reason.TRAINER_FAILED, msg))
@@ -367,7 +475,8 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
         failed_cond = next((c for c in old.get("conditions", []) if c.get("type") == ConditionType.FAILED and c.get("status") == "True"), None)
         if old_phase == Phase.SUCCEEDED:
             return _Verdict(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, "training finished", False, complete=True)
-        reason = Reason(failed_cond["reason"]) if failed_cond and failed_cond.get("reason") in Reason._value2member_map_ else Reason.TRAINER_FAILED
+        kept = failed_cond.get("reason") if failed_cond else None
+        reason = CONFIGURATION_ERROR if kept == CONFIGURATION_ERROR else Reason(kept) if kept in Reason._value2member_map_ else Reason.TRAINER_FAILED
         msg = failed_cond.get("message", "") if failed_cond else "the experiment failed"
         return _Verdict(Phase.FAILED, reason, msg, False, failed=(reason, msg))
     # 5. Suspended: Suspending while pods still stop.

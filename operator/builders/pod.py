@@ -77,7 +77,10 @@ def runtime_container(
 ) -> Obj:
     """A runtime container: the role's image, the config (and shm, unless shm=False) and cache mounts before `mounts`.
 
-    `resources` is left out when empty; `fields` (ports, probes) are set as given.
+    `resources` is left out when empty; `fields` (ports, probes) are set as given. The roles write the
+    reason of a configuration error to /dev/termination-log (contracts.md); a container that dies
+    without writing one gets the tail of its log as termination message (FallbackToLogsOnError), so
+    the operator's condition and `kubectl describe pod` show why without `kubectl logs`.
     """
     container: Obj = {
         "name": name,
@@ -88,6 +91,7 @@ def runtime_container(
         **fields,
         "volumeMounts": [config_mount(), *([shm_mount()] if shm else []), cache_mount(), *mounts],
         "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if resources:
         container["resources"] = resources

@@ -6,6 +6,9 @@ Restarts: the Job has backoffLimit 0 and restartPolicy Never. With static rendez
 leaves the others hanging, so retrying one pod (what the Job controller would do) cannot recover;
 instead the operator re-creates the whole Job after failurePolicy.backoffSeconds (doubling), up to
 failurePolicy.maxRestarts times, and the trainer resumes from the last checkpoint.
+Configuration errors: a trainer that exits 2 (contracts.md) cannot succeed on a retry; the Job's
+podFailurePolicy fails it at once with reason PodFailurePolicy, and the operator does not restart it
+but fails the experiment with the container's termination message.
 Suspension: spec.suspend sets the Job's own `spec.suspend`, which stops its pods and keeps the Job.
 """
 
@@ -30,13 +33,19 @@ from kuberl.api.v1alpha1 import RLExperiment
 
 TRAINER_CONTAINER = "trainer"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# The runtime's exit code for a configuration error (contracts.md; kuberl.runtime.errors, which the
+# operator does not import).
+CONFIG_ERROR_EXIT_CODE = 2
+# torchrun itself exits 1 whatever its ranks exit with; this module runs torchrun and passes a rank's
+# exit code 2 on, so that the podFailurePolicy below can see it.
+TORCHRUN = ["python", "-m", "kuberl.runtime.trainer.torchrun"]
 
 
 def trainer_command(exp: RLExperiment) -> list[str]:
     """The torchrun command of contracts.md; the node rank comes from the Job completion index."""
     t = exp.spec.trainer
     return [
-        "torchrun",
+        *TORCHRUN,
         "--nnodes", str(t.nodes),
         "--nproc-per-node", str(max(t.accelerator.count, 1)),
         "--node-rank", "$(JOB_COMPLETION_INDEX)",
@@ -46,6 +55,21 @@ def trainer_command(exp: RLExperiment) -> list[str]:
         "--no-python",
         "kuberl", "trainer", "--config", CONFIG_PATH,
     ]  # fmt: skip
+
+
+def pod_failure_policy() -> Obj:
+    """Fail the Job at once (no replacement pod, reason PodFailurePolicy) when the trainer exits 2.
+
+    Every other failure counts against backoffLimit 0, which fails the Job too, and the operator then
+    re-creates the whole Job under spec.failurePolicy: that is what the Job needs, so there is no
+    `Ignore` rule for the DisruptionTarget condition (preemption, eviction, node drain). `Ignore`
+    would make the Job controller replace just the disrupted pod; with torchrun's static rendezvous
+    a lone new rank cannot join the ranks still running (they fail or hang in a collective), so the
+    restart of the whole Job from the last checkpoint is the recovery that works, for one node or many.
+    """
+    return {"rules": [
+        {"action": "FailJob", "onExitCodes": {"containerName": TRAINER_CONTAINER, "operator": "In", "values": [CONFIG_ERROR_EXIT_CODE]}},
+    ]}
 
 
 def build_trainer_job(exp: RLExperiment) -> Obj:
@@ -76,6 +100,7 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             "completions": t.nodes,
             "parallelism": t.nodes,
             "backoffLimit": 0,  # the operator restarts the whole Job (module docstring)
+            "podFailurePolicy": pod_failure_policy(),  # needs restartPolicy Never (below)
             "suspend": exp.spec.suspend,
             # Job pods get their own label selector from the Job controller.
             "template": runtime_pod_template(

@@ -278,6 +278,70 @@ def test_a_failed_trainer_is_restarted_with_backoff_and_then_the_experiment_fail
     assert api.job(f"{e}-trainer")["metadata"]["uid"] == second["metadata"]["uid"], "no restart beyond maxRestarts"
 
 
+MEGATRON = "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
+
+
+def terminated_pod(api: Api, name: str, labels: dict[str, str], container: str, message: str, *, crash_loop: bool = False) -> None:
+    """Play the kubelet: a pod whose container exited 2 with `message` as its termination message
+    (`crash_loop`: restarted since, now waiting in CrashLoopBackOff, as a StatefulSet's pod would)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+           "spec": {"restartPolicy": "Always" if crash_loop else "Never", "containers": [{"name": container, "image": "ghcr.io/kuberl/runtime-cpu:1"}]}}
+    api.call("POST", "/api/v1/namespaces/default/pods", pod)
+    terminated = {"exitCode": 2, "reason": "Error", "message": message, "startedAt": now(), "finishedAt": now()}
+    cs = {"name": container, "image": "ghcr.io/kuberl/runtime-cpu:1", "imageID": "", "ready": False, "restartCount": 4 if crash_loop else 0}
+    if crash_loop:
+        cs |= {"state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}, "lastState": {"terminated": terminated}}
+    else:
+        cs |= {"state": {"terminated": terminated}}
+    api.merge(f"/api/v1/namespaces/default/pods/{name}/status",
+              {"status": {"phase": "Running" if crash_loop else "Failed", "containerStatuses": [cs]}})
+
+
+def test_a_trainer_configuration_error_fails_the_experiment_at_once_with_its_message_and_no_restart(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, failurePolicy={"maxRestarts": 3, "backoffSeconds": 1}))
+    job = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
+    assert job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2], "the policy reaches the API server"
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+    # Play the kubelet and the Job controller: the trainer exits 2 and the pod failure policy fails the Job.
+    uid = job["metadata"]["uid"]
+    terminated_pod(api, f"{e}-trainer-0-abcde", {"kuberl.io/experiment": e, "kuberl.io/role": "trainer", "batch.kubernetes.io/job-name": f"{e}-trainer",
+                                                 "batch.kubernetes.io/controller-uid": uid, "batch.kubernetes.io/job-completion-index": "0"},
+                   "trainer", MEGATRON)
+    cond = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "lastTransitionTime": now(), "lastProbeTime": now(),
+            "message": f"Container trainer for pod default/{e}-trainer-0-abcde failed with exit code 2 matching FailJob rule at index 0"}
+    api.merge(f"/apis/batch/v1/namespaces/default/jobs/{e}-trainer/status", {"status": {"active": 0, "ready": 0, "failed": 1, "conditions": [cond]}})
+    api.wait("phase Failed", lambda: api.phase(e) == "Failed")
+    status = api.experiment(e)["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "ConfigurationError" and MEGATRON in failed["message"], failed
+    ev = api.wait("a ConfigurationError event", lambda: [x for x in api.events(e) if x["reason"] == "ConfigurationError"])
+    assert ev[0]["type"] == "Warning" and ev[0]["message"] == failed["message"]
+    api.wait("rollout scaled to 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
+    time.sleep(4)  # several monitor ticks, well past backoffSeconds: a restart would have happened by now
+    assert api.job(f"{e}-trainer")["metadata"]["uid"] == uid, "a configuration error must not re-create the trainer Job"
+    assert (api.experiment(e)["status"].get("restarts") or 0) == 0 and "TrainerRestarted" not in api.event_reasons(e)
+    assert len([x for x in api.events(e) if x["reason"] == "ConfigurationError"]) == 1
+    assert api.phase(e) == "Failed"
+
+
+def test_a_rollout_configuration_error_fails_the_experiment_instead_of_crash_looping(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+    reason = "model.path: '/models/models/qwen' is not a folder"
+    terminated_pod(api, f"{e}-rollout-0", {"kuberl.io/experiment": e, "kuberl.io/role": "rollout"}, "engine", reason, crash_loop=True)
+    api.wait("phase Failed", lambda: api.phase(e) == "Failed")
+    failed = next(c for c in api.experiment(e)["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "ConfigurationError" and reason in failed["message"] and f"{e}-rollout-0" in failed["message"]
+    assert [x["message"] for x in api.events(e) if x["reason"] == "ConfigurationError"] == [failed["message"]]
+    api.wait("rollout scaled to 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
+    api.wait("the waiting trainer stopped (Job suspended)", lambda: api.job(f"{e}-trainer")["spec"].get("suspend") is True)
+
+
 def test_deleting_the_experiment_garbage_collects_its_children(api: Api, experiment_name: str) -> None:
     e = experiment_name
     api.call("POST", RLX, manifest(e))

@@ -395,9 +395,34 @@ class TestTrainer:
         exp = make_experiment(trainer={"nodes": 2, "accelerator": {"type": "nvidia", "count": 8}})
         cmd = " ".join(containers(build_trainer_job(exp))["trainer"]["command"])
         assert cmd == (
-            "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $(JOB_COMPLETION_INDEX) --rdzv-backend static "
+            "python -m kuberl.runtime.trainer.torchrun --nnodes 2 --nproc-per-node 8 --node-rank $(JOB_COMPLETION_INDEX) --rdzv-backend static "
             "--master-addr exp-trainer-0.exp-trainer --master-port 29500 --no-python kuberl trainer --config /etc/kuberl/experiment.yaml"
         )
+
+    def test_the_torchrun_module_of_the_command_exists_in_the_runtime(self) -> None:
+        """Plain torchrun exits 1 whatever its ranks exit with; the runtime's wrapper passes exit 2 on."""
+        import importlib.util
+
+        command = containers(build_trainer_job(make_experiment()))["trainer"]["command"]
+        assert command[:2] == ["python", "-m"] and importlib.util.find_spec(command[2]) is not None
+
+    def test_a_configuration_error_fails_the_job_at_once_by_its_pod_failure_policy(self) -> None:
+        job = build_trainer_job(make_experiment(trainer={"nodes": 2, "accelerator": {"type": "nvidia", "count": 8}}))
+        rules = job["spec"]["podFailurePolicy"]["rules"]
+        assert rules == [{"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}}]
+        assert rules[0]["onExitCodes"]["containerName"] in containers(job)
+        # podFailurePolicy requires restartPolicy Never; other failures still count against backoffLimit 0
+        # (the operator restarts the whole Job): no Ignore rule for disruptions.
+        assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
+        assert not any(r["action"] == "Ignore" or "onPodConditions" in r for r in rules)
+
+    @pytest.mark.parametrize("case,load", ALL_CASES, ids=CASE_IDS)
+    def test_every_runtime_container_falls_back_to_its_log_for_a_termination_message(self, case: str, load: Any) -> None:
+        for exp in load():
+            for workload in (build_trainer_job(exp), build_rollout_statefulset(exp)):
+                for name, container in containers(workload).items():
+                    assert container.get("terminationMessagePolicy") == "FallbackToLogsOnError", f"{case}: {name}"
+                    assert "terminationMessagePath" not in container  # the default, /dev/termination-log (contracts.md)
 
     def test_the_job_is_indexed_with_one_pod_per_node_and_no_retries_of_its_own(self) -> None:
         job = build_trainer_job(make_experiment(trainer={"nodes": 3, "accelerator": {"type": "nvidia", "count": 1}}))

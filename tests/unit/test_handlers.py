@@ -9,6 +9,7 @@ import kopf
 import pytest
 from kuberl.operator import handlers
 from kuberl.operator import lifecycle as h
+from kuberl.operator import status as st
 from kuberl.operator.kube import path_for
 from kuberl.operator.main import configure_settings
 from kuberl.operator.progress import kv_bucket
@@ -93,6 +94,56 @@ class TestLifecycleRules:
         assert h.job_condition(job, "Complete")["type"] == "Complete"
         assert h.job_condition(job, "Failed") is None
         assert h.job_condition(None, "Complete") is None
+
+
+def failed_job(reason: str, at: dt.datetime = T0 - dt.timedelta(seconds=31)) -> dict:
+    return {"metadata": {"name": "demo-trainer", "uid": "j1"}, "spec": {},
+            "status": {"conditions": [{"type": "Failed", "status": "True", "reason": reason, "lastTransitionTime": h.rfc3339(at)}]}}
+
+
+def trainer_pod(exit_code: int, message: str) -> dict:
+    return {"metadata": {"name": "demo-trainer-0-abcde", "labels": {"batch.kubernetes.io/job-name": "demo-trainer", "batch.kubernetes.io/controller-uid": "j1"}},
+            "status": {"containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code, "message": message}}}]}}
+
+
+class TestFailurePolicyDecisions:
+    """restart_trainer: the failure policy re-creates a failed trainer Job, except after exit code 2."""
+
+    POLICY = handlers.parse_experiment(body(failurePolicy={"maxRestarts": 3, "backoffSeconds": 30})).spec.failure_policy
+
+    def observed(self, reason: str, exit_code: int, restarts: int = 0) -> st.ObservedChildren:
+        job = failed_job(reason)
+        return st.ObservedChildren(trainer=job, trainer_restarts=restarts,
+                                   configuration_error=st.configuration_error(job, [trainer_pod(exit_code, "trainer.backend 'megatron' ...")]))
+
+    def test_a_trainer_that_exited_1_is_restarted_once_its_backoff_passed(self) -> None:
+        assert h.restart_trainer(self.observed("BackoffLimitExceeded", 1), self.POLICY, T0)
+        assert not h.restart_trainer(self.observed("BackoffLimitExceeded", 1), self.POLICY, T0 - dt.timedelta(seconds=2))
+        assert not h.restart_trainer(self.observed("BackoffLimitExceeded", 1, restarts=3), self.POLICY, T0)
+
+    def test_a_job_failed_by_the_pod_failure_policy_on_exit_code_2_is_never_restarted(self) -> None:
+        observed = self.observed("PodFailurePolicy", 2)
+        assert observed.configuration_error is not None and observed.configuration_error.message.startswith("trainer.backend")
+        assert not h.restart_trainer(observed, self.POLICY, T0 + dt.timedelta(days=1))
+        # Exit code 2 is enough (a Job rendered before the policy existed fails with BackoffLimitExceeded).
+        assert not h.restart_trainer(self.observed("BackoffLimitExceeded", 2), self.POLICY, T0)
+
+    def test_the_configuration_error_event_is_posted_once_also_across_operator_restarts(self) -> None:
+        memo: dict = {}
+        assert h.configuration_error_event_due({"phase": "Running"}, "the trainer stopped: x", memo)
+        memo["configuration_error_reported"] = "the trainer stopped: x"
+        assert not h.configuration_error_event_due({"phase": "Running"}, "the trainer stopped: x", memo)
+        posted = {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True", "reason": "ConfigurationError", "message": "the trainer stopped: x"}]}
+        assert not h.configuration_error_event_due(posted, "the trainer stopped: x", {})
+        assert h.configuration_error_event_due(posted, "the rollout stopped: y", {})
+
+    def test_only_a_trainer_job_that_still_runs_is_stopped(self) -> None:
+        assert h.trainer_running({"spec": {}, "status": {"active": 1}})
+        assert not h.trainer_running({"spec": {"suspend": True}})
+        assert not h.trainer_running(failed_job("PodFailurePolicy"))
+        assert not h.trainer_running(None)
+        exp = handlers.parse_experiment(body())
+        assert h.stopped_copy(exp).spec.suspend is True and exp.spec.suspend is False
 
 
 class TestStatusPatchesAndSecrets:

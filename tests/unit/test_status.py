@@ -17,11 +17,14 @@ from kuberl.operator.builders import (
 )
 from kuberl.operator.labels import Reason
 from kuberl.operator.status import (
+    ConfigurationFailure,
     ObservedChildren,
     PodProblem,
     compute_status,
+    configuration_error,
     explain_unrunnable,
     invalid_status,
+    job_pods,
     pod_problems,
     status_changed,
 )
@@ -304,6 +307,115 @@ class TestUnrunnable:
         obs = ObservedChildren.from_objects(pod_problems=[("p", "ErrImagePull", "not found")], blockers=[("SecretNotFound", "spec.model.hubTokenSecret: gone")])
         reasons = [p.reason for p in explain_unrunnable(make_experiment(), obs)]
         assert reasons == [Reason.SECRET_NOT_FOUND, Reason.IMAGE_PULL_FAILED]
+
+
+MEGATRON = "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
+POLICY_FAILED = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+                 "message": "Container trainer for pod team-a/exp-trainer-0-x7k2p failed with exit code 2 matching FailJob rule at index 0"}
+
+
+def trainer_job(exp: RLExperiment, conditions: list[dict], uid: str = "job-uid-1") -> dict:
+    """The trainer Job as read: the API server's uid and controller-uid selector, and a status."""
+    job = build_trainer_job(exp)
+    job["metadata"]["uid"] = uid
+    job["spec"]["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
+    job["status"] = {"active": 0, "failed": 1, "conditions": conditions}
+    return job
+
+
+def terminated_pod(name: str, labels: dict, container: str, exit_code: int, message: str = "", *, last: bool = False) -> dict:
+    """A pod whose container terminated (`last`: and was restarted, now waiting in CrashLoopBackOff)."""
+    terminated = {"exitCode": exit_code, "reason": "Error", "message": message}
+    cs = {"name": container, "ready": False, "restartCount": 3 if last else 0}
+    if last:
+        cs |= {"state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}, "lastState": {"terminated": terminated}}
+    else:
+        cs |= {"state": {"terminated": terminated}}
+    return {"metadata": {"name": name, "labels": {"kuberl.io/experiment": "exp", **labels}}, "status": {"containerStatuses": [cs]}}
+
+
+def trainer_pod(exit_code: int, message: str = "", uid: str = "job-uid-1") -> dict:
+    labels = {"kuberl.io/role": "trainer", "batch.kubernetes.io/job-name": "exp-trainer", "batch.kubernetes.io/controller-uid": uid}
+    return terminated_pod("exp-trainer-0-x7k2p", labels, "trainer", exit_code, message)
+
+
+class TestConfigurationErrors:
+    """A role that exits 2 (contracts.md) fails the experiment at once, with its termination message."""
+
+    def observed(self, exp: RLExperiment, job: dict, pods: list[dict], restarts: int = 0) -> ObservedChildren:
+        obs = children(exp, trainer_ready=0)
+        return ObservedChildren(bus=obs.bus, rollout=obs.rollout, trainer=job, trainer_restarts=restarts,
+                                configuration_error=configuration_error(job, pods))
+
+    def test_a_job_failed_by_its_pod_failure_policy_fails_the_experiment_with_the_pods_message(self) -> None:
+        exp = make_experiment()  # failurePolicy.maxRestarts 2: restarts are left, and none is wanted
+        job = trainer_job(exp, [POLICY_FAILED])
+        obs = self.observed(exp, job, [trainer_pod(2, MEGATRON)])
+        assert obs.configuration_error == ConfigurationFailure("trainer", MEGATRON, "exp-trainer-0-x7k2p", "trainer")
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        s = compute_status(running, obs, PROGRESS, LATER)
+        assert s["phase"] == "Failed" and s["restarts"] == 0
+        assert cond(s, "Failed") == ("True", "ConfigurationError") and cond(s, "Ready") == ("False", "ConfigurationError")
+        message = conditions(s)["Failed"]["message"]
+        assert MEGATRON in message and "exp-trainer-0-x7k2p" in message and "exit code 2" in message
+        assert conditions(s)["Ready"]["message"] == message
+
+    def test_a_failed_trainer_that_exited_1_is_restarted_as_before(self) -> None:
+        exp = make_experiment()
+        job = trainer_job(exp, [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])
+        obs = self.observed(exp, job, [trainer_pod(1, "Traceback (most recent call last): ... CUDA out of memory")])
+        assert obs.configuration_error is None
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        s = compute_status(running, obs, PROGRESS, LATER)
+        assert s["phase"] == "Running" and cond(s, "Degraded") == ("True", "TrainerRestarting") and cond(s, "Failed")[0] == "False"
+
+    def test_exit_code_2_counts_even_without_the_policy_and_the_job_message_serves_when_the_pod_is_gone(self) -> None:
+        exp = make_experiment()
+        backoff = trainer_job(exp, [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])
+        assert configuration_error(backoff, [trainer_pod(2, MEGATRON)]).message == MEGATRON
+        gone = configuration_error(trainer_job(exp, [POLICY_FAILED]), [])
+        assert gone == ConfigurationFailure("trainer", POLICY_FAILED["message"])
+        assert "exit code 2" in gone.describe()
+
+    def test_pods_of_an_earlier_trainer_job_do_not_count(self) -> None:
+        exp = make_experiment()
+        job = trainer_job(exp, [], uid="job-uid-2")
+        old = trainer_pod(2, MEGATRON, uid="job-uid-1")
+        assert job_pods(job, [old]) == [] and configuration_error(job, [old]) is None
+        # Without a selector (as some API fakes return Jobs) the job-name label and the uid decide.
+        del job["spec"]["selector"]
+        assert job_pods(job, [old]) == [] and job_pods(job, [trainer_pod(2, uid="job-uid-2")]) != []
+
+    def test_a_rollout_container_whose_last_run_exited_2_fails_the_experiment_instead_of_crash_looping(self) -> None:
+        exp = make_experiment()
+        reason = "model.path: '/models/models/qwen' is not a folder"
+        pod = terminated_pod("exp-rollout-1", {"kuberl.io/role": "rollout"}, "engine", 2, reason, last=True)
+        obs = children(exp)
+        failure = configuration_error(obs.trainer, [pod])
+        assert failure == ConfigurationFailure("rollout", reason, "exp-rollout-1", "engine")
+        crash = PodProblem("exp-rollout-1", "CrashLoopBackOff", "back-off 5m0s", "engine")
+        s = compute_status(exp, ObservedChildren(bus=obs.bus, rollout=obs.rollout, trainer=obs.trainer, pod_problems=(crash,),
+                                                 configuration_error=failure), PROGRESS, NOW)
+        assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "ConfigurationError") and reason in conditions(s)["Failed"]["message"]
+        # Exit 1 in a crash loop stays a Degraded crash loop (the kubelet keeps retrying).
+        assert configuration_error(obs.trainer, [terminated_pod("exp-rollout-1", {"kuberl.io/role": "rollout"}, "engine", 1, last=True)]) is None
+
+    def test_the_failure_and_its_reason_stay_once_the_pods_are_gone(self) -> None:
+        exp = make_experiment()
+        pod = terminated_pod("exp-rollout-0", {"kuberl.io/role": "rollout"}, "rollout-agent", 2, "dataset.path: '/data/x.jsonl' does not exist")
+        obs = children(exp)
+        failed = compute_status(exp, ObservedChildren(bus=obs.bus, rollout=obs.rollout, trainer=obs.trainer,
+                                                      configuration_error=configuration_error(obs.trainer, [pod])), PROGRESS, NOW)
+        later = compute_status(with_status(exp, failed), children(exp, rollout_ready=0), None, LATER)
+        assert later["phase"] == "Failed" and cond(later, "Failed") == ("True", "ConfigurationError")
+        assert conditions(later)["Failed"]["message"] == conditions(failed)["Failed"]["message"]
+
+    def test_the_status_of_a_configuration_error_fits_the_crd_status_schema(self) -> None:
+        crd = yaml.safe_load(CRD.read_text())
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+        exp = make_experiment()
+        s = compute_status(exp, self.observed(exp, trainer_job(exp, [POLICY_FAILED]), [trainer_pod(2, MEGATRON)]), PROGRESS, NOW)
+        jsonschema.validate(s, schema)
 
 
 class TestStatusChanged:
