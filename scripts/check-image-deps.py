@@ -458,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown image(s) {unknown}; known: {sorted(by_name)}")
         paths = [by_name[n] for n in ns.images]
+    try:
+        from importlib.metadata import version
+
+        if int(version("pip").split(".")[0]) < 25:
+            print(f"(pip {version('pip')} here: a current pip resolves these about three times faster)")
+    except Exception:
+        pass
     project = pyproject()
     results: list[Result] = []
     total = time.monotonic()
