@@ -119,11 +119,13 @@ class FakeAgent:
             self.published.append(group.group_id)
 
 
-def start_trainer(manifest: Path, bus_url: str, workdir: Path, log: Path, world: int = 1) -> subprocess.Popen:
+def start_trainer(manifest: Path, bus_url: str, workdir: Path, log: Path, world: int = 1, termination_log: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "KUBERL_BUS_URL": bus_url, "KUBERL_WORKDIR": str(workdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if termination_log is not None:
+        env["KUBERL_TERMINATION_LOG"] = str(termination_log)
     cmd = [sys.executable, "-m", "kuberl.cli", "trainer", "--config", str(manifest)]
-    if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m", "kuberl.cli",
+    if world > 1:  # torchrun as the trainer pod runs it: through the wrapper that passes exit code 2 on
+        cmd = [sys.executable, "-m", "kuberl.runtime.trainer.torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "kuberl.cli",
                "trainer", "--config", str(manifest)]
     return subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -310,20 +312,25 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         await bus.close()
 
 
-async def test_a_trainer_that_cannot_start_reports_why_in_progress_failed_and_exits_non_zero(tmp_path, bus_url):
-    name = "tr-fails"
+@pytest.mark.parametrize("world", [1, 2])
+async def test_a_model_path_that_is_no_model_is_a_configuration_error_reported_in_progress_and_the_termination_message(tmp_path, bus_url, world):
+    """Exit code 2 (not retried), the reason in progress.failed and in the termination message; with two
+    ranks through the torchrun wrapper too (plain torchrun would exit 1)."""
+    name = f"tr-fails-{world}"
     empty = tmp_path / "no-model"
     empty.mkdir()
-    manifest = write_manifest(tmp_path / "exp.yaml", name, empty, steps=1)
-    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, empty, steps=1, world=world)
+    workdir, log, termination = tmp_path / "work", tmp_path / "trainer.log", tmp_path / "termination-log"
     bus = await Bus.connect(bus_url, name)
     try:
-        proc = start_trainer(manifest, bus_url, workdir, log)
+        proc = start_trainer(manifest, bus_url, workdir, log, world=world, termination_log=termination)
         code = await asyncio.to_thread(finish, proc, log, 120)
-        assert code == 1
+        assert code == 2, log.read_text()[-3000:]
         progress = await bus.get_state("progress")
         assert progress["done"] is False
         assert "model.path" in progress["failed"] and "has no config.json" in progress["failed"], progress["failed"]
+        assert termination.read_text() == f"model.path: {str(empty)!r} has no config.json (expected a Hugging Face model folder)\n"
+        assert "Traceback" not in log.read_text()  # a configuration error is a message, not a crash
     finally:
         await bus.close()
 
