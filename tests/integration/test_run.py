@@ -103,3 +103,16 @@ def test_the_run_leaves_a_reward_plot_and_checkpoints(short_run):
 def test_no_process_of_the_run_survives_it(short_run):
     _, workdir = short_run
     assert processes_mentioning(str(workdir)) == []
+
+
+def test_a_configuration_error_stops_the_run_at_once_with_the_reason_and_exit_code_2(tmp_path):
+    """The trainer exits 2 (trainer.backend megatron): no restart under the failure policy, the reason
+    from its termination message on stderr, every role stopped."""
+    manifest = quickstart_manifest(tmp_path, "bad-backend", **{"trainer.backend": "megatron", "failurePolicy.maxRestarts": 5})
+    workdir = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trainer stopped on a configuration error (exit 2): trainer.backend 'megatron' is not implemented" in proc.stderr
+    assert (workdir / "logs" / "trainer.log").read_text().count("==> ") == 1, "the trainer must not be restarted"
+    assert processes_mentioning(str(workdir)) == []

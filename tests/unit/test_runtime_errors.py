@@ -75,3 +75,26 @@ def test_the_torchrun_wrapper_passes_the_first_failed_ranks_exit_code_2_on():
     assert exit_code(failures, first_rank=0) == 2
     assert exit_code(failures, first_rank=1) == 1
     assert exit_code({0: SimpleNamespace(exitcode=1)}, first_rank=0) == 1
+
+
+@pytest.mark.parametrize("role", ["rollout", "engine"])
+def test_the_rollout_pods_roles_exit_2_with_the_reason_when_the_model_is_not_on_the_volume(tmp_path, role):
+    """What the operator reads from lastState.terminated of the engine and rollout-agent containers."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    missing = tmp_path / "models" / "qwen"
+    doc = {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "m"},
+           "spec": {"model": {"path": str(missing)}, "dataset": {"builtin": "repeat-digit"},
+                    "rollout": {"engine": "vllm", "accelerator": {"type": "cpu", "count": 0}}}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    log = tmp_path / "termination-log"
+    env = {**os.environ, E.TERMINATION_LOG_ENV: str(log)}
+    env.pop("KUBERL_ENGINE_URL", None)
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", role, "--config", str(tmp_path / "m.yaml"), "--bus-url", "nats://127.0.0.1:1",
+                           "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert log.read_text() == f"model.path: {str(missing)!r} is not a folder\n"
