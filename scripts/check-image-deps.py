@@ -120,7 +120,7 @@ def build_stage(text: str) -> list[tuple[str, str]]:
 
 
 def base_image(text: str, args: dict[str, str]) -> str:
-    word, rest = build_stage(text)[0]
+    _, rest = build_stage(text)[0]
     return substitute(rest.split()[0], args)
 
 
@@ -280,7 +280,7 @@ def reachable(url: str, timeout: float = 10) -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/pip/", timeout=timeout):
             return True
-    except Exception:
+    except (OSError, ValueError):  # URLError, timeouts, refused connections are OSErrors
         return False
 
 
@@ -458,13 +458,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown image(s) {unknown}; known: {sorted(by_name)}")
         paths = [by_name[n] for n in ns.images]
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         if int(version("pip").split(".")[0]) < 25:
             print(f"(pip {version('pip')} here: a current pip resolves these about three times faster)")
-    except Exception:
-        pass
+    except (PackageNotFoundError, ValueError):
+        print("(cannot tell pip's version)")
     project = pyproject()
     results: list[Result] = []
     total = time.monotonic()

@@ -703,7 +703,10 @@ class TestRuntimeImageRepository:
     @pytest.mark.parametrize("bad", ["ghcr.io/kuberl:0.1.0", "ghcr.io/kuberl@sha256:0123", "Registry.example.com/KubeRL", "https://ghcr.io/kuberl"])
     def test_a_repository_with_a_tag_or_bad_characters_is_refused_and_changes_nothing(self, bad) -> None:
         from kuberl.operator.builders import common
-        from kuberl.operator.main import RUNTIME_IMAGE_REPOSITORY_ENV, configure_runtime_images
+        from kuberl.operator.main import (
+            RUNTIME_IMAGE_REPOSITORY_ENV,
+            configure_runtime_images,
+        )
 
         with pytest.raises(ValueError, match=RUNTIME_IMAGE_REPOSITORY_ENV):
             configure_runtime_images({RUNTIME_IMAGE_REPOSITORY_ENV: bad})
