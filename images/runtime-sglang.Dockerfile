@@ -4,22 +4,21 @@
 # Build from the repository root:  docker build -f images/runtime-sglang.Dockerfile -t ghcr.io/kuberl/runtime-sglang:0.1.0 .
 # The operator picks it for spec.rollout.engine=sglang with accelerator nvidia.
 
-# The CUDA major of the build stage must match the CUDA that the torch wheel was built with: PyPI's
-# torch 2.13.0 for Linux x86_64 depends on cuda-toolkit 13.0 (python -c "import torch;
-# print(torch.version.cuda)"), and flash-attn compiles against both. Nodes need a driver for CUDA 13.
+# The CUDA major of the build stage must match the CUDA that the torch wheel was built with (PyPI's
+# torch 2.14.1 for Linux x86_64 depends on CUDA 13: python -c "import torch; print(torch.version.cuda)"),
+# and flash-attn compiles against both. Nodes need a driver for CUDA 13.
 ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.0-cudnn-devel-ubuntu24.04
 ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04
 
 # ---- build: torch, SGLang, flash-attn and kuberl in one virtual environment -------------------
 FROM ${CUDA_DEVEL_IMAGE} AS build
 # Versions agree with pyproject.toml (tests/unit/test_images.py checks them).
-ARG TORCH_VERSION=2.13.0
-# 0.5.21 is the newest SGLang that pins torch==2.13.0 (0.5.22 and later pin torch 2.14.1).
-# KNOWN BROKEN: it does not install from PyPI. SGLang 0.5.18-0.5.22 pin cuda-tile==1.6.0rc5, which PyPI
-# does not have, and 0.5.18-0.5.21 pin transformers==5.12.1, below kuberl[runtime]'s >=5.16.1. The
-# first installable release, 0.5.23, pins torch==2.14.1 and transformers==5.19.0: moving to it needs
-# kuberl[runtime] to accept that torch. `python scripts/check-image-deps.py runtime-sglang` shows it.
-ARG SGLANG_VERSION=0.5.21
+# SGLang 0.5.23 is the first release that installs from PyPI (0.5.18-0.5.22 pin cuda-tile==1.6.0rc5,
+# which PyPI lacks); it pins torch==2.14.1, so this image runs torch 2.14.1 while the other images
+# and the test suite run 2.13.0 (kuberl[runtime] accepts both). `python scripts/check-image-deps.py
+# runtime-sglang` resolves the set.
+ARG TORCH_VERSION=2.14.1
+ARG SGLANG_VERSION=0.5.23
 ARG FLASH_ATTN_VERSION=2.8.3.post2
 ARG KUBERL_EXTRAS=runtime,sglang,gpu
 # flash-attn's CUDA build is memory hungry: each job takes several GB.

@@ -371,7 +371,10 @@ class RolloutSpec(SchedulingSpec):
         ("!self.autoscaling.enabled || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
          "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas", ".replicas"),
     )
-    engine: EngineName = Field(EngineName.SGLANG, description="Inference engine: sglang or vllm. Default: from `allocation` when set, else sglang.")
+    engine: EngineName = Field(
+        EngineName.VLLM,
+        description="Inference engine: vllm or sglang. Default: from `allocation` when set, else vllm (the engine KubeRL tests run for real).",
+    )
     replicas: int = Field(
         1, ge=0, le=1024,
         description="Engine replicas (pods); the /scale subresource sets this. Default: from `allocation` when set, else autoscaling.minReplicas when autoscaling is on, else 1.",
