@@ -453,3 +453,179 @@ class TestImageDepsExtraction:
         assert {"manylinux_2_39_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"} <= set(platforms)
         assert "manylinux_2_40_x86_64" not in platforms
         assert script.platform_tags("aarch64", (2, 35))[0] == "manylinux_2_35_aarch64"
+
+
+# --- .github/workflows/e2e-kind.yml + scripts/e2e-kind.sh: the real-cluster path, without Docker --
+E2E_SCRIPT = ROOT / "scripts" / "e2e-kind.sh"
+# Fake docker, kind, helm, kubectl and python for running scripts/e2e-kind.sh here: each records its
+# arguments (and the bake variables) as a JSON line; python runs for real except `-m pip|pytest`.
+_STUB = '''#!{python}
+import json, os, sys
+from pathlib import Path
+tool, args = Path(sys.argv[0]).name, sys.argv[1:]
+log = Path(os.environ["STUB_LOG"])
+if tool == "python" and not (args[:1] == ["-m"] and args[1:2] in (["pip"], ["pytest"])):
+    os.execv({python!r}, [{python!r}, *args])
+with log.open("a") as fh:
+    fh.write(json.dumps({{"tool": tool, "args": args, "env": {{k: os.environ.get(k) for k in ("REGISTRY", "VERSION", "KUBECONFIG")}}}}) + "\\n")
+cluster = log.with_suffix(".cluster")
+if tool == "docker" and args[:1] == ["version"]:
+    print("amd64")
+elif tool == "kind" and args[:2] == ["get", "clusters"] and cluster.exists():
+    print(cluster.read_text())
+elif tool == "kind" and args[:2] == ["create", "cluster"]:
+    cluster.write_text(args[args.index("--name") + 1])
+elif tool == "kubectl" and "jsonpath={{.status.progress.step}}" in args:
+    print("3", end="")
+elif tool == "kubectl" and "jsonpath={{.status.phase}}" in args:
+    print("Running", end="")
+elif tool == "kubectl" and "nodes,pods" in args:
+    print(json.dumps({{"items": [{{"kind": "Node", "status": {{"allocatable": {{"cpu": "4", "memory": "16Gi"}}}}}}]}}))
+'''
+
+
+def _get_path(tree: dict, dotted: str):
+    node = tree
+    for key in dotted.split("."):
+        assert isinstance(node, dict) and key in node, f"{dotted}: no such key"
+        node = node[key]
+    return node
+
+
+class TestE2EKindWorkflow:
+    """The workflow runs scripts/e2e-kind.sh step by step; the script, run here with fake tools,
+    builds bake targets, loads into kind exactly the images the chart and the operator will ask for,
+    and applies a quickstart that validates. (actionlint: TestWorkflows.test_actionlint_finds_nothing
+    lints every file under .github/workflows, this one included.)"""
+
+    STEPS = ("tools", "deps", "build", "cluster", "load", "install", "test", "quickstart")
+
+    @pytest.fixture(scope="class")
+    def wf(self) -> dict:
+        return workflow("e2e-kind.yml")
+
+    @pytest.fixture(scope="class")
+    def calls(self, wf, tmp_path_factory) -> list[dict]:
+        """scripts/e2e-kind.sh STEPS (the workflow's order) with the workflow's env and fake tools."""
+        import os
+        import sys
+
+        tmp = tmp_path_factory.mktemp("e2e-kind")
+        stubs = tmp / "bin"
+        stubs.mkdir()
+        for tool in ("docker", "kind", "helm", "kubectl", "python"):
+            (stubs / tool).write_text(_STUB.format(python=sys.executable))
+            (stubs / tool).chmod(0o755)
+        log = tmp / "calls.jsonl"
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("KUBERL_", "QUICKSTART_", "GITHUB_"))},
+               **{k: str(v) for k, v in wf["jobs"]["kind"]["env"].items()},
+               "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": str(stubs / "python"), "STUB_LOG": str(log),
+               "KUBERL_E2E_DIR": str(tmp / "work")}
+        steps = [s for s in self.STEPS if s != "tools"]  # tools downloads; the rest runs offline
+        result = subprocess.run(["bash", str(E2E_SCRIPT), *steps], env=env, cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    @staticmethod
+    def find(calls: list[dict], tool: str, *prefix: str) -> dict:
+        found = [c for c in calls if c["tool"] == tool and c["args"][: len(prefix)] == list(prefix)]
+        assert len(found) == 1, f"{tool} {' '.join(prefix)}: {len(found)} calls"
+        return found[0]
+
+    @staticmethod
+    def loaded(calls: list[dict]) -> tuple[str, set[str]]:
+        """(cluster, images) of `kind load docker-image --name CLUSTER IMAGE...`."""
+        args = TestE2EKindWorkflow.find(calls, "kind", "load", "docker-image")["args"][2:]
+        assert args[0] == "--name", args
+        return args[1], set(args[2:])
+
+    @staticmethod
+    def helm_sets(calls: list[dict]) -> dict[str, str]:
+        args = TestE2EKindWorkflow.find(calls, "helm", "upgrade", "--install")["args"]
+        return dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--set")
+
+    def test_triggers_permissions_and_timeout(self, wf):
+        assert wf["on"]["push"] == {"branches": ["main"]}
+        assert "pull_request" in wf["on"] and "workflow_dispatch" in wf["on"]
+        assert wf["permissions"] == {"contents": "read"}
+        job = wf["jobs"]["kind"]
+        assert job["runs-on"] == "ubuntu-latest" and 0 < job["timeout-minutes"] <= 180
+
+    def test_steps_are_the_script_in_the_documented_order_and_a_dump_on_failure(self, wf):
+        steps = wf["jobs"]["kind"]["steps"]
+        uses = [s["uses"] for s in steps if "uses" in s]
+        assert uses[:2] == ["actions/checkout@v5", "actions/setup-python@v6"]
+        python = next(s for s in steps if s.get("uses", "").startswith("actions/setup-python@"))
+        assert str(python["with"]["python-version"]) == "3.11"
+        runs = [re.fullmatch(r"bash scripts/e2e-kind\.sh (\w+)", s.get("run", "").strip()) for s in steps]
+        script_steps = [(m.group(1), s.get("if")) for m, s in zip(runs, steps, strict=True) if m]
+        assert [name for name, cond in script_steps if cond is None] == list(self.STEPS)
+        assert ("dump", "failure()") in script_steps
+        # The docs give the newcomer the same commands.
+        section = (ROOT / "docs" / "operations.md").read_text().split("## Running the end-to-end tests against a cluster", 1)[1]
+        for name in ["tools", "deps", "build", "cluster", "load", "install", "test", "quickstart", "dump", "down"]:
+            assert f"bash scripts/e2e-kind.sh {name}" in section or re.search(rf"scripts/e2e-kind\.sh [a-z ]*\b{name}\b", section), name
+
+    def test_builds_bake_targets_for_linux_amd64_only_and_loads_exactly_those_images(self, wf, calls):
+        bake_call = self.find(calls, "docker", "buildx", "bake")
+        args = bake_call["args"]
+        assert "--load" in args and "*.platform=linux/amd64" in args
+        targets = [a for i, a in enumerate(args) if i > 2 and not a.startswith("-") and args[i - 1] != "--set"]
+        assert targets == ["operator", "runtime-cpu"] and set(targets) <= set(image_targets())
+        version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+        registry = wf["jobs"]["kind"]["env"]["KUBERL_E2E_REGISTRY"]
+        assert (bake_call["env"]["REGISTRY"], bake_call["env"]["VERSION"]) == (registry, version)
+        built = {interpolate(t, {"REGISTRY": registry, "VERSION": version}) for name in targets
+                 for t in resolved(image_targets()[name], "tags")}
+        cluster, loaded = self.loaded(calls)
+        assert cluster == wf["jobs"]["kind"]["env"]["KUBERL_KIND_CLUSTER"]
+        assert loaded == built
+
+    def test_helm_values_exist_and_name_the_loaded_images(self, calls):
+        values = yaml.safe_load((ROOT / "charts" / "kuberl" / "values.yaml").read_text())
+        schema = json.loads((ROOT / "charts" / "kuberl" / "values.schema.json").read_text())
+        sets = self.helm_sets(calls)
+        assert set(sets) == {"image.repository", "image.tag", "image.pullPolicy", "runtimeImages.repository"}
+        for key in sets:
+            _get_path(values, key)
+            _get_path(schema, "properties." + ".properties.".join(key.split(".")))  # values.schema.json knows it too
+        assert sets["image.pullPolicy"] == "IfNotPresent", "kind-loaded images must not be pulled"
+        _, loaded = self.loaded(calls)
+        # charts/kuberl/templates/_helpers.tpl kuberl.image: repository:tag
+        assert f"{sets['image.repository']}:{sets['image.tag']}" in loaded
+
+    def test_the_operator_renders_the_loaded_runtime_image_for_the_quickstart(self, calls):
+        common = pytest.importorskip("kuberl.operator.builders.common", reason="needs kuberl[operator]")
+        repository = self.helm_sets(calls)["runtimeImages.repository"]
+        assert common.image_repository(repository) == repository, "the operator would refuse it at start-up"
+        spec = yaml.safe_load((ROOT / "examples" / "quickstart-cpu.yaml").read_text())["spec"]
+        _, loaded = self.loaded(calls)
+        for role in ("rollout", "trainer"):
+            assert "image" not in spec[role], f"the quickstart's {role} names its own image"
+            image = common.default_image(spec["rollout"]["engine"], spec[role]["accelerator"]["type"], repository)
+            assert image in loaded, f"the operator renders {image} for the {role}; kind has {sorted(loaded)}"
+
+    def test_runs_the_e2e_tests_with_kubeconfig_the_training_test_included(self, calls):
+        pytest_call = self.find(calls, "python", "-m", "pytest")
+        assert pytest_call["args"][2] == "e2e_tests" and pytest_call["env"]["KUBECONFIG"]
+        assert "def test_quickstart_cpu_trains_on_a_real_cluster(" in (ROOT / "e2e_tests" / "test_training_on_a_real_cluster.py").read_text()
+        for call in (c for c in calls if c["tool"] in ("kubectl", "helm")):
+            assert call["env"]["KUBECONFIG"] == pytest_call["env"]["KUBECONFIG"], "every step talks to the kind cluster only"
+
+    def test_the_applied_quickstart_exists_and_passes_kuberl_validate(self, calls):
+        from kuberl.api.validation import validate_manifest
+
+        apply = self.find(calls, "kubectl", "-n", "default", "apply", "-f")
+        applied = Path(apply["args"][-1])
+        source = ROOT / "examples" / "quickstart-cpu.yaml"
+        assert yaml.safe_load(applied.read_text()) == yaml.safe_load(source.read_text()), "a 4-CPU node holds it unpatched"
+        for path in (source, applied):
+            assert validate_manifest(yaml.safe_load(path.read_text())) == [], path
+
+    def test_shellcheck_finds_nothing_in_the_script(self):
+        exe = shutil.which("shellcheck")
+        if exe is None:
+            pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+        result = subprocess.run([exe, str(E2E_SCRIPT)], check=False, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
