@@ -127,6 +127,7 @@ class Reason(StrEnum):
     NOT_COMPLETE = "NotComplete"
     TRAINER_FAILED = "TrainerFailed"  # the trainer reported a failure or its Job failed for good
     MAX_RESTARTS_EXCEEDED = "MaxRestartsExceeded"  # failurePolicy.maxRestarts trainer restarts used up
+    CONFIGURATION_ERROR = "ConfigurationError"  # a role exited 2: the spec cannot run (message: its termination message)
     NO_FAILURE = "NoFailure"
     AS_EXPECTED = "AsExpected"  # Degraded=False: nothing wrong
 
@@ -147,8 +148,10 @@ class EventReason(StrEnum):
     TRAINER_RESTARTED = "TrainerRestarted"  # the trainer Job was re-created after a failure
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    STOPPED = "Stopped"  # after a configuration error: rollout scaled to 0, no trainer left running
     # Unrunnable specs: the same words as the condition reasons, so events and conditions match.
     VALIDATION_FAILED = Reason.VALIDATION_FAILED.value
+    CONFIGURATION_ERROR = Reason.CONFIGURATION_ERROR.value
     SECRET_NOT_FOUND = Reason.SECRET_NOT_FOUND.value
     CLAIM_NOT_FOUND = Reason.CLAIM_NOT_FOUND.value
     IMAGE_PULL_FAILED = Reason.IMAGE_PULL_FAILED.value

@@ -37,8 +37,6 @@ from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist).
 BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
-# Event reason when the operator stops the pods of an experiment that failed on a configuration error.
-STOPPED_EVENT = "Stopped"
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -407,7 +405,7 @@ async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict
     assert failure is not None
     message = failure.describe()
     if configuration_error_event_due(status, message, memo):
-        await event(body, "Warning", st.CONFIGURATION_ERROR, message)
+        await event(body, "Warning", EventReason.CONFIGURATION_ERROR.value, message)
         memo["configuration_error_reported"] = message
     changed = False
     rollout = observed.rollout
@@ -419,7 +417,7 @@ async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict
         await apply_child(body, build_trainer_job(stopped_copy(exp)))
         changed = True
     if changed:
-        await event(body, "Normal", STOPPED_EVENT, "configuration error: rollout scaled to 0 and no trainer left running; "
+        await event(body, "Normal", EventReason.STOPPED.value, "configuration error: rollout scaled to 0 and no trainer left running; "
                     "fix the spec, then delete and re-apply the experiment")
     return {}, changed
 

@@ -48,7 +48,7 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImag
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 # Reason of the Ready/Failed conditions and of the Warning event when a role exited with
 # CONFIG_ERROR_EXIT_CODE: the spec cannot run, and no restart can change that.
-CONFIGURATION_ERROR = "ConfigurationError"
+CONFIGURATION_ERROR = Reason.CONFIGURATION_ERROR.value
 # The Job controller's reason on the Failed condition of a Job that a podFailurePolicy FailJob rule
 # ended (the trainer's only such rule is its exit code 2).
 POD_FAILURE_POLICY = "PodFailurePolicy"
