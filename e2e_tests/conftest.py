@@ -121,7 +121,14 @@ class Cluster:
         for pod in pods:
             name = pod["metadata"]["name"]
             add(f"logs of pod {name}", "logs", name, "--all-containers", "--prefix", f"--tail={tail}")
-        add("operator log", "logs", "--all-namespaces", "-l", OPERATOR_SELECTOR, "--tail=60", "--prefix", namespaced=False)
+        try:  # the operator's pods, wherever the chart put them (kubectl logs has no --all-namespaces)
+            operators = self.json("get", "pods", "--all-namespaces", "-l", OPERATOR_SELECTOR)["items"]
+        except Exception:  # noqa: BLE001
+            operators = []
+        for pod in operators:
+            meta = pod["metadata"]
+            add(f"operator log ({meta['namespace']}/{meta['name']})", "logs", "--namespace", meta["namespace"], meta["name"],
+                "--tail=60", namespaced=False)
         return "\n".join(parts)
 
     def play_controllers(self, experiment: str) -> None:

@@ -55,8 +55,15 @@ def pods_gone(cluster: Cluster, selector: str) -> bool:
 @pytest.mark.real_pods
 @pytest.mark.timeout(TRAIN_TIMEOUT + 900)
 def test_quickstart_cpu_trains_on_a_real_cluster(cluster: Cluster) -> None:
-    # Experiments left in the namespace (a failed lifecycle test) would hold the node's CPUs.
-    cluster.kubectl("delete", "rlexperiments", "--all", "--wait=true", "--timeout=300s", timeout=330)
+    # A run of this test kept from an earlier session (KUBERL_E2E_KEEP_ON_FAILURE) goes: this one starts afresh.
+    cluster.kubectl("delete", "rlexperiment", NAME, "--ignore-not-found", "--wait=true", "--timeout=300s", timeout=330)
+    # Other experiments left in the namespace (a failed lifecycle test) would hold the node's CPUs:
+    # deleted, or with KUBERL_E2E_KEEP_ON_FAILURE suspended (kept, with their status and events).
+    if cluster.keep_on_failure:
+        for name in cluster.kubectl("get", "rlexperiments", "-o", "name").stdout.split():
+            cluster.kubectl("patch", name, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
+    else:
+        cluster.kubectl("delete", "rlexperiments", "--all", "--wait=true", "--timeout=300s", timeout=330)
     cluster.wait("pods of earlier experiments to stop", lambda: pods_gone(cluster, "kuberl.io/experiment"), timeout=600)
 
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(experiment()))
