@@ -134,7 +134,22 @@ step_cluster() {
 
 step_load() {
   log "load: $OPERATOR_IMAGE $RUNTIME_IMAGE -> kind $CLUSTER"
-  kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE" "$RUNTIME_IMAGE"
+  local image
+  for image in "$OPERATOR_IMAGE" "$RUNTIME_IMAGE"; do
+    if ! kind load docker-image --name "$CLUSTER" "$image"; then
+      # Docker's containerd image store (the default from Docker 29) can make this fail with
+      # "content digest ... not found" (kind issue 3795); kind's documented way round: a
+      # single-platform archive.
+      echo "kind load docker-image $image failed: loading it as a $(platform) archive instead"
+      docker image save --platform "$(platform)" -o "$WORK/image.tar" "$image"
+      kind load image-archive --name "$CLUSTER" "$WORK/image.tar"
+      rm -f "$WORK/image.tar"
+    fi
+  done
+  for image in "$OPERATOR_IMAGE" "$RUNTIME_IMAGE"; do
+    docker exec "${CLUSTER}-control-plane" crictl inspecti "$image" >/dev/null || die "$image is not on the kind node"
+  done
+  echo "on the node: $OPERATOR_IMAGE $RUNTIME_IMAGE"
   # The NATS image is pulled by the node from its registry: say now, not after a timeout, if it is not there.
   local nats
   nats="$(sed -n 's/^NATS_IMAGE = "\(.*\)".*/\1/p' operator/builders/bus.py)"

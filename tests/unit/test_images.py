@@ -471,6 +471,9 @@ with log.open("a") as fh:
 cluster = log.with_suffix(".cluster")
 if tool == "docker" and args[:1] == ["version"]:
     print("amd64")
+elif tool == "docker" and args[:1] == ["exec"] and "inspecti" in args:  # crictl on the node: was it loaded?
+    loads = [json.loads(line)["args"] for line in log.read_text().splitlines()]
+    sys.exit(0 if any(a[:2] == ["load", "docker-image"] and args[-1] in a for a in loads) else 1)
 elif tool == "kind" and args[:2] == ["get", "clusters"] and cluster.exists():
     print(cluster.read_text())
 elif tool == "kind" and args[:2] == ["create", "cluster"]:
@@ -535,10 +538,12 @@ class TestE2EKindWorkflow:
 
     @staticmethod
     def loaded(calls: list[dict]) -> tuple[str, set[str]]:
-        """(cluster, images) of `kind load docker-image --name CLUSTER IMAGE...`."""
-        args = TestE2EKindWorkflow.find(calls, "kind", "load", "docker-image")["args"][2:]
-        assert args[0] == "--name", args
-        return args[1], set(args[2:])
+        """(cluster, images) of the `kind load docker-image --name CLUSTER IMAGE...` calls."""
+        loads = [c["args"][2:] for c in calls if c["tool"] == "kind" and c["args"][:2] == ["load", "docker-image"]]
+        assert loads and all(args[0] == "--name" for args in loads), loads
+        clusters = {args[1] for args in loads}
+        assert len(clusters) == 1, clusters
+        return clusters.pop(), {image for args in loads for image in args[2:]}
 
     @staticmethod
     def helm_sets(calls: list[dict]) -> dict[str, str]:
@@ -562,6 +567,12 @@ class TestE2EKindWorkflow:
         script_steps = [(m.group(1), s.get("if")) for m, s in zip(runs, steps, strict=True) if m]
         assert [name for name, cond in script_steps if cond is None] == list(self.STEPS)
         assert ("dump", "failure()") in script_steps
+        # The kind logs the dump exports ($KUBERL_E2E_DIR/logs, $RUNNER_TEMP/kuberl-e2e-kind by default) are uploaded.
+        upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@"))
+        assert upload["if"] == "failure()" and upload["with"]["path"] == "${{ runner.temp }}/kuberl-e2e-kind/logs"
+        script = E2E_SCRIPT.read_text()
+        assert 'WORK="${KUBERL_E2E_DIR:-${RUNNER_TEMP:-${TMPDIR:-/tmp}}/kuberl-e2e-kind}"' in script
+        assert 'kind export logs "$WORK/logs"' in script and "KUBERL_E2E_DIR" not in str(wf)
         # The docs give the newcomer the same commands.
         section = (ROOT / "docs" / "operations.md").read_text().split("## Running the end-to-end tests against a cluster", 1)[1]
         for name in ["tools", "deps", "build", "cluster", "load", "install", "test", "quickstart", "dump", "down"]:
