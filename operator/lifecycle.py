@@ -384,8 +384,21 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
             await recreate_job(body, build_trainer_job(exp), why)
             await event(body, "Warning", EventReason.TRAINER_RESTARTED.value, why)
             return {"restarts": restarts + 1}, True
+        if restarts >= policy.max_restarts:  # failed for good: free the engines' accelerators
+            return {}, await scale_rollout_to_zero(body, exp, observed, f"the trainer failed and failurePolicy.maxRestarts "
+                                                   f"({policy.max_restarts}) is used up: rollout scaled to 0")
         return {}, False
     return await autoscale(body, exp, status, progress, t)
+
+
+async def scale_rollout_to_zero(body: Any, exp: RLExperiment, observed: st.ObservedChildren, why: str) -> bool:
+    """Rollout to 0 replicas (the StatefulSet stays, as for any finished experiment); True if it changed."""
+    rollout = observed.rollout
+    if not rollout or not ((rollout.get("spec") or {}).get("replicas") or 0):
+        return False
+    await apply_child(body, build_rollout_statefulset(exp, replicas=0))
+    await event(body, "Normal", EventReason.STOPPED.value, why)
+    return True
 
 
 async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,

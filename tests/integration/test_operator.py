@@ -276,6 +276,9 @@ def test_a_failed_trainer_is_restarted_with_backoff_and_then_the_experiment_fail
     api.finish_job(e, "Failed")
     api.wait("phase Failed after maxRestarts", lambda: api.phase(e) == "Failed")
     assert api.job(f"{e}-trainer")["metadata"]["uid"] == second["metadata"]["uid"], "no restart beyond maxRestarts"
+    # The engines would otherwise hold their accelerators for an experiment that cannot go on.
+    api.wait("rollout scaled to 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
+    assert "Stopped" in api.event_reasons(e)
 
 
 MEGATRON = "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
