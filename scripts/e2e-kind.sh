@@ -276,7 +276,8 @@ step_dump() {
   kubectl describe nodes | sed -n '/^Allocated resources:/,/^Events:/p'
   kubectl get rlexperiments --all-namespaces -o wide
   local ns pod
-  for ns in "$OPERATOR_NAMESPACE" "$E2E_NAMESPACE" "$QUICKSTART_NAMESPACE"; do
+  # local-path-storage: kind's volume provisioner (a Pending PVC shows why there).
+  for ns in "$OPERATOR_NAMESPACE" "$E2E_NAMESPACE" "$QUICKSTART_NAMESPACE" local-path-storage; do
     kubectl get namespace "$ns" >/dev/null 2>&1 || continue
     [ -z "${GITHUB_ACTIONS:-}" ] || echo "::group::namespace $ns"
     echo "--- namespace $ns: objects"
