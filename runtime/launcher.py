@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ from pathlib import Path
 import yaml
 
 from kuberl.api import RLExperiment, load_experiment
+from kuberl.net import free_port
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
 
 log = logging.getLogger("kuberl.run")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

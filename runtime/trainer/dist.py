@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from kuberl.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -65,7 +60,7 @@ def init_distributed(device: str | None = None) -> DistInfo:
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             # One process without torchrun: a private single-member group, so the same code paths run.
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=1)
         else:
             dist.init_process_group("nccl" if use_cuda else "gloo")
