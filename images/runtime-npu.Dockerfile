@@ -27,10 +27,8 @@ ENV PATH=/opt/kuberl/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" \
  && pip install "torch-npu==${TORCH_NPU_VERSION}" "torch==${TORCH_VERSION}" "pyyaml>=6" "decorator>=5" "attrs>=23" "psutil>=5.9" "numpy>=1.26"
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-COPY operator/ operator/
-COPY runtime/ runtime/
 RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}"
 
 # ---- final: CANN toolkit + the venv, numeric non-root user ----------------------------------

@@ -36,10 +36,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
  && pip install "packaging>=24" "wheel>=0.45" "setuptools>=75" "ninja>=1.11" "psutil>=5.9" \
  && pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-COPY operator/ operator/
-COPY runtime/ runtime/
 RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" \
  && python -c "import torch, sglang, flash_attn, kuberl.cli; print('torch', torch.__version__, 'sglang', sglang.__version__)"
 

@@ -33,10 +33,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
  && pip install "packaging>=24" "wheel>=0.45" "setuptools>=75" "ninja>=1.11" "psutil>=5.9" \
  && pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-COPY operator/ operator/
-COPY runtime/ runtime/
 RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" \
  && python -c "import torch, vllm, flash_attn, kuberl.cli; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 

@@ -309,7 +309,7 @@ def run_pip(image: Image, arch: str, requirements: list[str], index_urls: list[s
         for fast_deps in (True, False):
             cmd = pip_command(image, arch, requirements, report, target, index_urls, no_deps=no_deps, fast_deps=fast_deps)
             try:
-                # cwd: not the repository, whose operator/ folder would shadow the standard library's.
+                # cwd: not the repository root (no package folder there may shadow the standard library).
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd=tmp)
             except subprocess.TimeoutExpired:
                 return None, f"pip did not finish within {timeout:.0f} s"

@@ -97,8 +97,7 @@ def ensure_venv(config: pytest.Config) -> tuple[Path, float, bool]:
         if root.exists():
             log.warning("rebuilding %s: no .complete stamp, or skypilot %s is not installed there", root, SKYPILOT_VERSION)
             shutil.rmtree(root)
-        # -I and a neutral cwd: run from the repository root, `python -m` would import its operator/
-        # package in place of the standard library's operator module.
+        # -I and a neutral cwd: SkyPilot's venv must not see the repository or the user's site-packages.
         _run_shown([sys.executable, "-I", "-m", "venv", str(root)], config, cwd=root.parent)
         _run_shown([str(python), "-I", "-m", "pip", "install", "--progress-bar", "on", "--disable-pip-version-check",
                     f"skypilot=={SKYPILOT_VERSION}"], config, cwd=root.parent)
