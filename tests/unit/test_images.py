@@ -509,11 +509,13 @@ class TestE2EKindWorkflow:
     STEPS = ("tools", "deps", "build", "cluster", "load", "install", "test", "quickstart")
 
     @pytest.fixture(scope="class")
-    def wf(self) -> dict:
+    @classmethod
+    def wf(cls) -> dict:
         return workflow("e2e-kind.yml")
 
     @pytest.fixture(scope="class")
-    def calls(self, wf, tmp_path_factory) -> list[dict]:
+    @classmethod
+    def calls(cls, wf, tmp_path_factory) -> list[dict]:
         """scripts/e2e-kind.sh STEPS (the workflow's order) with the workflow's env and fake tools."""
         import os
         import sys
@@ -529,7 +531,7 @@ class TestE2EKindWorkflow:
                **{k: str(v) for k, v in wf["jobs"]["kind"]["env"].items()},
                "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": str(stubs / "python"), "STUB_LOG": str(log),
                "KUBERL_E2E_DIR": str(tmp / "work")}
-        steps = [s for s in self.STEPS if s != "tools"]  # tools downloads; the rest runs offline
+        steps = [s for s in cls.STEPS if s != "tools"]  # tools downloads; the rest runs offline
         result = subprocess.run(["bash", str(E2E_SCRIPT), *steps], env=env, cwd=ROOT, capture_output=True, text=True,
                                 timeout=120, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
