@@ -276,11 +276,15 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
     agent = FakeAgent(bus, tiny_model)
     proc = start_trainer(manifest, bus_url, workdir, log)
     try:
-        task = asyncio.create_task(agent.serve())
-        # Step 3 is trained but not checkpointed (every 2 steps) when the trainer dies.
+        # The agent answers exactly three steps' worth of tickets, so the trainer waits at step 4 (it
+        # cannot run ahead to its final checkpoint before the kill); step 3 is trained but not
+        # checkpointed (every 2 steps) when the trainer dies.
+        first = asyncio.create_task(agent.serve(limit=3 * B))
         await wait_for(lambda: _at_step(bus, 3), 120, "step 3", proc, log)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        await first
+        task = asyncio.create_task(agent.serve())
         assert (await bus.get_state("progress"))["checkpoint"]["step"] == 2
         unacked = (await bus.stream_info())["groups_pending"]
         assert unacked >= B, "the groups of step 3 were not acknowledged: no checkpoint covers them"
@@ -303,7 +307,7 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         assert "v4" in await bus.list_weights()
         book = await bus.get_state("tickets")
         assert book["consumed"] == 4 * B
-        # Tickets re-issued after the restart were deduplicated: no group was rolled out twice.
+        # Tickets issued before the crash were not issued again (catch-up): no group was rolled out twice.
         assert len(agent.published) == len(set(agent.published))
         assert (await bus.stream_info())["groups_pending"] == 0
     finally:
