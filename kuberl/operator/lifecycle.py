@@ -13,7 +13,6 @@ import asyncio
 import base64
 import datetime as dt
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from kuberl.operator.builders import (
 )
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.kube import KubeClient
+from kuberl.env import env_seconds
 from kuberl.operator.labels import EventReason, Reason
 from kuberl.operator.progress import BusReader
 
@@ -37,20 +37,6 @@ from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist).
 BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
-
-
-def env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; a bad value names the variable and the value."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
-    return value
 
 
 @dataclass
@@ -370,12 +356,7 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
     if observed.configuration_error is not None:  # before restarts: exit code 2 is never restarted
         return await stop_on_configuration_error(body, exp, status, memo, observed)
     if job_condition(job, "Complete") or (progress or {}).get("done"):
-        rollout = observed.rollout
-        if rollout and (rollout.get("spec") or {}).get("replicas", 0) > 0:
-            await apply_child(body, build_rollout_statefulset(exp, replicas=0))
-            await event(body, "Normal", EventReason.SUCCEEDED.value, "training complete: rollout scaled to 0")
-            return {}, True
-        return {}, False
+        return {}, await scale_rollout_to_zero(body, exp, observed, EventReason.SUCCEEDED, "training complete: rollout scaled to 0")
     failed = job_condition(job, "Failed")
     if failed:
         restarts, policy = observed.trainer_restarts or 0, exp.spec.failure_policy
@@ -385,19 +366,22 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
             await event(body, "Warning", EventReason.TRAINER_RESTARTED.value, why)
             return {"restarts": restarts + 1}, True
         if restarts >= policy.max_restarts:  # failed for good: free the engines' accelerators
-            return {}, await scale_rollout_to_zero(body, exp, observed, f"the trainer failed and failurePolicy.maxRestarts "
+            return {}, await scale_rollout_to_zero(body, exp, observed, EventReason.STOPPED, f"the trainer failed and failurePolicy.maxRestarts "
                                                    f"({policy.max_restarts}) is used up: rollout scaled to 0")
         return {}, False
     return await autoscale(body, exp, status, progress, t)
 
 
-async def scale_rollout_to_zero(body: Any, exp: RLExperiment, observed: st.ObservedChildren, why: str) -> bool:
-    """Rollout to 0 replicas (the StatefulSet stays, as for any finished experiment); True if it changed."""
+async def scale_rollout_to_zero(body: Any, exp: RLExperiment, observed: st.ObservedChildren,
+                                reason: EventReason | None = None, why: str = "") -> bool:
+    """Rollout to 0 replicas (the StatefulSet stays, as for any finished experiment), with a Normal event
+    `reason` saying why; True if it changed."""
     rollout = observed.rollout
     if not rollout or not ((rollout.get("spec") or {}).get("replicas") or 0):
         return False
     await apply_child(body, build_rollout_statefulset(exp, replicas=0))
-    await event(body, "Normal", EventReason.STOPPED.value, why)
+    if reason is not None:
+        await event(body, "Normal", reason.value, why)
     return True
 
 
@@ -420,11 +404,7 @@ async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict
     if configuration_error_event_due(status, message, memo):
         await event(body, "Warning", EventReason.CONFIGURATION_ERROR.value, message)
         memo["configuration_error_reported"] = message
-    changed = False
-    rollout = observed.rollout
-    if rollout and ((rollout.get("spec") or {}).get("replicas") or 0) > 0:
-        await apply_child(body, build_rollout_statefulset(exp, replicas=0))
-        changed = True
+    changed = await scale_rollout_to_zero(body, exp, observed)  # one event for both changes, below
     job = dict(observed.trainer) if observed.trainer else None
     if failure.role != "trainer" and trainer_running(job):  # a failing trainer Job ends by itself (FailJob)
         await apply_child(body, build_trainer_job(stopped_copy(exp)))

@@ -34,22 +34,22 @@ def dockerfiles() -> list[Path]:
     return sorted(IMAGES.glob("*.Dockerfile"))
 
 
+def deps_script():
+    import importlib.util
+    import sys
+
+    name = "kuberl_check_image_deps"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "check-image-deps.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    buf = ""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        buf = f"{buf} {line}" if buf else line
-        if buf.endswith("\\"):
-            buf = buf[:-1].rstrip()
-            continue
-        word, _, rest = buf.partition(" ")
-        out.append((word.upper(), rest.strip()))
-        buf = ""
-    return out
+    """(INSTRUCTION, arguments) pairs, parsed as scripts/check-image-deps.py parses them."""
+    return deps_script().instructions(path.read_text())
 
 
 def final_stage(path: Path) -> list[tuple[str, str]]:
@@ -375,19 +375,6 @@ class TestWorkflows:
 
 
 # --- scripts/check-image-deps.py: what it reads from the Dockerfiles (no network here) ------------
-def deps_script():
-    import importlib.util
-    import sys
-
-    name = "kuberl_check_image_deps"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "check-image-deps.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 class TestImageDepsExtraction:
     @pytest.mark.parametrize("path", [p for p in dockerfiles() if p.name.startswith("runtime-")], ids=lambda p: p.name)
     def test_pins_are_the_dockerfile_args(self, path):

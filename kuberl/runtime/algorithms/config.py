@@ -20,7 +20,6 @@ RatioLevel = Literal["token", "sequence"]
 KLKind = Literal["k1", "k2", "k3"]
 
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-SUPPORTED = tuple(n.value for n in AlgorithmName if n != AlgorithmName.PPO)
 
 # Presets from the papers, used where the spec leaves a field at its API default.
 PPO_EPS = 0.4  # AReaL's GSM8K GRPO example (eps_clip 0.4): the default of every other algorithm

@@ -6,11 +6,11 @@ chose; `_bind()` only checks they exist. Settings follow docs/design/contracts.m
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import nats.errors
 import nats.js.errors
+from kuberl.env import env_seconds
 from kuberl.runtime.bus.errors import BusError
 from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
 from nats.js import api
@@ -23,16 +23,10 @@ DUPLICATE_WINDOW_ENV = "KUBERL_BUS_DUPLICATE_WINDOW"
 
 
 def duplicate_window() -> float:
-    raw = os.environ.get(DUPLICATE_WINDOW_ENV)
-    if raw is None:
-        return DUPLICATE_WINDOW
     try:
-        value = float(raw)
-    except ValueError:
-        raise BusError(f"{DUPLICATE_WINDOW_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise BusError(f"{DUPLICATE_WINDOW_ENV}={raw!r} must be > 0 seconds")
-    return value
+        return env_seconds(DUPLICATE_WINDOW_ENV, DUPLICATE_WINDOW)
+    except ValueError as exc:
+        raise BusError(str(exc)) from None
 DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
 DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
 
