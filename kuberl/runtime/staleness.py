@@ -21,18 +21,25 @@ _COUNTERS = ("issued", "rejected", "dropped", "consumed")
 class StalenessManager:
     """How many trajectory groups may start now, so none is trained more than eta versions late.
 
-    With policy version v, B = batch_size groups per step and eta = max_head_offpolicyness:
+    With policy version v, B = batch_size groups per step, eta = max_head_offpolicyness and
+    C = max_concurrent (AReaL's max_concurrent_rollouts):
 
-        started      = issued - rejected - dropped
-        capacity(v)  = min((eta + v + 1) * B - started,
-                           max_concurrent - (started - consumed))        (clamped at 0)
+        started      = issued - rejected - dropped          (accepted + running)
+        running      = started - accepted                   (issued, not yet back on the bus)
+        capacity(v)  = min((eta + v + 1) * B - started,  C - running)        (clamped at 0)
 
     The first term is AReaL's staleness bound: by the time a group is trained (at version >= v) at
     most eta versions passed since it started. eta = 0 is synchronous RL: B groups per version.
-    The second caps groups in flight (issued, not yet consumed or given back); no cap when None.
-    Rejected groups (e.g. dynamic sampling) and groups dropped as stale give their slot back.
+    The second caps groups being generated: a group frees its concurrency slot when it is accepted
+    (arrives on the bus, usable), not when it is trained, so the engines keep generating while the
+    trainer trains (AReaL's `running`, decremented on accept). No cap when C is None.
+    Rejected groups (e.g. dynamic sampling) and groups dropped as stale give both slots back.
     The trainer still drops groups whose head version < v - eta (`is_stale`): the safety net for
     groups that started under an older bound, e.g. before a restart.
+
+    `accepted` is not saved: a checkpoint acknowledges exactly the groups it trained (consumed) and
+    the rejected/dropped ones, so accepted-but-untrained groups come back after a restart and are
+    accepted again. A restored manager therefore starts with accepted = consumed.
     """
 
     batch_size: int
@@ -42,15 +49,18 @@ class StalenessManager:
     rejected: int = 0
     dropped: int = 0
     consumed: int = 0
+    accepted: int | None = None  # usable groups taken off the bus (trained or waiting); None = consumed
 
     def __post_init__(self) -> None:
+        if self.accepted is None:
+            self.accepted = self.consumed
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size (algorithm.batchSize) must be an int >= 1, got {self.batch_size!r}")
         if not isinstance(self.max_head_offpolicyness, int) or self.max_head_offpolicyness < 0:
             raise ValueError(f"max_head_offpolicyness (staleness.maxHeadOffpolicyness) must be an int >= 0, got {self.max_head_offpolicyness!r}")
         if self.max_concurrent is not None and (not isinstance(self.max_concurrent, int) or self.max_concurrent < 1):
             raise ValueError(f"max_concurrent (staleness.maxConcurrentRollouts) must be an int >= 1 or None, got {self.max_concurrent!r}")
-        for name in _COUNTERS:
+        for name in (*_COUNTERS, "accepted"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         self._check()
@@ -65,8 +75,13 @@ class StalenessManager:
         return self.issued - self.rejected - self.dropped
 
     @property
+    def running(self) -> int:
+        """Groups issued whose group has not come back yet (being generated, or waiting for an agent)."""
+        return self.started - self.accepted
+
+    @property
     def in_flight(self) -> int:
-        """Groups issued but not yet consumed, rejected or dropped."""
+        """Groups issued but not yet consumed, rejected or dropped (accepted ones waiting included)."""
         return self.started - self.consumed
 
     def capacity(self, version: int) -> int:
@@ -75,25 +90,34 @@ class StalenessManager:
             raise ValueError(f"policy version must be >= 0, got {version}")
         cap = (self.eta + version + 1) * self.batch_size - self.started
         if self.max_concurrent is not None:
-            cap = min(cap, self.max_concurrent - self.in_flight)
+            cap = min(cap, self.max_concurrent - self.running)
         return max(cap, 0)
 
     def on_issued(self, n: int = 1) -> None:
         self.issued += _count(n)
+
+    def on_accepted(self, n: int = 1) -> None:
+        """Usable groups arrived on the bus: their concurrency slots are free (their staleness slots are not)."""
+        self.accepted += _count(n)
+        self._check()
 
     def on_rejected(self, n: int = 1) -> None:
         """A group came back rejected: its slot is free again."""
         self.rejected += _count(n)
         self._check()
 
-    def on_dropped(self, n: int = 1) -> None:
-        """The trainer dropped a stale group: its slot is free again."""
+    def on_dropped(self, n: int = 1, *, accepted: bool = False) -> None:
+        """The trainer dropped a stale group: its slot is free again. `accepted`: the groups had been
+        accepted before (kept waiting, then judged stale), so they leave the accepted count."""
         self.dropped += _count(n)
+        if accepted:
+            self.accepted -= n
         self._check()
 
     def on_consumed(self, n: int = 1) -> None:
-        """The trainer trained on a group."""
+        """The trainer trained on a group (a trained group was accepted: counted so if the caller did not)."""
         self.consumed += _count(n)
+        self.accepted = max(self.accepted, self.consumed)
         self._check()
 
     def is_stale(self, head_version: int | None, version: int) -> bool:
@@ -102,10 +126,12 @@ class StalenessManager:
         return head_version is not None and head_version < version - self.eta
 
     def _check(self) -> None:
-        if self.rejected + self.dropped + self.consumed > self.issued:
+        # accepted >= consumed: trained groups were accepted; name whichever count broke the sum.
+        name, count = ("accepted", self.accepted) if self.accepted > self.consumed else ("consumed", self.consumed)
+        if self.rejected + self.dropped + count > self.issued:
             raise ValueError(
-                f"staleness accounting broken: rejected {self.rejected} + dropped {self.dropped} + consumed "
-                f"{self.consumed} > issued {self.issued} (a group counted twice, or groups from another run on the bus?)"
+                f"staleness accounting broken: rejected {self.rejected} + dropped {self.dropped} + {name} "
+                f"{count} > issued {self.issued} (a group counted twice, or groups from another run on the bus?)"
             )
 
     def to_state(self) -> dict[str, int]:

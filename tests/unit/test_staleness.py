@@ -77,6 +77,46 @@ class TestConcurrencyCap:
         m = manager(B=2, eta=0, cap=10)
         assert m.capacity(0) == 2
 
+    def test_an_accepted_group_frees_its_slot_before_it_is_trained(self):
+        m = manager(B=100, eta=5, cap=10)
+        m.on_issued(10)
+        m.on_accepted(4)  # on the bus, waiting to be trained
+        assert m.running == 6 and m.capacity(0) == 4
+
+
+class TestTheFlagshipExampleOverlapsGenerationAndTraining:
+    """examples/gsm8k-grpo.yaml: batchSize 256, maxConcurrentRollouts 256, eta 2 (AReaL's numbers).
+
+    Counting a group as in flight until it was trained made engines and trainer take turns whatever
+    eta was: nothing could be issued while a batch was collected or trained.
+    """
+
+    B, C, ETA = 256, 256, 2
+
+    def test_once_v0s_groups_arrived_the_next_batch_is_issued_while_v0_trains(self):
+        m = manager(B=self.B, eta=self.ETA, cap=self.C)
+        m.on_issued(m.capacity(0))
+        assert m.issued == 256 and m.capacity(0) == 0
+        m.on_accepted(256)  # the batch is collected; training v0 starts now, nothing consumed yet
+        assert m.capacity(0) == 256, "the engines must get the next 256 prompts while the trainer trains"
+
+    def test_over_several_versions_the_engines_never_wait_for_the_trainer(self):
+        m = manager(B=self.B, eta=self.ETA, cap=self.C)
+        for v in range(6):
+            m.on_issued(m.capacity(v))
+            m.on_accepted(self.B)  # the batch for version v arrives
+            issued_during_training = m.capacity(v)
+            m.on_issued(issued_during_training)
+            assert issued_during_training == self.B, f"v{v}: {issued_during_training} issued while training"
+            m.on_consumed(self.B)
+            assert m.started <= (self.ETA + v + 1) * self.B  # the staleness bound still holds
+
+    def test_the_staleness_bound_still_stops_issuing_eta_batches_ahead(self):
+        m = manager(B=self.B, eta=self.ETA, cap=10_000)
+        m.on_issued(m.capacity(0))
+        m.on_accepted(3 * self.B)
+        assert m.capacity(0) == 0  # accepted groups keep their staleness slot until the version moves
+
 
 class TestStaleGroups:
     @pytest.mark.parametrize(
@@ -114,6 +154,21 @@ class TestManagerState:
         state = {**m.to_state(), "epoch": 2, "position": 5}
         back = StalenessManager.from_state(state, batch_size=4, max_head_offpolicyness=1)
         assert back == m and back.capacity(1) == m.capacity(1)
+
+    def test_accepted_but_untrained_groups_count_as_running_after_a_restore(self):
+        # They were not acknowledged by the checkpoint: the bus delivers them again and they are re-accepted.
+        m = manager(B=4, eta=1, cap=8)
+        m.on_issued(8)
+        m.on_accepted(6)
+        m.on_consumed(4)
+        back = StalenessManager.from_state(m.to_state(), batch_size=4, max_head_offpolicyness=1, max_concurrent=8)
+        assert "accepted" not in m.to_state()
+        assert back.accepted == 4 and back.running == 4 and back.capacity(2) == 4
+
+    def test_a_state_saved_before_the_accepted_counter_loads(self):
+        old = {"issued": 8, "rejected": 1, "dropped": 0, "consumed": 4, "epoch": 0, "position": 8}
+        back = StalenessManager.from_state(old, batch_size=4, max_head_offpolicyness=1, max_concurrent=8)
+        assert back.accepted == 4 and back.running == 3
 
     def test_a_state_without_counters_is_refused(self):
         with pytest.raises(ValueError, match=r"lacks \['consumed'\]"):

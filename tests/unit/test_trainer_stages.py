@@ -184,3 +184,34 @@ async def test_a_resumed_trainer_does_not_reissue_tickets_already_on_the_bus(tmp
 
 async def _value(v):
     return v
+
+
+async def test_a_usable_group_frees_its_concurrency_slot_when_it_arrives_not_when_trained(tmp_path):
+    t = make_trainer(tmp_path, eta=2)
+    t.book = TicketBook(20, B, 2, max_concurrent=B, total_groups=5 * B)
+    await t.stage_issue_tickets()
+    assert len(t.bus.tickets) == B  # the concurrency cap
+    t.bus.stream = [group(tk) for tk in t.bus.tickets]
+    plan = await t.stage_collect()
+    assert len(plan["groups"]) == B and t.book.accepted == B and t.book.consumed == 0
+    # The collect stage issued the next B prompts as soon as this batch arrived, before training it.
+    assert len(t.bus.tickets) == 2 * B and t.book.running == B
+
+
+async def test_a_kept_group_judged_stale_later_leaves_the_accepted_count(tmp_path):
+    t = make_trainer(tmp_path, eta=0)
+    await t.stage_issue_tickets()
+    t.bus.stream = [group(tk) for tk in t.bus.tickets[:1]]
+    t.bus.control = {}
+    got = await t.bus.fetch_groups(B, timeout=0)
+    t.bus._answered = 1
+    for g, h in got:  # as an interrupted collect leaves them: accepted, in the buffer
+        assert t._first_time(g, h) and t._usable(g)
+        t.book.on_accepted()
+        t.buffer.append((g, h))
+    t.version = 1  # the kept group (version 0) is now stale at eta 0
+    t.bus.answer = lambda tk: group(tk, version=1)
+    await t.stage_collect()
+    assert t.dropped_stale == 1 and t.book.dropped == 1
+    assert t.book.accepted == B and t.book.running == t.book.started - B
+

@@ -3,7 +3,9 @@ the one rule the trainer adds: never start more groups than training will use.
 
     capacity(v) = min(StalenessManager.capacity(v),  total_groups - started)
 
-with StalenessManager's bound started = issued - rejected - dropped <= (eta + v + 1) * B (AReaL).
+with StalenessManager's bound started = issued - rejected - dropped <= (eta + v + 1) * B (AReaL) and
+its concurrency cap running = started - accepted <= maxConcurrentRollouts: the trainer calls
+`on_accepted` as soon as a usable group arrives, so the next groups are issued while it trains.
 The issuer runs without an epoch limit: rejected and dropped groups are replaced by further items,
 so training by epochs may reach a little into the next pass rather than stall. `state()` is what the
 checkpoint and the KV key `tickets` hold; `load_state` restores it from the checkpoint, and
@@ -40,7 +42,9 @@ class TicketBook:
     rejected = property(lambda self: self.bound.rejected)
     dropped = property(lambda self: self.bound.dropped)
     consumed = property(lambda self: self.bound.consumed)
+    accepted = property(lambda self: self.bound.accepted)
     started = property(lambda self: self.bound.started)
+    running = property(lambda self: self.bound.running)
 
     @property
     def epoch(self) -> int:
@@ -59,11 +63,15 @@ class TicketBook:
         self.bound.on_issued(len(tickets))
         return tickets
 
+    def on_accepted(self) -> None:
+        """A usable group arrived: its concurrency slot is free (AReaL's on_rollout_accepted)."""
+        self.bound.on_accepted()
+
     def on_rejected(self) -> None:
         self.bound.on_rejected()
 
-    def on_dropped(self) -> None:
-        self.bound.on_dropped()
+    def on_dropped(self, *, accepted: bool = False) -> None:
+        self.bound.on_dropped(accepted=accepted)
 
     def on_consumed(self, n: int) -> None:
         self.bound.on_consumed(n)
