@@ -302,14 +302,15 @@ class Trainer:
         log.warning("group %s arrived twice (the same ticket rolled out again): the copy is ignored", group.group_id)
         return False
 
-    def _usable(self, group: Any) -> bool:
-        """Account for a group that cannot be trained on (rejected, stale, malformed); True if usable."""
+    def _usable(self, group: Any, accepted: bool = False) -> bool:
+        """Account for a group that cannot be trained on (rejected, stale, malformed); True if usable.
+        `accepted`: the group was accepted before (kept from an interrupted collect) and is judged again."""
         if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
             self.book.on_rejected()
             return False
         if self.book.bound.is_stale(group.head_version, self.version):
             # The safety net: the ticket gate makes this rare (slow agents, restarts).
-            self.book.on_dropped()
+            self.book.on_dropped(accepted=accepted)
             self.dropped_stale += 1
             log.info("dropped group %s: head version %d < %d - %d", group.group_id, group.head_version, self.version, self.eta)
             return False
@@ -330,7 +331,7 @@ class Trainer:
         # Groups kept from an interrupted collect may have gone stale meanwhile: judge them again.
         kept, self.buffer = self.buffer, []
         for group, handle in kept:
-            if self._usable(group):
+            if self._usable(group, accepted=True):
                 self.buffer.append((group, handle))
             else:
                 self.held.append(handle)
@@ -352,6 +353,7 @@ class Trainer:
                 if not self._first_time(group, handle):
                     continue
                 if self._usable(group):
+                    self.book.on_accepted()  # its concurrency slot is free now, not once it is trained (AReaL)
                     self.buffer.append((group, handle))
                 else:
                     self.held.append(handle)  # acknowledged with the next checkpoint, like trained groups
