@@ -42,6 +42,18 @@ KINDS: dict[str, tuple[str, str, bool]] = {
 }
 
 
+def own_child(child: Obj, owner: Mapping[str, Any]) -> Obj:
+    """Make `owner` the controller of `child` (ownerReference with blockOwnerDeletion), and nothing
+    else: kopf.adopt would also copy the owner's labels, and a `kueue.x-k8s.io/queue-name` label on
+    the RLExperiment would turn its trainer Job into a Kueue workload of its own."""
+    meta = owner["metadata"]
+    ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"], "uid": meta["uid"],
+           "controller": True, "blockOwnerDeletion": True}
+    refs = [r for r in child["metadata"].get("ownerReferences") or [] if r.get("uid") != ref["uid"]]
+    child["metadata"]["ownerReferences"] = [*refs, ref]
+    return child
+
+
 class KubeError(Exception):
     """A failed API call: HTTP status, the Status reason and message."""
 

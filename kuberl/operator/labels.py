@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from kuberl.operator.naming import ExperimentRef, experiment_name
+from kuberl.operator.naming import BUS_RUN_ANNOTATION, ExperimentRef, experiment_name
 
 # --- label keys -------------------------------------------------------------------------------
 # kuberl.io/experiment: name of the owning RLExperiment. On every child; pods of one experiment are
@@ -43,6 +43,20 @@ CONFIG_HASH_ANNOTATION = "kuberl.io/config-hash"
 BUS_CONFIG_HASH_ANNOTATION = "kuberl.io/bus-config-hash"
 # Ask kubectl to open this container by default in `kubectl logs/exec`.
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
+
+# --- pins: what an experiment keeps for its lifetime (kuberl.operator.builders.pinning) ----------
+# On the RLExperiment, written by the operator when it first reconciles it (the user may edit the
+# first two to move a running experiment to other runtime images: an explicit opt-in):
+# the tag and repository of the default runtime images, and the bus run (BUS_RUN_ANNOTATION, from
+# naming: docs/design/contracts.md).
+RUNTIME_VERSION_ANNOTATION = "kuberl.io/runtime-version"
+RUNTIME_REPOSITORY_ANNOTATION = "kuberl.io/runtime-repository"
+PIN_ANNOTATIONS = (RUNTIME_VERSION_ANNOTATION, RUNTIME_REPOSITORY_ANNOTATION, BUS_RUN_ANNOTATION)
+# On the pinned children (workloads, the ConfigMap and the bus Secret): the metadata.generation and
+# the hash of the user's spec they were rendered for. A new operator version keeps a child's pod
+# template until the user's own spec changes (or a pin annotation above does).
+TEMPLATE_GENERATION_ANNOTATION = "kuberl.io/template-generation"
+TEMPLATE_INPUTS_ANNOTATION = "kuberl.io/template-inputs"
 
 
 class Role(StrEnum):
@@ -130,6 +144,9 @@ class Reason(StrEnum):
     CONFIGURATION_ERROR = "ConfigurationError"  # a role exited 2: the spec cannot run (message: its termination message)
     NO_FAILURE = "NoFailure"
     AS_EXPECTED = "AsExpected"  # Degraded=False: nothing wrong
+    # Reconciled
+    APPLIED = "Applied"  # every child took the spec of metadata.generation (status.observedGeneration)
+    APPLY_FAILED = "ApplyFailed"  # a child could not take the spec (an immutable field, a rejected value); the message names it
 
 
 # --- event reasons (core/v1 Event.reason) ------------------------------------------------------
@@ -157,3 +174,4 @@ class EventReason(StrEnum):
     IMAGE_PULL_FAILED = Reason.IMAGE_PULL_FAILED.value
     INSUFFICIENT_ACCELERATORS = Reason.INSUFFICIENT_ACCELERATORS.value
     UNSCHEDULABLE = Reason.UNSCHEDULABLE.value
+    APPLY_FAILED = Reason.APPLY_FAILED.value

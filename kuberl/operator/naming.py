@@ -110,6 +110,25 @@ def network_policy_name(exp: ExperimentRef) -> str:
     return _child(exp, "bus", OBJECT_NAME_MAX)
 
 
+BUS_RUN_ANNOTATION = "kuberl.io/bus-run"  # labels.BUS_RUN_ANNOTATION (labels imports this module)
+
+
+def default_bus_run(exp: RLExperiment) -> str:
+    """`<namespace>.<first 12 hex of metadata.uid>`, or "" without a uid (an offline render)."""
+    uid = str((exp.metadata.model_extra or {}).get("uid") or "").replace("-", "").lower()
+    return f"{exp.namespace}.{uid[:12]}" if uid else ""
+
+
+def bus_run(exp: RLExperiment) -> str:
+    """The run that scopes this experiment's bus names (kuberl.runtime.bus.names, $KUBERL_BUS_RUN):
+    the pinned annotation kuberl.io/bus-run when set ("" there = an experiment created before runs
+    existed, which keeps the plain names), else `default_bus_run`."""
+    annotations = exp.metadata.annotations or {}
+    if BUS_RUN_ANNOTATION in annotations:
+        return annotations[BUS_RUN_ANNOTATION]
+    return default_bus_run(exp)
+
+
 def bus_pod_names(exp: RLExperiment) -> list[str]:
     """Pod names of the embedded NATS StatefulSet, in ordinal order."""
     replicas = exp.spec.bus.embedded.replicas if exp.spec.bus.embedded else 0

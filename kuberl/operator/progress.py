@@ -2,7 +2,9 @@
 
 Called by kuberl.operator.handlers (status, autoscaling, suspend). The names come from
 docs/design/contracts.md, re-derived here because the operator never imports kuberl.runtime:
-KV bucket `kuberl_{E}` (E = name upper-cased, '-' -> '_'), keys `progress` and `control`.
+KV bucket `kuberl_{E}` (E = name upper-cased, '-' -> '_', then `_{R}` for the run R, upper-cased with
+'.' and '-' -> '_'), keys `progress` and `control`. The run (naming.bus_run: namespace and uid) keeps
+another namespace's experiment of the same name, or an earlier one re-created, out of this one's status.
 A bus that cannot be reached yields None (no progress yet), never an exception in the handlers.
 """
 
@@ -19,8 +21,11 @@ KEY_PROGRESS = "progress"
 KEY_CONTROL = "control"
 
 
-def kv_bucket(experiment: str) -> str:
-    return f"kuberl_{experiment.upper().replace('-', '_')}"
+def kv_bucket(experiment: str, run: str = "") -> str:
+    e = experiment.upper().replace("-", "_")
+    if run:
+        e += "_" + run.upper().replace("-", "_").replace(".", "_")
+    return f"kuberl_{e}"
 
 
 async def _quiet(exc: Exception) -> None:
@@ -41,7 +46,7 @@ class BusReader:
         self._lock = asyncio.Lock()
         self.connect_timeout = connect_timeout
 
-    async def _kv(self, url: str, token: str | None, experiment: str) -> Any | None:
+    async def _kv(self, url: str, token: str | None, experiment: str, run: str = "") -> Any | None:
         import nats
         from nats.js.errors import BucketNotFoundError
 
@@ -65,7 +70,7 @@ class BusReader:
                     return None
                 self._conns[key] = nc
         try:
-            return await nc.jetstream().key_value(kv_bucket(experiment))
+            return await nc.jetstream().key_value(kv_bucket(experiment, run))
         except BucketNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
@@ -81,11 +86,12 @@ class BusReader:
             except Exception as exc:  # noqa: BLE001 - closing a broken connection may fail; it is gone either way
                 log.debug("closing the bus connection: %s", exc)
 
-    async def read(self, url: str, token: str | None, experiment: str, key: str = KEY_PROGRESS) -> dict[str, Any] | None:
-        """The JSON value of a KV key (default: progress), or None."""
+    async def read(self, url: str, token: str | None, experiment: str, key: str = KEY_PROGRESS, *,
+                   run: str = "") -> dict[str, Any] | None:
+        """The JSON value of a KV key (default: progress) of `experiment`'s `run`, or None."""
         from nats.js.errors import KeyNotFoundError
 
-        kv = await self._kv(url, token, experiment)
+        kv = await self._kv(url, token, experiment, run)
         if kv is None:
             return None
         try:
@@ -102,12 +108,12 @@ class BusReader:
             return None
         return value if isinstance(value, dict) else None
 
-    async def request_checkpoint(self, url: str, token: str | None, experiment: str, request_id: str) -> bool:
+    async def request_checkpoint(self, url: str, token: str | None, experiment: str, request_id: str, *, run: str = "") -> bool:
         """Ask the trainer for a checkpoint (control.checkpoint_request); False if the bus is unreachable."""
-        kv = await self._kv(url, token, experiment)
+        kv = await self._kv(url, token, experiment, run)
         if kv is None:
             return False
-        control = await self.read(url, token, experiment, KEY_CONTROL) or {"stop": False}
+        control = await self.read(url, token, experiment, KEY_CONTROL, run=run) or {"stop": False}
         control["checkpoint_request"] = request_id
         try:
             await kv.put(KEY_CONTROL, json.dumps(control).encode())

@@ -11,6 +11,7 @@ from decimal import Decimal
 
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.operator.builders import pinning
 from kuberl.operator.builders.common import (
     Obj,
     container_security_context,
@@ -104,13 +105,13 @@ def build_bus_secret(exp: RLExperiment, token: str) -> Obj:
     """Secret `{exp}-bus-credentials`: key `token` (clients) and `nats.conf` (the servers)."""
     if not token or any(c.isspace() or c in "\"\\" for c in token):
         raise ValueError("bus token must be a non-empty string without whitespace, quotes or backslashes")
-    return {
+    return pinning.stamp({
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": metadata(exp, naming.bus_secret_name(exp), L.Component.BUS),
         "type": "Opaque",
         "stringData": {"token": token, NATS_CONF_KEY: render_nats_conf(exp, token)},
-    }
+    }, exp)
 
 
 def _probe(path: str, period: int, failures: int) -> Obj:
@@ -198,7 +199,7 @@ def build_bus_statefulset(exp: RLExperiment) -> Obj:
             ],
         },
     }
-    return with_spec_hash(sts)
+    return with_spec_hash(pinning.stamp(sts, exp))
 
 
 def build_bus_services(exp: RLExperiment) -> list[Obj]:

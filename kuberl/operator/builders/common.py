@@ -51,12 +51,20 @@ def metadata(exp: RLExperiment, name: str, component: L.Component) -> Obj:
     return {"name": name, "namespace": exp.namespace, "labels": L.child_labels(exp, component)}
 
 
+# Bookkeeping of builders.pinning: which spec a child was rendered for, not what the child is.
+_UNHASHED = (L.SPEC_HASH_ANNOTATION, L.TEMPLATE_INPUTS_ANNOTATION, L.TEMPLATE_GENERATION_ANNOTATION)
+
+
 def with_spec_hash(obj: Obj) -> Obj:
-    """Stamp kuberl.io/spec-hash = hash of the object without that annotation."""
+    """Stamp kuberl.io/spec-hash = hash of the object without that annotation (nor the pinning
+    bookkeeping: a spec change elsewhere leaves the hash of an unaffected child as it was)."""
     obj = copy.deepcopy(obj)
     annotations = obj["metadata"].setdefault("annotations", {})
     annotations.pop(L.SPEC_HASH_ANNOTATION, None)
-    annotations[L.SPEC_HASH_ANNOTATION] = stable_hash(obj)
+    hashed = copy.deepcopy(obj)
+    for key in _UNHASHED:
+        hashed["metadata"]["annotations"].pop(key, None)
+    annotations[L.SPEC_HASH_ANNOTATION] = stable_hash(hashed)
     return obj
 
 
@@ -105,17 +113,23 @@ def configure_images(repository: str | None) -> str:
     return IMAGE_REPOSITORY
 
 
-def default_image(engine: str, accelerator: AcceleratorType | str, repository: str | None = None) -> str:
+def default_image(engine: str, accelerator: AcceleratorType | str, repository: str | None = None, version: str | None = None) -> str:
     """The KubeRL runtime image for an engine and accelerator: runtime-npu (ascend), runtime-cpu (cpu),
-    else runtime-<engine>, under `repository` (default: the configured IMAGE_REPOSITORY). Tagged with
-    the operator's own version so pods match the operator."""
+    else runtime-<engine>, under `repository` (default: the configured IMAGE_REPOSITORY), tagged
+    `version` (default: the operator's own version)."""
     accel = AcceleratorType(accelerator)
     flavour = {AcceleratorType.ASCEND: "npu", AcceleratorType.CPU: "cpu"}.get(accel, str(engine))
-    return f"{repository or IMAGE_REPOSITORY}/runtime-{flavour}:{kuberl.__version__}"
+    return f"{repository or IMAGE_REPOSITORY}/runtime-{flavour}:{version or kuberl.__version__}"
 
 
 def image_of(exp: RLExperiment, sched: SchedulingSpec, accelerator: AcceleratorSpec) -> str:
-    return sched.image or default_image(exp.spec.rollout.engine, accelerator.type)
+    """The role's image: the spec's, else the default runtime image at the tag and repository pinned
+    on the experiment (kuberl.io/runtime-version, kuberl.io/runtime-repository; builders.pinning)."""
+    annotations = exp.metadata.annotations or {}
+    return sched.image or default_image(
+        exp.spec.rollout.engine, accelerator.type,
+        repository=annotations.get(L.RUNTIME_REPOSITORY_ANNOTATION), version=annotations.get(L.RUNTIME_VERSION_ANNOTATION),
+    )
 
 
 # --- resources --------------------------------------------------------------------------------
@@ -147,8 +161,12 @@ def secret_env(name: str, secret: str, key: str) -> Obj:
 
 
 def bus_env(exp: RLExperiment) -> list[Obj]:
-    """KUBERL_BUS_URL and KUBERL_BUS_TOKEN (from the embedded bus Secret or external credentialsSecret)."""
+    """KUBERL_BUS_URL, KUBERL_BUS_RUN (the run that scopes every bus name: namespace and uid) and
+    KUBERL_BUS_TOKEN (from the embedded bus Secret or external credentialsSecret)."""
     env: list[Obj] = [{"name": "KUBERL_BUS_URL", "value": naming.bus_url(exp)}]
+    run = naming.bus_run(exp)
+    if run:
+        env.append({"name": "KUBERL_BUS_RUN", "value": run})
     external = exp.spec.bus.external
     if external is None:
         env.append(secret_env("KUBERL_BUS_TOKEN", naming.bus_secret_name(exp), "token"))
@@ -216,10 +234,11 @@ def data_volumes(exp: RLExperiment) -> tuple[list[Obj], list[Obj]]:
 # --- security ---------------------------------------------------------------------------------
 def pod_security_context(accelerator: AcceleratorSpec) -> Obj:
     """Non-root with a fixed uid/gid (and fsGroup so volumes are writable); Ascend driver files belong to
-    root and HwHiAiUser, so NPU pods keep the image's user."""
-    ctx: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
+    root and HwHiAiUser, so NPU pods keep the image's user (uid 1000 in runtime-npu), still non-root:
+    Pod Security "restricted" holds for every role."""
+    ctx: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     if accelerator.type != AcceleratorType.ASCEND:
-        ctx.update(runAsNonRoot=True, runAsUser=RUNTIME_UID, runAsGroup=RUNTIME_UID, fsGroup=RUNTIME_UID)
+        ctx.update(runAsUser=RUNTIME_UID, runAsGroup=RUNTIME_UID, fsGroup=RUNTIME_UID)
     return ctx
 
 

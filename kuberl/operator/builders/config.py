@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.operator.builders import pinning
 from kuberl.operator.builders.common import (
     CONFIG_KEY,
     DATASETS_DIR,
@@ -72,11 +73,11 @@ def config_hash(exp: RLExperiment) -> str:
 
 def build_config_map(exp: RLExperiment) -> Obj:
     """ConfigMap `{exp}-config` with key experiment.yaml."""
-    return with_spec_hash(
+    return with_spec_hash(pinning.stamp(
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": metadata(exp, naming.config_map_name(exp), L.Component.CONFIG),
             "data": {CONFIG_KEY: render_experiment_yaml(exp)},
-        }
-    )
+        }, exp
+    ))

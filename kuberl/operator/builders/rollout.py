@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.operator.builders import pinning
 from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
@@ -111,7 +112,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             ),
         },
     }
-    return with_spec_hash(sts)
+    return with_spec_hash(pinning.stamp(sts, exp))
 
 
 def build_rollout_service(exp: RLExperiment) -> Obj:

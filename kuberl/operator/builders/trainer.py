@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.operator.builders import pinning
 from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
@@ -114,7 +115,7 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             ),
         },
     }
-    return with_spec_hash(job)
+    return with_spec_hash(pinning.stamp(job, exp))
 
 
 def build_trainer_service(exp: RLExperiment) -> Obj:

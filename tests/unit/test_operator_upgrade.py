@@ -1,0 +1,206 @@
+"""An operator upgrade (`helm upgrade`: a new version, new builder output, another image repository)
+rolls no running experiment and re-creates no trainer Job; the user's own spec change, or the opt-in
+annotation, does. Also: children carry only their own labels (a Kueue queue label on the experiment
+stays there). The reconcile code (lifecycle.apply_children) runs against the strict API emulator,
+which refuses a change to a Job's pod template (422) as a real API server does."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kuberl.operator import handlers
+from kuberl.operator import lifecycle as h
+from kuberl.operator.builders import bus as bus_builder
+from kuberl.operator.builders import common
+from kuberl.operator.builders import rollout as rollout_builder
+from kuberl.operator.builders import trainer as trainer_builder
+from kuberl.operator.kube import KubeClient
+
+import kuberl
+from kuberl.testing.emulator_server import EmulatorServer, default_crds
+
+NS = "team-a"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+@pytest.fixture(scope="module")
+def emu() -> Iterator[EmulatorServer]:
+    with EmulatorServer(default_crds(), namespaces=("default", NS)) as server:
+        yield server
+
+
+@pytest.fixture
+def operator(emu: EmulatorServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The operator's module state pointed at the emulator, as `kuberl operator` version 0.1.0 sets it."""
+    monkeypatch.setattr(kuberl, "__version__", "0.1.0")
+    monkeypatch.setattr(h.CONFIG, "kube", KubeClient(emu.url))
+    common.configure_images(None)
+    yield
+    asyncio.run(h.CONFIG.kube.close())
+    common.configure_images(None)
+
+
+def run(coro: Any) -> Any:
+    async def with_fresh_session() -> Any:
+        try:
+            return await coro
+        finally:
+            await h.CONFIG.kube.close()  # the aiohttp session belongs to this event loop
+    return asyncio.run(with_fresh_session())
+
+
+def manifest(name: str, labels: dict[str, str] | None = None) -> dict:
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment",
+            "metadata": {"name": name, "namespace": NS, "labels": labels or {}},
+            "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+                     "rollout": {"replicas": 2, "accelerator": {"type": "cpu", "count": 0}},
+                     "trainer": {"accelerator": {"type": "cpu", "count": 1}}, "weightSync": {"mode": "bus"}}}
+
+
+def create(name: str, labels: dict[str, str] | None = None) -> None:
+    path = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}/rlexperiments"
+    run(h.kube().request("POST", path, body=manifest(name, labels)))
+
+
+def get(kind: str, name: str) -> dict | None:
+    return run(h.kube().get(kind, NS, name))
+
+
+def reconcile(name: str) -> dict:
+    """One on_reconcile's apply, with the body as the operator would get it now."""
+    body = get("RLExperiment", name)
+    exp = handlers.parse_experiment(body)
+    run(h.apply_children(body, exp, dict(body.get("status") or {}), {}))
+    return body
+
+
+def patch_experiment(name: str, patch: dict) -> None:
+    run(h.kube().patch("RLExperiment", NS, name, patch))
+
+
+def templates(name: str) -> dict[str, Any]:
+    """What the pods run: the workloads' pod templates, experiment.yaml, nats.conf, the Job's uid."""
+    rollout, bus, job = get("StatefulSet", f"{name}-rollout"), get("StatefulSet", f"{name}-bus"), get("Job", f"{name}-trainer")
+    return {
+        "rollout": copy.deepcopy(rollout["spec"]["template"]), "bus": copy.deepcopy(bus["spec"]["template"]),
+        "trainer": copy.deepcopy(job["spec"]["template"]), "job uid": job["metadata"]["uid"],
+        "config": get("ConfigMap", f"{name}-config")["data"], "secret": secret_values(get("Secret", f"{name}-bus-credentials")),
+    }
+
+
+def secret_values(secret: dict) -> dict:
+    """The Secret's values (an API server turns stringData into base64 data; the emulator keeps both)."""
+    import base64
+
+    values = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**values, **(secret.get("stringData") or {})}
+
+
+def images(template: dict) -> set[str]:
+    return {c["image"] for c in template["spec"]["containers"]}
+
+
+def upgrade_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a `helm upgrade` changes in the operator: its version (the default image tag), the runtime
+    image repository, and builder output (the trainer's command, the agent's resources, the NATS
+    image, experiment.yaml's header)."""
+    monkeypatch.setattr(kuberl, "__version__", "0.2.0")
+    common.configure_images("mirror.example/kuberl")
+    monkeypatch.setattr(trainer_builder, "TORCHRUN", [*trainer_builder.TORCHRUN, "--new-flag"])
+    monkeypatch.setattr(rollout_builder, "AGENT_RESOURCES", {"requests": {"cpu": "1", "memory": "2Gi"}})
+    monkeypatch.setattr(bus_builder, "NATS_IMAGE", "nats:2.16-alpine")
+    from kuberl.operator.builders import config
+
+    monkeypatch.setattr(config, "_HEADER", config._HEADER + "# written by operator 0.2.0\n")
+
+
+class TestHelmUpgrade:
+    def test_an_operator_upgrade_changes_no_pod_template_and_recreates_no_job(self, operator, monkeypatch) -> None:
+        create("up1")
+        reconcile("up1")
+        before = templates("up1")
+        assert images(before["trainer"]) == {"ghcr.io/kuberl/runtime-cpu:0.1.0"}
+        upgrade_the_operator(monkeypatch)
+        reconcile("up1")  # on.resume after the new operator starts
+        after = templates("up1")
+        assert after == before
+
+    def test_the_pins_are_written_once_on_the_experiment(self, operator, monkeypatch) -> None:
+        create("up2")
+        reconcile("up2")
+        annotations = get("RLExperiment", "up2")["metadata"]["annotations"]
+        uid = get("RLExperiment", "up2")["metadata"]["uid"].replace("-", "")
+        assert annotations["kuberl.io/runtime-version"] == "0.1.0"
+        assert annotations["kuberl.io/runtime-repository"] == "ghcr.io/kuberl"
+        assert annotations["kuberl.io/bus-run"] == f"{NS}.{uid[:12]}"
+        upgrade_the_operator(monkeypatch)
+        reconcile("up2")
+        assert get("RLExperiment", "up2")["metadata"]["annotations"]["kuberl.io/runtime-version"] == "0.1.0"
+
+    def test_kubectl_scale_after_an_upgrade_scales_without_rolling(self, operator, monkeypatch) -> None:
+        create("up3")
+        reconcile("up3")
+        before = templates("up3")
+        upgrade_the_operator(monkeypatch)
+        patch_experiment("up3", {"spec": {"rollout": {"replicas": 3}}})  # a new generation, same inputs
+        reconcile("up3")
+        assert get("StatefulSet", "up3-rollout")["spec"]["replicas"] == 3
+        assert templates("up3") == before
+
+    def test_the_users_own_spec_change_renders_anew_but_keeps_the_pinned_image(self, operator, monkeypatch) -> None:
+        create("up4")
+        reconcile("up4")
+        before = templates("up4")
+        upgrade_the_operator(monkeypatch)
+        patch_experiment("up4", {"spec": {"rollout": {"engineArgs": ["--enforce-eager"]}}})
+        reconcile("up4")
+        after = templates("up4")
+        assert after["rollout"] != before["rollout"] and after["config"] != before["config"]
+        assert images(after["rollout"]) == images(before["rollout"]) == {"ghcr.io/kuberl/runtime-cpu:0.1.0"}
+        assert images(after["trainer"]) == {"ghcr.io/kuberl/runtime-cpu:0.1.0"}
+
+    def test_the_opt_in_annotation_moves_the_experiment_to_the_new_runtime(self, operator, monkeypatch) -> None:
+        create("up5")
+        reconcile("up5")
+        upgrade_the_operator(monkeypatch)
+        patch_experiment("up5", {"metadata": {"annotations": {"kuberl.io/runtime-version": "0.2.0",
+                                                              "kuberl.io/runtime-repository": "mirror.example/kuberl"}}})
+        reconcile("up5")
+        assert images(templates("up5")["rollout"]) == {"mirror.example/kuberl/runtime-cpu:0.2.0"}
+
+    def test_an_experiment_of_an_operator_before_pins_keeps_its_image_and_plain_bus_names(self, operator, monkeypatch) -> None:
+        """The first upgrade to a pinning operator: the running workloads say what to pin."""
+        create("up6")
+        body = get("RLExperiment", "up6")
+        legacy = handlers.parse_experiment(body)
+        legacy.metadata.annotations.update({"kuberl.io/bus-run": ""})  # what an operator without runs rendered
+        run(h.apply_children(body, legacy, {}, {}))
+        run(h.kube().patch("RLExperiment", NS, "up6", {"metadata": {"annotations": {
+            "kuberl.io/bus-run": None, "kuberl.io/runtime-version": None, "kuberl.io/runtime-repository": None}}}))
+        before = templates("up6")
+        upgrade_the_operator(monkeypatch)
+        reconcile("up6")
+        annotations = get("RLExperiment", "up6")["metadata"]["annotations"]
+        assert (annotations["kuberl.io/runtime-version"], annotations["kuberl.io/bus-run"]) == ("0.1.0", "")
+        assert templates("up6") == before
+
+
+class TestChildLabels:
+    def test_owner_labels_are_not_copied_onto_children(self, operator) -> None:
+        """A Kueue queue label on the RLExperiment would make its trainer Job a Kueue workload of its own."""
+        create("kq1", labels={QUEUE_LABEL: "team-a-queue", "team": "a"})
+        reconcile("kq1")
+        body = get("RLExperiment", "kq1")
+        for kind, name in (("Job", "kq1-trainer"), ("StatefulSet", "kq1-rollout"), ("StatefulSet", "kq1-bus"),
+                           ("ConfigMap", "kq1-config"), ("Service", "kq1-rollout")):
+            child = get(kind, name)
+            assert QUEUE_LABEL not in child["metadata"].get("labels", {}), (kind, name)
+            assert "team" not in child["metadata"].get("labels", {}), (kind, name)
+            refs = child["metadata"]["ownerReferences"]
+            assert [(r["uid"], r["controller"], r["blockOwnerDeletion"]) for r in refs] == [(body["metadata"]["uid"], True, True)]
+        job = get("Job", "kq1-trainer")
+        assert QUEUE_LABEL not in job["spec"]["template"]["metadata"].get("labels", {})
