@@ -219,13 +219,43 @@ class DatasetSpec(KubeModel):
 class WorkflowType(StrEnum):
     RLVR = "rlvr"  # single turn: prompt -> answer -> verifiable reward
     MULTI_TURN = "multi-turn"  # retry with feedback until correct or maxTurns; reward discounted per turn
+    CUSTOM = "custom"  # a user class with one async method per episode (workflow.class)
+    AGENT = "agent"  # a user agent function driving an OpenAI client against the agent's local proxy (workflow.agent)
+
+
+class AgentExportStyle(StrEnum):
+    CONCAT = "concat"  # one sequence per episode: calls that extend each other share one prefix
+    INDIVIDUAL = "individual"  # one sample per call (needs groups of varying size: not implemented yet)
+
+
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+AGENT_INDIVIDUAL_UNSUPPORTED = (
+    "workflow.exportStyle individual (one sample per call) is not implemented yet: the trainer trains groups of "
+    "exactly samplesPerPrompt sequences; use concat (one sequence per episode)"
+)
+
+
+class SandboxSpec(KubeModel):
+    """Limits of the sandboxed Python tool (tool-integrated reasoning): one process per call, no network."""
+
+    timeout_seconds: float = Field(5.0, gt=0.0, le=300.0, description="Wall-clock limit per code run; the process is killed past it.")
+    cpu_seconds: int = Field(5, ge=1, le=300, description="CPU-time limit per code run (RLIMIT_CPU).")
+    memory_mib: int = Field(512, ge=32, le=65536, description="Address-space limit per code run, MiB (RLIMIT_AS).")
+    max_output_chars: int = Field(2000, ge=64, le=100000, description="Characters of stdout/stderr fed back to the model.")
 
 
 class WorkflowSpec(KubeModel):
     """How a rollout agent turns one data set item into a trajectory group (AReaL's RolloutWorkflow)."""
 
-    model_config = _cel(("self.type == 'multi-turn' || self.maxTurns == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"))
-    type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn) or multi-turn.")
+    model_config = _cel(
+        ("self.type == 'multi-turn' || self.maxTurns == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"),
+        ("self.type != 'custom' || has(self.class)", "workflow.type custom needs workflow.class (package.module:Class)"),
+        ("!has(self.class) || self.type == 'custom'", "workflow.class needs workflow.type custom"),
+        ("self.type != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
+        ("!has(self.agent) || self.type == 'agent'", "workflow.agent needs workflow.type agent"),
+        ("!has(self.exportStyle) || self.exportStyle == 'concat'", AGENT_INDIVIDUAL_UNSUPPORTED),
+    )
+    type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn), multi-turn, custom (workflow.class) or agent (workflow.agent).")
     max_turns: int = Field(1, ge=1, le=32, description="Turns per episode (multi-turn).")
     turn_discount: float = Field(1.0, gt=0.0, le=1.0, description="Reward multiplier per extra turn (multi-turn), e.g. 0.9.")
     reward: str = Field(
@@ -234,11 +264,39 @@ class WorkflowSpec(KubeModel):
         pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
     )
     use_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+    workflow_class: str | None = Field(
+        None, alias="class", pattern=_IMPORT_PATH,
+        description="custom: `package.module:Class` with `async arun_episode(engine, item, ctx)` (docs/agents.md); "
+                    "its code comes from the runtime image or rollout.image.",
+    )
+    agent: str | None = Field(
+        None, pattern=_IMPORT_PATH,
+        description="agent: `package.module:function(client, item)` run once per episode with an OpenAI client pointed at "
+                    "the agent's local proxy; returns a reward, or None to let workflow.reward score the final answer.",
+    )
+    export_style: AgentExportStyle | None = Field(
+        None, description="agent: how an episode's calls become samples; concat (the default) = one sequence per episode.",
+    )
+    episode_timeout_seconds: float = Field(
+        600.0, gt=0.0, le=86400.0,
+        description="agent/custom: an episode running longer fails (its reason logged and counted) and frees its slot.",
+    )
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="Limits of the sandboxed Python tool (agent workflows that run code).")
 
     @model_validator(mode="after")
     def _turns(self) -> WorkflowSpec:
         if self.type != WorkflowType.MULTI_TURN and self.max_turns != 1:
             raise ValueError("workflow.maxTurns > 1 needs workflow.type multi-turn")
+        if self.type == WorkflowType.CUSTOM and self.workflow_class is None:
+            raise ValueError("workflow.type custom needs workflow.class (package.module:Class)")
+        if self.workflow_class is not None and self.type != WorkflowType.CUSTOM:
+            raise ValueError("workflow.class needs workflow.type custom")
+        if self.type == WorkflowType.AGENT and self.agent is None:
+            raise ValueError("workflow.type agent needs workflow.agent (package.module:function)")
+        if self.agent is not None and self.type != WorkflowType.AGENT:
+            raise ValueError("workflow.agent needs workflow.type agent")
+        if self.export_style not in (None, AgentExportStyle.CONCAT):
+            raise ValueError(AGENT_INDIVIDUAL_UNSUPPORTED)
         return self
 
 

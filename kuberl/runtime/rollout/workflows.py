@@ -19,9 +19,9 @@ from kuberl.runtime.inference.base import (
     GenerateResult,
     InferenceEngine,
 )
-from kuberl.runtime.rewards import RewardFn, resolve_reward, score
+from kuberl.runtime.rewards import RewardFn, score
 
-from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
+from kuberl.api.v1alpha1 import RLExperimentSpec
 
 MAX_CONTINUATIONS = 1000  # aborts one generation may survive (each is one weight update)
 DEFAULT_FEEDBACK = "Your answer is not correct. Try again."
@@ -225,14 +225,12 @@ class MultiTurnWorkflow(RLVRWorkflow):
                       reward=reward * self.turn_discount ** (turns - 1), num_turns=turns, finish_reason=finish)
 
 
-def make_workflow(spec: RLExperimentSpec, tokenizer: Any, *, max_total_tokens: int | None = None) -> RLVRWorkflow:
-    """The workflow spec.workflow asks for, with sampling settings from spec.algorithm."""
-    a, w = spec.algorithm, spec.workflow
+def make_workflow(spec: RLExperimentSpec, tokenizer: Any, *, max_total_tokens: int | None = None) -> RolloutWorkflow:
+    """The workflow spec.workflow asks for (registry.WORKFLOWS), with sampling settings from spec.algorithm."""
+    from kuberl.runtime.rollout.registry import build_workflow  # lazy: the registry imports this module's classes
+
+    a = spec.algorithm
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sampling = SamplingConfig(n=a.samples_per_prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                               top_p=a.top_p, stop_token_ids=stop, max_total_tokens=max_total_tokens)
-    reward = resolve_reward(w.reward)
-    if w.type == WorkflowType.MULTI_TURN:
-        return MultiTurnWorkflow(tokenizer, reward, sampling, max_turns=w.max_turns, turn_discount=w.turn_discount,
-                                 use_chat_template=w.use_chat_template, reward_name=w.reward)
-    return RLVRWorkflow(tokenizer, reward, sampling, use_chat_template=w.use_chat_template, reward_name=w.reward)
+    return build_workflow(spec, tokenizer, sampling)

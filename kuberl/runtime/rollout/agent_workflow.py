@@ -1,0 +1,229 @@
+"""`workflow.type: agent`: train an unmodified OpenAI-client agent (`workflow.agent: package.module:function`).
+
+Per ticket the workflow runs samplesPerPrompt episodes; each gets its own proxy session
+(openai_proxy.py) and calls `function(client, item)` (also `ctx=AgentContext` if it takes `ctx`) with a
+real `openai` client pointed at it: AsyncOpenAI for `async def` agents, OpenAI (run in a thread) else.
+The agent returns its reward, or None to let workflow.reward score the final answer. The episode's
+calls become one sample ("concat"): the calls that extend each other share one prefix; the tokens
+between them (tool outputs, user turns, template glue) are in the sample with loss_mask 0, version -1.
+A failing agent (raises, times out, returns a non-number, makes no call) fails its episode: the reason
+is logged and counted in `stats`, the group is rejected (its slot goes back), the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import math
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kuberl.runtime.bus.messages import Sample
+from kuberl.runtime.data import Item
+from kuberl.runtime.inference.base import InferenceEngine
+from kuberl.runtime.rewards import RewardFn, score
+from kuberl.runtime.rollout.openai_proxy import CallRecord, OpenAIProxy
+from kuberl.runtime.rollout.registry import WorkflowError, WorkflowSetup, import_path
+from kuberl.runtime.rollout.workflows import SamplingConfig
+
+from kuberl.api.v1alpha1 import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+SYNC_AGENT_THREADS = 64  # sync agents run in threads of their own (the default executor has ~6 here)
+
+
+@dataclass
+class AgentContext:
+    """What an agent function may ask for with a `ctx` parameter."""
+
+    base_url: str
+    api_key: str
+    episode: str
+    timeout_seconds: float
+    sandbox: SandboxSpec = field(default_factory=SandboxSpec)
+
+
+class EpisodeFailed(Exception):
+    """The agent's episode cannot be trained on; `kind` is the metric label, the message the reason."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass
+class AgentWorkflowStats:
+    episodes: int = 0
+    failed: Counter = field(default_factory=Counter)  # kind -> episodes (raised, timeout, bad-return, no-call, reward)
+    calls: int = 0
+    calls_outside_sample: int = 0  # calls that did not extend into the final call's conversation (not trained)
+
+
+def concat_sample(calls: list[CallRecord], reward: float) -> tuple[Sample, int]:
+    """One sample from the chain of calls that ends at the last one; returns it and how many calls it left out.
+
+    Each call's prompt extends its parent's prompt + output (openai_proxy keeps those tokens), so the
+    chain is one sequence: the root's prompt, then generated tokens (mask 1, their versions and
+    logprobs) alternating with the tokens between calls (mask 0, version -1, logprob 0).
+    """
+    chain: list[CallRecord] = []
+    i: int | None = len(calls) - 1
+    while i is not None:
+        chain.append(calls[i])
+        i = calls[i].parent
+    chain.reverse()
+    root = chain[0]
+    out, lps, vers = list(root.output_ids), list(root.logprobs), list(root.versions)
+    mask = [1] * len(out)
+    end = len(root.prompt_ids) + len(root.output_ids)
+    for c in chain[1:]:
+        gap = c.prompt_ids[end:]
+        out += gap + c.output_ids
+        lps += [0.0] * len(gap) + c.logprobs
+        vers += [-1] * len(gap) + c.versions
+        mask += [0] * len(gap) + [1] * len(c.output_ids)
+        end = len(c.prompt_ids) + len(c.output_ids)
+    sample = Sample(input_ids=list(root.prompt_ids), output_ids=out, logprobs=lps, versions=vers, loss_mask=mask, reward=reward,
+                    num_turns=len(chain), finish_reason=chain[-1].finish_reason)
+    return sample, len(calls) - len(chain)
+
+
+def check_reward(value: Any) -> float:
+    """The agent's return value as a reward: a finite real number (bool counts as 0/1)."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EpisodeFailed("bad-return", f"the agent returned {value!r} ({type(value).__name__}); expected a finite number (the reward) or None")
+    return float(value)
+
+
+class AgentWorkflow:
+    """Runs an agent function once per episode against the local OpenAI-compatible proxy."""
+
+    def __init__(self, agent_fn: Any, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
+                 timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent") -> None:
+        if not callable(agent_fn):
+            raise WorkflowError(f"workflow.agent: {name!r} is a {type(agent_fn).__name__}, not a function")
+        self.agent_fn = agent_fn
+        self.name = name
+        self.is_async = inspect.iscoroutinefunction(agent_fn)
+        params = inspect.signature(agent_fn).parameters
+        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+            raise WorkflowError(f"workflow.agent: {name} must take (client, item) and may take ctx; it takes ({', '.join(params)})")
+        self.wants_ctx = "ctx" in params
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.reward_fn = reward_fn
+        self.reward_name = reward_name
+        self.timeout = timeout_seconds
+        self.sandbox = sandbox or SandboxSpec()
+        self.stats = AgentWorkflowStats()
+        self.proxy: OpenAIProxy | None = None
+        self._proxy_lock = asyncio.Lock()
+        self._threads: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_setup(cls, setup: WorkflowSetup) -> AgentWorkflow:
+        w = setup.spec.workflow
+        fn = import_path(w.agent or "", "workflow.agent")
+        return cls(fn, setup.tokenizer, setup.sampling, setup.reward_fn, reward_name=w.reward, timeout_seconds=w.episode_timeout_seconds,
+                   sandbox=w.sandbox, name=w.agent or "agent")
+
+    async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
+        async with self._proxy_lock:
+            if self.proxy is None:
+                proxy = OpenAIProxy(engine, self.tokenizer, self.sampling)
+                await proxy.start()
+                self.proxy = proxy
+            elif self.proxy.engine is not engine:
+                raise RuntimeError("one AgentWorkflow serves one engine")
+            return self.proxy
+
+    async def aclose(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop()
+            self.proxy = None
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # -- one episode ---------------------------------------------------------------------------
+
+    async def _call_agent(self, base_url: str, api_key: str, item: Item, ctx: AgentContext) -> Any:
+        import openai  # the real client library the user's agent already uses
+
+        kwargs = {"ctx": ctx} if self.wants_ctx else {}
+        if self.is_async:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout)
+            try:
+                return await self.agent_fn(client, item, **kwargs)
+            finally:
+                await client.close()
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(SYNC_AGENT_THREADS, thread_name_prefix="kuberl-agent")
+        sync_client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout)
+        loop = asyncio.get_running_loop()
+        # A sync agent past its timeout cannot be stopped: its thread runs on until its next call, which the
+        # closed session refuses.
+        return await loop.run_in_executor(self._threads, functools.partial(self.agent_fn, sync_client, item, **kwargs))
+
+    async def run_episode(self, engine: InferenceEngine, item: Item, episode: str) -> Sample:
+        """One agent episode -> one sample; EpisodeFailed for the agent's faults, EngineError for the engine's."""
+        proxy = await self._proxy_for(engine)
+        session = proxy.open_session()
+        base_url = proxy.base_url(session)
+        ctx = AgentContext(base_url=base_url, api_key=session.key, episode=episode, timeout_seconds=self.timeout, sandbox=self.sandbox)
+        self.stats.episodes += 1
+        try:
+            try:
+                result = await asyncio.wait_for(self._call_agent(base_url, session.key, item, ctx), self.timeout)
+            except TimeoutError:
+                raise EpisodeFailed("timeout", f"the agent ran past workflow.episodeTimeoutSeconds ({self.timeout:g} s)") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  the user's code: any exception fails the episode
+                if session.engine_error is not None:
+                    raise session.engine_error from exc
+                raise EpisodeFailed("raised", f"the agent raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            calls = proxy.close_session(session)
+        if session.engine_error is not None:  # the agent caught the engine's failure: still the engine's
+            raise session.engine_error
+        if not calls:
+            raise EpisodeFailed("no-call", "the agent made no model call through its client (nothing to train on)")
+        self.stats.calls += len(calls)
+        if result is None:
+            last = calls[-1]
+            final = last.reply["content"] if last.reply is not None else last.text
+            try:
+                reward = score(self.reward_fn, item.prompt, final, item.answer, name=self.reward_name)
+            except Exception as exc:  # noqa: BLE001  a user reward function: same treatment as the agent
+                raise EpisodeFailed("reward", f"workflow.reward {self.reward_name} failed on the final answer: {exc}") from exc
+        else:
+            reward = check_reward(result)
+        sample, left_out = concat_sample(calls, reward)
+        self.stats.calls_outside_sample += left_out
+        return sample
+
+    async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: Any) -> list[Sample] | None:
+        """samplesPerPrompt episodes at once; None (rejected) if any failed: the trainer needs full groups."""
+        ticket = getattr(ctx, "ticket_id", "") or "episode"
+        results = await asyncio.gather(*(self.run_episode(engine, item, f"{ticket}/{i}") for i in range(self.sampling.n)),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, EpisodeFailed)]
+        others = [r for r in results if isinstance(r, BaseException) and not isinstance(r, EpisodeFailed)]
+        if others:
+            raise others[0]  # cancellation, engine errors, bugs: the agent gives the ticket back
+        if failures:
+            for f in failures:
+                self.stats.failed[f.kind] += 1
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(self.stats.failed.items()))
+            log.warning("agent %s: %d of %d episodes of item %d (ticket %s) failed, the group is rejected: %s [failed episodes so far: %s]",
+                        self.name, len(failures), len(results), item.index, ticket, failures[0], counts)
+            return None
+        return list(results)  # type: ignore[arg-type]

@@ -1,0 +1,338 @@
+"""Agent workflows through the OpenAI-compatible proxy, with the real `openai` client and a scripted engine.
+
+The engine is scripted (it records every request and result) so that each test can check the recorded
+samples against what the engine generated, token for token; the real vLLM path is in
+tests/integration/test_agent.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import openai
+import pytest
+from kuberl.runtime.data import Item
+from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.rewards import exact_match_reward
+from kuberl.runtime.rollout.agent_workflow import AgentWorkflow, concat_sample
+from kuberl.runtime.rollout.openai_proxy import CallRecord, parse_tool_calls
+from kuberl.runtime.rollout.workflows import EpisodeContext, SamplingConfig
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a + b",
+                                             "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from kuberl.runtime.models import build_tiny_model
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+class ScriptedEngine:
+    """An InferenceEngine whose answer is `reply(input_ids) + eos`; records (request, result) pairs.
+
+    `abort_after=k` cuts the next generation after k tokens (finish abort), then bumps the version, as a
+    weight update does; the continuation request gets the rest.
+    """
+
+    def __init__(self, tokenizer, reply, *, version=0):
+        self.tok = tokenizer
+        self.reply = reply
+        self._version = version
+        self.calls: list[tuple[GenerateRequest, GenerateResult]] = []
+        self.abort_after: int | None = None
+        self._rest: list[int] | None = None
+        self.fail: EngineError | None = None
+
+    @property
+    def version(self):
+        return self._version
+
+    async def generate(self, req):
+        await asyncio.sleep(0.001)
+        if self.fail is not None:
+            raise self.fail
+        if self._rest is not None:
+            ids, self._rest = self._rest, None
+        else:
+            ids = list(self.tok(self.reply(req.input_ids), add_special_tokens=False)["input_ids"]) + [self.tok.eos_token_id]
+        ids = ids[: req.max_new_tokens]
+        finish = "stop" if ids and ids[-1] == self.tok.eos_token_id else "length"
+        version = self._version
+        if self.abort_after is not None:
+            ids, self._rest, finish = ids[: self.abort_after], ids[self.abort_after:], "abort"
+            self.abort_after = None
+            self._version += 1
+        res = GenerateResult(ids, [-0.01 * (i + 1) for i in range(len(ids))], finish, version)
+        self.calls.append((req, res))
+        return res
+
+
+def sampling(tok, n=1, max_new=256):
+    return SamplingConfig(n=n, max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=[tok.eos_token_id], max_total_tokens=4096)
+
+
+def workflow(tok, agent, *, n=1, timeout=30.0, reward=exact_match_reward):
+    return AgentWorkflow(agent, tok, sampling(tok, n), reward, reward_name="exact-match", timeout_seconds=timeout, name="test-agent")
+
+
+def generated_segments(sample):
+    """The sample's runs of mask-1 tokens, with where each starts."""
+    segs, cur, start = [], [], None
+    for i, (t, m) in enumerate(zip(sample.output_ids, sample.loss_mask)):
+        if m:
+            if not cur:
+                start = i
+            cur.append(t)
+        elif cur:
+            segs.append((start, cur))
+            cur = []
+    if cur:
+        segs.append((start, cur))
+    return segs
+
+
+async def tool_agent(client: openai.AsyncOpenAI, item: Item):
+    """Asks, executes the tool call the model makes, asks again; the reward function scores the last answer."""
+    messages = [{"role": "user", "content": item.prompt}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL])
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and msg.tool_calls, msg
+    call = msg.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    messages.append(msg.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {args['a'] + args['b']}"})
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL])
+    assert second.choices[0].message.content == "5"
+    return None
+
+
+class TestAToolCallingAgent:
+    def run(self, tok, engine, agent=tool_agent, item=Item(0, "What is 2 + 3?", "5")):
+        wf = workflow(tok, agent)
+
+        async def go():
+            try:
+                return await wf.arun_episode(engine, item, EpisodeContext(ticket_id="t1"))
+            finally:
+                await wf.aclose()
+
+        return wf, asyncio.run(go())
+
+    def engine(self, tok):
+        def reply(ids):
+            text = tok.decode(ids)
+            return "5" if "result 5" in text else '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+        return ScriptedEngine(tok, reply, version=7)
+
+    def test_its_calls_become_one_sample_that_matches_the_engine_token_for_token(self, tokenizer):
+        engine = self.engine(tokenizer)
+        wf, samples = self.run(tokenizer, engine)
+        assert samples is not None and len(samples) == 1
+        s = samples[0]
+        (req1, res1), (req2, res2) = engine.calls
+        # The sample starts with exactly the first prompt; its generated runs are exactly the engine's outputs,
+        # each with the engine's logprobs and version.
+        assert s.input_ids == req1.input_ids
+        segs = generated_segments(s)
+        assert [seg for _, seg in segs] == [res1.output_ids, res2.output_ids]
+        full = s.input_ids + s.output_ids
+        # The second request was the first prompt + what the engine generated + the tool turn (token for token).
+        start2 = segs[1][0]
+        assert req2.input_ids == full[: len(s.input_ids) + start2]
+        assert [lp for lp, m in zip(s.logprobs, s.loss_mask) if m] == res1.logprobs + res2.logprobs
+        assert [v for v, m in zip(s.versions, s.loss_mask) if m] == [7] * (len(res1.output_ids) + len(res2.output_ids))
+        assert s.reward == 1.0 and s.num_turns == 2
+
+    def test_the_tool_output_is_in_the_sample_but_never_trained_on(self, tokenizer):
+        engine = self.engine(tokenizer)
+        _, samples = self.run(tokenizer, engine)
+        s = samples[0]
+        masked = [t for t, m in zip(s.output_ids, s.loss_mask) if not m]
+        assert "result 5" in tokenizer.decode(masked)
+        assert "result 5" not in tokenizer.decode([t for t, m in zip(s.output_ids, s.loss_mask) if m])
+        assert all(v == -1 for v, m in zip(s.versions, s.loss_mask) if not m)
+
+    def test_the_tools_reach_the_prompt_through_the_template(self, tokenizer):
+        engine = self.engine(tokenizer)
+        self.run(tokenizer, engine)
+        assert '"name": "add"' in tokenizer.decode(engine.calls[0][0].input_ids)
+
+    def test_a_weight_update_mid_call_continues_the_generation_and_keeps_each_tokens_version(self, tokenizer):
+        engine = self.engine(tokenizer)
+        engine.abort_after = 3  # the first call is cut after 3 tokens; the engine then serves v8
+        _, samples = self.run(tokenizer, engine)
+        s = samples[0]
+        gen_versions = [v for v, m in zip(s.versions, s.loss_mask) if m]
+        first_len = sum(len(r.output_ids) for _, r in engine.calls[:2])
+        assert gen_versions[:3] == [7, 7, 7] and set(gen_versions[3:first_len]) == {8}
+        assert set(gen_versions[first_len:]) == {8}  # the second call ran entirely on v8
+        assert engine.calls[1][0].input_ids == engine.calls[0][0].input_ids + engine.calls[0][1].output_ids
+
+
+def test_parse_tool_calls_reads_hermes_blocks_and_leaves_broken_ones_as_text():
+    content, calls = parse_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert content == "Let me add." and calls == [{"name": "add", "arguments": {"a": 1}}]
+    content, calls = parse_tool_calls("<tool_call>{not json}</tool_call>")
+    assert calls == [] and content == "<tool_call>{not json}</tool_call>"
+
+
+def test_concat_sample_keeps_only_the_chain_that_ends_at_the_last_call():
+    a = CallRecord("chat", [1, 2], [3], [-0.1], [0], "stop", "x")
+    b = CallRecord("chat", [9, 9], [4], [-0.2], [1], "stop", "y")  # the agent rewrote its history
+    c = CallRecord("chat", [9, 9, 4, 5], [6, 7], [-0.3, -0.4], [2, 2], "stop", "z", parent=1)
+    s, left_out = concat_sample([a, b, c], 0.5)
+    assert left_out == 1
+    assert s.input_ids == [9, 9] and s.output_ids == [4, 5, 6, 7]
+    assert s.loss_mask == [1, 0, 1, 1] and s.versions == [1, -1, 2, 2] and s.logprobs == [-0.2, 0.0, -0.3, -0.4]
+
+
+def prompt_digest_reply(tok):
+    """An engine whose answer is a digest of its whole input: any mix-up between sessions shows."""
+    return lambda ids: " ".join(hashlib.sha1(str(ids).encode()).hexdigest()[:6])
+
+
+async def two_call_agent(client: openai.AsyncOpenAI, item: Item):
+    messages = [{"role": "user", "content": item.prompt}]
+    for _ in range(2):
+        r = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again [{item.index}]"}]
+        await asyncio.sleep(0.001 * (item.index % 5))  # interleave the episodes
+    return float(item.index)
+
+
+def test_many_concurrent_episodes_through_one_proxy_are_never_mixed(tokenizer):
+    engine = ScriptedEngine(tokenizer, prompt_digest_reply(tokenizer))
+    wf = workflow(tokenizer, two_call_agent, n=4)
+    items = [Item(i, f"question [{i}]", "") for i in range(12)]
+
+    async def go():
+        try:
+            return await asyncio.gather(*(wf.arun_episode(engine, it, EpisodeContext(ticket_id=f"t{it.index}")) for it in items))
+        finally:
+            await wf.aclose()
+
+    groups = asyncio.run(go())
+    by_input = {tuple(req.input_ids): res for req, res in engine.calls}
+    assert len(engine.calls) == 12 * 4 * 2
+    for item, group in zip(items, groups):
+        assert len(group) == 4 and all(s.reward == float(item.index) for s in group)
+        for s in group:
+            full = s.input_ids + s.output_ids
+            text = tokenizer.decode(full)
+            assert f"question [{item.index}]" in text and f"again [{item.index}]" in text
+            assert all(f"[{j}]" not in text for j in range(12) if j != item.index)
+            for start, seg in generated_segments(s):  # each generated run is what the engine answered to that very prefix
+                assert by_input[tuple(full[: len(s.input_ids) + start])].output_ids == seg
+
+
+class TestBadAgents:
+    def run(self, tok, agent, timeout=30.0, n=2):
+        engine = ScriptedEngine(tok, lambda ids: "ok")
+        wf = workflow(tok, agent, n=n, timeout=timeout)
+
+        async def go():
+            try:
+                return await wf.arun_episode(engine, Item(3, "q", "ok"), EpisodeContext(ticket_id="t"))
+            finally:
+                await wf.aclose()
+
+        return wf, asyncio.run(go())
+
+    def test_an_agent_that_raises_fails_its_episode_and_the_group_is_rejected(self, tokenizer, caplog):
+        async def agent(client, item):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+            raise KeyError("boom")
+
+        wf, out = self.run(tokenizer, agent)
+        assert out is None and wf.stats.failed["raised"] == 2
+        assert "the agent raised KeyError: 'boom'" in caplog.text
+
+    def test_an_agent_that_hangs_is_stopped_at_the_episode_timeout(self, tokenizer, caplog):
+        async def agent(client, item):
+            await asyncio.sleep(3600)
+
+        wf, out = self.run(tokenizer, agent, timeout=0.3)
+        assert out is None and wf.stats.failed["timeout"] == 2
+        assert "episodeTimeoutSeconds (0.3 s)" in caplog.text
+
+    def test_an_agent_that_returns_a_non_number_fails_its_episode(self, tokenizer, caplog):
+        async def agent(client, item):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+            return "great"
+
+        wf, out = self.run(tokenizer, agent)
+        assert out is None and wf.stats.failed["bad-return"] == 2
+        assert "returned 'great' (str)" in caplog.text
+
+    def test_an_agent_that_makes_no_call_fails_its_episode(self, tokenizer):
+        async def agent(client, item):
+            return 1.0
+
+        wf, out = self.run(tokenizer, agent)
+        assert out is None and wf.stats.failed["no-call"] == 2
+
+    def test_an_engine_failure_under_the_agent_gives_the_ticket_back_instead(self, tokenizer):
+        engine = ScriptedEngine(tokenizer, lambda ids: "ok")
+        engine.fail = EngineError("engine down", status=None)
+
+        async def agent(client, item):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+
+        wf = workflow(tokenizer, agent, n=1)
+
+        async def go():
+            try:
+                return await wf.arun_episode(engine, Item(0, "q", "a"), EpisodeContext())
+            finally:
+                await wf.aclose()
+
+        with pytest.raises(EngineError, match="engine down"):
+            asyncio.run(go())
+        assert not wf.stats.failed
+
+    def test_a_sync_agent_with_the_sync_client_runs_in_a_thread(self, tokenizer):
+        def agent(client: openai.OpenAI, item):
+            r = client.chat.completions.create(model="p", messages=[{"role": "user", "content": item.prompt}])
+            return r.choices[0].message.content == "ok"
+
+        wf, out = self.run(tokenizer, agent)
+        assert out is not None and [s.reward for s in out] == [1.0, 1.0]
+
+
+def test_the_proxy_listens_on_loopback_only_and_checks_each_sessions_key(tokenizer):
+    from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
+
+    async def go():
+        proxy = OpenAIProxy(ScriptedEngine(tokenizer, lambda ids: "ok"), tokenizer, sampling(tokenizer))
+        await proxy.start()
+        try:
+            addrs = [s.getsockname()[0] for site in proxy._runner.sites for s in site._server.sockets]
+            a, b = proxy.open_session(), proxy.open_session()
+            wrong = openai.AsyncOpenAI(base_url=proxy.base_url(a), api_key=b.key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+            proxy.close_session(a)
+            closed = openai.AsyncOpenAI(base_url=proxy.base_url(a), api_key=a.key, max_retries=0)
+            with pytest.raises(openai.NotFoundError):
+                await closed.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+            ok = openai.AsyncOpenAI(base_url=proxy.base_url(b), api_key=b.key, max_retries=0)
+            chunks = [c async for c in await ok.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], stream=True)]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            comp = await ok.completions.create(model="p", prompt="hello")
+            with pytest.raises(openai.BadRequestError, match="n > 1"):
+                await ok.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], n=2)
+            for c in (wrong, closed, ok):
+                await c.close()
+            return addrs, text, comp, b
+        finally:
+            await proxy.stop()
+
+    addrs, text, comp, b = asyncio.run(go())
+    assert addrs == ["127.0.0.1"]
+    assert text == "ok" and comp.choices[0].text == "ok"
+    assert [c.kind for c in b.calls] == ["chat", "completion"]
