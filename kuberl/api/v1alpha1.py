@@ -370,6 +370,11 @@ class AlgorithmSpec(KubeModel):
     reward_scaling: float = Field(10.0, gt=0.0, description="reward' = (reward + rewardBias) * rewardScaling.")
     reward_bias: float = Field(-0.5, description="Added to rewards before scaling.")
     normalize_advantages: bool = Field(True, description="Divide advantages by their std (group std for GRPO, batch std for REINFORCE++/LitePPO).")
+    batch_advantage_norm: bool = Field(
+        False,
+        description="After the algorithm's own (e.g. group-level) normalisation, whiten the advantages over every loss token of the batch: "
+        "(A - mean) / (std + eps), AReaL's adv_norm {mean_level: batch, std_level: batch} as in its GSM8K GRPO recipe.",
+    )
     dynamic_sampling: bool | None = Field(
         None, description="Reject groups whose rewards are all equal (DAPO); their ticket is given back. Unset = the algorithm's choice (on for dapo)."
     )
@@ -393,7 +398,11 @@ class StalenessSpec(KubeModel):
     """Bounded staleness (AReaL): at policy version v at most (maxHeadOffpolicyness + v + 1) * batchSize groups start."""
 
     max_head_offpolicyness: int = Field(2, ge=0, le=1000, description="eta: how many versions a trained sample may lag; 0 = synchronous RL.")
-    max_concurrent_rollouts: int | None = Field(None, ge=1, le=1_000_000, description="Groups in flight at once, all agents together; unset = only the staleness bound.")
+    max_concurrent_rollouts: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Groups being generated at once, all agents together (a group frees its slot when it arrives on the bus, as AReaL's "
+        "max_concurrent_rollouts); unset = only the staleness bound.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +452,11 @@ class RolloutSpec(SchedulingSpec):
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per replica.")
     engine_args: list[str] = Field(default_factory=list, max_length=64, description="Extra command-line arguments for the engine server.")
     concurrency: int = Field(32, ge=1, le=4096, description="Groups one agent generates at once.")
+    max_ticket_attempts: int = Field(
+        3, ge=1, le=100,
+        description="Deliveries of one ticket whose workflow or reward raises before it becomes a failed group "
+        "(counted in status.progress.failedGroups, its slot given back) instead of being retried forever.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSpec:
@@ -670,6 +684,8 @@ class TrainingProgress(KubeModel):
     staleness_mean: float | None = Field(None, ge=0, description="Mean of v - (head version) over the last batch.")
     staleness_max: int | None = Field(None, ge=0, description="Largest staleness in the last batch.")
     dropped_stale: int = Field(0, ge=0, description="Groups dropped for exceeding maxHeadOffpolicyness, all time.")
+    failed_groups: int | None = Field(None, ge=0, description="Tickets that failed on every delivery (rollout.maxTicketAttempts), all time.")
+    entropy: float | None = Field(None, ge=0, description="Policy entropy of the last step (token mean over trained tokens, at the sampling temperature).")
     updated_at: str | None = Field(None, description="When the trainer last reported.")
 
 

@@ -411,6 +411,8 @@ def _progress(exp: RLExperiment, progress: Mapping[str, Any] | None, old: Mappin
         "samplesPerSecond": _float(progress.get("samples_per_second")),
         "stalenessMean": _float(progress.get("staleness_mean")),
         "stalenessMax": _int(progress["staleness_max"]) if progress.get("staleness_max") is not None else None,
+        "failedGroups": _int(progress["failed_groups"]) if progress.get("failed_groups") is not None else None,
+        "entropy": _float(progress.get("entropy")),
         "updatedAt": _time_text(progress.get("time")),
     }
     out.update({k: v for k, v in optional.items() if v is not None and not (isinstance(v, float) and v < 0 and k != "reward")})

@@ -79,7 +79,8 @@ class TrajectoryGroup(_Message):
     """All samples for one ticket (GRPO group); msg id = group_id = ticket.ticket_id.
 
     A `rejected` group has no samples (e.g. dynamic sampling found all rewards equal) and gives its
-    staleness slot back to the trainer.
+    staleness slot back to the trainer. A failed group is a rejected one with a `failure` reason: its
+    ticket failed on every one of rollout.maxTicketAttempts deliveries (a poison ticket).
     """
 
     group_id: str = Field(min_length=1)
@@ -87,12 +88,15 @@ class TrajectoryGroup(_Message):
     samples: list[Sample] = Field(default_factory=list)
     agent: str = ""
     rejected: bool = False
+    failure: str | None = Field(None, description="Why the ticket failed for good (rollout.maxTicketAttempts reached); a failed group is rejected")
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrajectoryGroup:
         if self.group_id != self.ticket.ticket_id:
             raise ValueError(f"group_id {self.group_id!r} must equal ticket.ticket_id {self.ticket.ticket_id!r}")
+        if self.failure is not None and not self.rejected:
+            raise ValueError(f"group {self.group_id!r} has a failure but is not rejected (a failed group gives its ticket back)")
         if self.rejected and self.samples:
             raise ValueError(f"group {self.group_id!r} is rejected but has {len(self.samples)} samples (a rejected group has none)")
         if not self.rejected and not self.samples:

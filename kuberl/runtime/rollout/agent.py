@@ -1,8 +1,10 @@
 """The rollout agent: takes tickets from the bus, runs the workflow on its engine, publishes trajectory groups.
 
 Runs next to one inference engine (`kuberl rollout`, one per rollout pod). It follows the `weights`
-KV key (pause the engine, load, resume, on every update), holds at most rollout.concurrency tickets at
-once (heartbeating each with in_progress), applies DAPO dynamic sampling, and stops cleanly on cancel.
+KV key (pause the engine, load, resume, on every update), starts a ticket only on weights at least as
+new as the version it was issued at, holds at most rollout.concurrency tickets at once (heartbeating
+each with in_progress), applies DAPO dynamic sampling, turns a ticket that fails on every one of
+rollout.maxTicketAttempts deliveries into a failed group, and stops cleanly on cancel.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 10.0  # well under the tickets' ack_wait (30 s)
 BUS_WEIGHTS_KEEP = 2  # local copies of bus-mode weights kept (the one loaded and the one before)
+NAK_DELAY_SECONDS = 5.0  # a failed ticket comes back after this long (another agent may take it)
+WEIGHTS_POLL_SECONDS = 5.0  # a ticket waiting for newer weights re-reads the weights key this often
 
 
 def default_agent_id() -> str:
@@ -42,6 +46,8 @@ class AgentStats:
     published: int = 0
     rejected: int = 0
     failed: int = 0
+    failed_groups: int = 0  # tickets given up after rollout.maxTicketAttempts failed deliveries
+    started_behind: int = 0  # tickets started on weights older than their issued_version (none newer to load)
     weight_updates: int = 0
     samples: int = 0
     reward_sum: float = 0.0
@@ -69,6 +75,11 @@ class RolloutAgent:
         self.stats = AgentStats()
         self._update_lock = asyncio.Lock()
         self._last_weights: dict[str, Any] | None = None
+        self.max_attempts = exp.spec.rollout.max_ticket_attempts
+        # The version of the last weights update the follower finished (loaded or failed), and a condition
+        # notified after each: tickets waiting for their issued_version wake on it.
+        self._followed_version: int | None = None
+        self._weights_followed = asyncio.Condition()
         self._episodes: set[asyncio.Task] = set()
         self.log_every = log_every
 
@@ -128,6 +139,35 @@ class RolloutAgent:
                 await self.apply_weights(w)
             except Exception:
                 log.exception("agent %s: loading weights v%s failed; still serving v%d", self.agent_id, w.get("version"), self.engine.version)
+            finally:
+                async with self._weights_followed:
+                    self._followed_version = int(w["version"])
+                    self._weights_followed.notify_all()
+
+    async def wait_for_weights(self, wanted: int) -> bool:
+        """Before a ticket starts: wait until the engine serves weights >= `wanted` (the ticket's issued_version).
+
+        The trainer publishes version v before it issues tickets at v, so the `weights` key names them
+        already; the follower is loading (or about to load) them. Starting on older weights would
+        generate a group the trainer may drop as stale (at eta = 0, every such group). No wait when the key
+        holds an older version (a trainer restarted from an earlier checkpoint) or when the follower
+        tried that version and failed. Returns False if the ticket starts on older weights anyway.
+        """
+        while self.engine.version < wanted:
+            if self._followed_version is not None and self._followed_version >= wanted:
+                break  # the follower tried and failed (it logged why): do not hold tickets forever
+            w = await self.bus.get_state(KEY_WEIGHTS)
+            if w is None or int(w["version"]) < wanted:
+                break  # nothing that new was published (or the trainer went back to a checkpoint)
+            async with self._weights_followed:  # re-checked under the lock: a notify cannot slip by
+                if self.engine.version < wanted and (self._followed_version is None or self._followed_version < wanted):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._weights_followed.wait(), WEIGHTS_POLL_SECONDS)
+        if self.engine.version >= wanted:
+            return True
+        self.stats.started_behind += 1
+        log.warning("agent %s: ticket issued at v%d starts on v%d (no newer weights to load)", self.agent_id, wanted, self.engine.version)
+        return False
 
     # -- episodes ------------------------------------------------------------------------------
 
@@ -151,6 +191,7 @@ class RolloutAgent:
             return None
         beat = asyncio.create_task(self._heartbeat(lease))
         try:
+            await self.wait_for_weights(ticket.issued_version)
             ctx = EpisodeContext(ticket_id=ticket.ticket_id, seed=None)
             samples = await self.workflow.arun_episode(self.engine, self.items[ticket.index], ctx)
             rewards = [s.reward for s in samples or []]
@@ -171,12 +212,19 @@ class RolloutAgent:
             rejected, rewards = True, []
             group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, agent=self.agent_id, rejected=True)
             await self.bus.publish_group(group)
-        except Exception as exc:  # noqa: BLE001  any failure: the ticket goes back for another try
-            return await self._give_back(lease, exc)
+        except Exception as exc:  # noqa: BLE001  any failure: the ticket goes back for another try, up to a bound
+            if lease.delivered < self.max_attempts:
+                return await self._give_back(lease, exc)
+            rejected, rewards = True, []
+            group = await self._fail(lease, exc)
+            if group is None:
+                return None
         finally:
             beat.cancel()
         await lease.ack()
-        if rejected:
+        if group.failure is not None:
+            self.stats.failed_groups += 1
+        elif rejected:
             self.stats.rejected += 1
         else:
             self.stats.published += 1
@@ -186,9 +234,28 @@ class RolloutAgent:
 
     async def _give_back(self, lease: Lease[Ticket], exc: Exception) -> None:
         self.stats.failed += 1
-        log.error("agent %s: ticket %s failed, giving it back: %s", self.agent_id, lease.value.ticket_id, exc, exc_info=exc)
+        log.error("agent %s: ticket %s failed (delivery %d of at most %d), giving it back: %s", self.agent_id,
+                  lease.value.ticket_id, lease.delivered, self.max_attempts, exc, exc_info=exc)
         with contextlib.suppress(Exception):
-            await lease.nak(delay=5.0)
+            await lease.nak(delay=NAK_DELAY_SECONDS)
+
+    async def _fail(self, lease: Lease[Ticket], exc: Exception) -> TrajectoryGroup | None:
+        """A poison ticket: it failed on its last allowed delivery. Publish it as a failed (rejected) group,
+        so the trainer counts it and gives its slot back; None if even that could not be published."""
+        self.stats.failed += 1
+        ticket = lease.value
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        log.error("agent %s: ticket %s (item %d) failed on all %d deliveries, giving up on it: %s", self.agent_id,
+                  ticket.ticket_id, ticket.index, lease.delivered, reason, exc_info=exc)
+        group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, agent=self.agent_id, rejected=True, failure=reason)
+        try:
+            await self.bus.publish_group(group)
+        except Exception as pub:  # noqa: BLE001  the bus is down: the ticket comes back, and fails again
+            log.error("agent %s: could not publish failed group %s: %s", self.agent_id, ticket.ticket_id, pub)
+            with contextlib.suppress(Exception):
+                await lease.nak(delay=NAK_DELAY_SECONDS)
+            return None
+        return group
 
     async def _report(self) -> None:
         while True:
@@ -196,8 +263,9 @@ class RolloutAgent:
             s = self.stats
             rate = (s.published + s.rejected) / max(time.monotonic() - s.started, 1e-9)
             mean = s.reward_sum / s.samples if s.samples else float("nan")
-            log.info("agent %s: %d groups published, %d rejected, %d failed (%.2f groups/s), mean reward %.3f, v%d, %d in flight",
-                     self.agent_id, s.published, s.rejected, s.failed, rate, mean, self.engine.version, len(self._episodes))
+            log.info("agent %s: %d groups published, %d rejected, %d failed attempts, %d failed groups, %d started behind "
+                     "(%.2f groups/s), mean reward %.3f, v%d, %d in flight", self.agent_id, s.published, s.rejected, s.failed,
+                     s.failed_groups, s.started_behind, rate, mean, self.engine.version, len(self._episodes))
 
     async def run(self, max_tickets: int | None = None) -> AgentStats:
         """Take tickets until cancelled (or `max_tickets` are done); then cancel the episodes in flight."""

@@ -73,6 +73,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.dropped_stale = 0
+        self.failed_groups = 0  # tickets the agents gave up on (rollout.maxTicketAttempts failed deliveries)
         self.answered_request: str | None = None
         self.held: list[Any] = []  # bus handles of groups trained or accounted, not yet covered by a checkpoint
         self.buffer: list[tuple[Any, Any]] = []  # (group, handle) pulled but not yet trained
@@ -156,6 +157,7 @@ class Trainer:
             ck.restore_rng_state(ck.read_torch(path, rng.name))
         self.step, self.version = int(state["step"]), int(state["version"])
         self.dropped_stale = int(state.get("dropped_stale", 0))
+        self.failed_groups = int(state.get("failed_groups", 0))  # absent in checkpoints from before the count
         self.answered_request = state.get("answered_request")
         self.book.load_state(state["tickets"])
         self.last_checkpoint = state.get("checkpoint")
@@ -307,6 +309,10 @@ class Trainer:
         `accepted`: the group was accepted before (kept from an interrupted collect) and is judged again."""
         if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
             self.book.on_rejected()
+            if getattr(group, "failure", None) is not None:  # a poison ticket: accounted like a rejected group
+                self.failed_groups += 1
+                log.warning("group %s failed on every delivery (item %d), its slot is given back: %s",
+                            group.group_id, group.ticket.index, group.failure)
             return False
         if self.book.bound.is_stale(group.head_version, self.version):
             # The safety net: the ticket gate makes this rare (slow agents, restarts).
@@ -472,7 +478,7 @@ class Trainer:
             if request is not None:
                 self.answered_request = request
             info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
-            state = {"version": self.version, "dropped_stale": self.dropped_stale, "tickets": self.book.state(),
+            state = {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
                      "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
                      "world_size": self.info.world_size, "experiment": self.exp.name}
             ck.commit_checkpoint(self.ckpt_root, self.step, state, keep=self.spec.checkpoint.keep)
@@ -513,7 +519,7 @@ class Trainer:
                                  "staleness_max": stats["staleness_max"], "trainer_wait_fraction": stats["wait_seconds"] / max(stats["step_seconds"], 1e-9)}
             progress.update(self.last_numbers)
             row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
-                   "dropped_stale": self.dropped_stale, **stats}
+                   "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
@@ -527,7 +533,7 @@ class Trainer:
     def _progress_base(self, done: bool = False) -> dict[str, Any]:
         return {"step": self.step, "total_steps": getattr(self, "total_steps", None), "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
-                "staleness_max": None, "dropped_stale": self.dropped_stale, "trainer_wait_fraction": None,
+                "staleness_max": None, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
                 "checkpoint": self.last_checkpoint, "time": time.time(), **self.last_numbers}
 

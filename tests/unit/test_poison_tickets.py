@@ -1,0 +1,61 @@
+"""Poison tickets: a ticket whose workflow or reward fails on every delivery becomes a failed group.
+
+The agent side runs against the real bus and engine in tests/integration/test_rollout.py; here the
+message, the trainer's accounting and the status field, one rule each.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kuberl.api import RLExperiment, RLExperimentStatus
+from kuberl.api.v1alpha1 import TrainingProgress
+from kuberl.operator.status import _progress
+from kuberl.runtime.bus import Ticket, TrajectoryGroup
+from kuberl.runtime.bus.messages import MessageError, decode_group
+from tests.unit.test_trainer_stages import B, group, make_trainer
+
+
+def failed(tk: Ticket, reason: str = "RewardError: reward 'boom' raised ValueError") -> TrajectoryGroup:
+    return TrajectoryGroup(group_id=tk.ticket_id, ticket=tk, rejected=True, failure=reason)
+
+
+class TestTheMessage:
+    def test_a_failed_group_carries_its_reason_over_the_bus(self):
+        tk = Ticket(ticket_id="e0-i1-1", index=1, epoch=0, issued_version=0)
+        back = decode_group(failed(tk).encode())
+        assert back.rejected and back.failure.startswith("RewardError")
+
+    def test_a_failure_without_rejection_is_refused(self):
+        tk = Ticket(ticket_id="e0-i1-1", index=1, epoch=0, issued_version=0)
+        with pytest.raises(ValueError, match="has a failure but is not rejected"):
+            TrajectoryGroup(group_id=tk.ticket_id, ticket=tk, rejected=False, failure="x",
+                            samples=group(tk).samples)
+        with pytest.raises(MessageError):
+            decode_group(json.dumps({"group_id": "a", "ticket": tk.model_dump(), "failure": "x"}).encode())
+
+
+class TestTheTrainerCountsAndReplacesThem:
+    async def test_a_failed_group_is_counted_its_slot_given_back_and_a_new_ticket_issued(self, tmp_path):
+        t = make_trainer(tmp_path)
+        t.bus.answer = lambda tk: failed(tk) if tk.ticket_id == t.bus.tickets[0].ticket_id else group(tk)
+        await t.stage_issue_tickets()
+        plan = await t.stage_collect()
+        assert len(plan["groups"]) == B and t.bus.tickets[0].ticket_id not in [g["group_id"] for g in plan["groups"]]
+        assert t.failed_groups == 1 and t.book.rejected == 1 and t.book.issued == B + 1
+        t.bus.groups_buffered = 0
+        assert t._progress_base()["failed_groups"] == 1
+
+
+class TestStatus:
+    def exp(self) -> RLExperiment:
+        return RLExperiment.model_validate({"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "x"},
+                                            "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}}})
+
+    def test_status_progress_shows_failed_groups_and_entropy(self):
+        out = _progress(self.exp(), {"step": 3, "policy_version": 3, "dropped_stale": 0, "failed_groups": 2, "entropy": 1.25}, {})
+        assert out["failedGroups"] == 2 and out["entropy"] == 1.25
+        TrainingProgress.model_validate(out)  # the CRD's schema has the fields
+        RLExperimentStatus.model_validate({"progress": out})
