@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what the tests need, then runs every tier
 # in one pytest session: tests/unit (seconds), tests/integration (real nats-server, vLLM CPU; minutes),
-# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset).
-# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit`.
+# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset);
+# then the mutation check (scripts/mutation-check.py, ~2 min): each planted RL bug must fail a test.
+# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit` (no mutation check then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/setup.sh
-if [ "$#" -eq 0 ]; then set -- tests e2e_tests; fi
-exec "$PY" -m pytest "$@"
+if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
+"$PY" -m pytest tests e2e_tests
+exec "$PY" scripts/mutation-check.py

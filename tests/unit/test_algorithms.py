@@ -252,3 +252,111 @@ class TestItLearns:
             cfg = resolve(name)
             adv = compute_advantages(torch.tensor([[0.0, 1.0, 0.5, 0.25]]), cfg)
             assert torch.argsort(adv[0]).tolist() == [0, 3, 2, 1], name
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests that fail when the decoupled objective is broken (scripts/mutation-check.py plants each bug)
+# ---------------------------------------------------------------------------------------------
+
+# Rewards of a bandit whose best arm (0) is rare under the behaviour policy, and whose second best (1) is common.
+OFF_REWARD = torch.tensor([1.0, 0.6, 0.0, 0.0, 0.2])
+OFF_BEHAVIOUR = torch.tensor([0.04, 0.5, 0.3, 0.1, 0.06])
+
+
+def learn_from_a_stale_behaviour_policy(cfg: AlgorithmConfig, steps=150, groups=8, seed=0) -> torch.Tensor:
+    """Every batch is sampled by one fixed old policy (OFF_BEHAVIOUR: the engine never catches up), the
+    proximal policy is the learner itself; one plain SGD step per batch. Returns the learnt probabilities.
+
+    Only the behaviour weight pi_prox/pi_behave turns this into an estimate of the learner's own policy
+    gradient. Without it the expected step on logit k is ~ mu(k) * (r(k) - mean_mu r): a constant direction
+    in which the common second-best arm grows five times faster than the rare best one, so an unweighted
+    learner converges to arm 1 (reward 0.6), an inverted weight even more surely, and a ratio taken against
+    pi_behave clips the rare arm's gradient away after its first few steps."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.SGD([logits], lr=1.0)
+    n = cfg.group_size
+    for _ in range(steps):
+        actions = torch.multinomial(OFF_BEHAVIOUR.expand(groups * n, 5), 1, generator=g)
+        raw = OFF_REWARD[actions.squeeze(1)].view(groups, n)
+        mask = torch.ones_like(actions, dtype=torch.bool)
+        adv = compute_token_advantages(shape_rewards(raw, torch.ones_like(raw), cfg), mask, cfg)
+        loss, _ = ppo_actor_loss(torch.log_softmax(logits, -1)[actions], torch.log_softmax(logits.detach(), -1)[actions],
+                                 OFF_BEHAVIOUR.log()[actions], adv, mask, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.softmax(logits.detach(), -1)
+
+
+class TestOffPolicyLearning:
+    @pytest.mark.parametrize("name", NAMES)
+    def test_the_behaviour_weight_finds_the_best_arm_that_the_stale_engine_rarely_samples(self, name):
+        extra = {"eps_clip": 0.2} if name == "gspo" else {}
+        if name in ("drgrpo", "dapo"):
+            extra["max_new_tokens"] = 1  # Dr.GRPO divides by maxNewTokens: one-token episodes
+        # No cap: the learner moves far from the behaviour policy, which is what is tested here.
+        cfg = resolve(name, samples_per_prompt=8, behavior_weight_cap=None, **extra)
+        probs = learn_from_a_stale_behaviour_policy(cfg)
+        reward = float((probs * OFF_REWARD).sum())
+        assert probs[0] > 0.95 and reward > 0.95, f"{name}: learnt {probs.tolist()} (expected reward {reward:.3f})"
+
+
+class TestClipIsATrustRegion:
+    @pytest.mark.parametrize("eps", [0.1, 0.2, 0.3])
+    def test_many_epochs_on_one_batch_move_no_token_much_beyond_the_clip_range(self, eps):
+        """PPO's clip removes a token's gradient once its ratio leaves [1 - eps, 1 + eps] in the direction its
+        advantage pushes it: 200 small SGD epochs on one batch keep every ratio within 1 +- 2 eps (only other
+        tokens' gradients move it past 1 +- eps, through the softmax; measured: about 1 +- 1.6 eps). Unclipped,
+        the surrogate is linear in the ratio and the best sampled arm's ratio runs off."""
+        cfg = resolve("grpo", samples_per_prompt=8, eps_clip=eps)
+        g = torch.Generator().manual_seed(0)
+        logits = torch.zeros(5, requires_grad=True)
+        opt = torch.optim.SGD([logits], lr=0.05)
+        actions = torch.multinomial(torch.full((16, 5), 0.2), 1, generator=g)
+        raw = OFF_REWARD[actions.squeeze(1)].view(2, 8)
+        mask = torch.ones_like(actions, dtype=torch.bool)
+        adv = compute_token_advantages(shape_rewards(raw, None, cfg), mask, cfg)
+        prox = torch.log_softmax(logits.detach(), -1)[actions]
+        for _ in range(200):
+            loss, stats = ppo_actor_loss(torch.log_softmax(logits, -1)[actions], prox, prox, adv, mask, cfg)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ratio = torch.exp(torch.log_softmax(logits.detach(), -1)[actions] - prox)
+        assert stats["clip_fraction"] > 0.5, "the batch was trained until most tokens were clipped"
+        assert float(ratio.max()) < 1 + 2 * eps and float(ratio.min()) > 1 - 2 * eps, ratio.flatten().tolist()
+
+
+class TestBehaviourWeightCap:
+    def test_a_weight_exactly_at_the_cap_is_kept_and_one_above_it_is_masked(self):
+        """AReaL keeps tokens with pi_prox/pi_behave <= cap (mask mode) and drops those above it."""
+        prox = torch.tensor([[0.0, 0.0]])
+        behave = torch.tensor([[-1.0, -1.5]])  # weights e^1 (exactly the cap below) and e^1.5
+        cap = float(torch.exp(torch.tensor(1.0)))  # the float32 value the loss computes for e^1
+        cfg = resolve("grpo", behavior_weight_cap=cap)
+        logp = prox.clone().requires_grad_(True)
+        adv = torch.tensor([[1.0, 1.0]])
+        loss, stats = ppo_actor_loss(logp, prox, behave, adv, torch.ones(1, 2), cfg)
+        loss.backward()
+        assert stats["behavior_masked_fraction"] == 0.5
+        # d loss / d logp_t = -w_t * A_t * r_t / tokens, with r = 1: the kept token has weight e, the masked one 0.
+        assert logp.grad[0].tolist() == pytest.approx([-cap / 2, 0.0])
+
+
+class TestBaseline:
+    @pytest.mark.parametrize("name", NAMES)
+    def test_when_every_answer_is_rewarded_the_worse_ones_are_still_pushed_down(self, name):
+        """The baseline (group mean, leave-one-out or batch mean) makes advantages relative: in a batch where
+        every reward is positive, answers below their baseline get negative advantages."""
+        cfg = resolve(name)
+        rewards = torch.tensor([[0.9, 0.5, 0.7, 0.5], [0.8, 0.6, 0.6, 0.6]])
+        adv = compute_advantages(rewards, cfg)
+        assert (adv[rewards == 0.5] < 0).all() and (adv[0, 0] > 0), f"{name}: {adv.tolist()}"
+
+    def test_grpo_advantages_are_reward_minus_group_mean_over_group_std(self):
+        cfg = resolve("grpo", reward_bias=0.0, reward_scaling=1.0)
+        rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+        # By hand: mean 0.25, population std sqrt(3/16) = 0.4330127.
+        expected = torch.tensor([[0.75, -0.25, -0.25, -0.25]]) / (0.4330127 + 1e-6)
+        assert torch.allclose(compute_advantages(rewards, cfg), expected, atol=1e-5)

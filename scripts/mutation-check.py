@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Mutation check: break the RL algorithm on purpose, one way at a time, and require a test to fail.
+
+Each mutant in MUTANTS is an exact source substitution (old text -> new text in one file). For each one
+the script copies kuberl/, tests/ and pyproject.toml into a temporary folder, applies the substitution
+there (never in the working tree), runs the mutant's tests with pytest and calls it "killed" if a test
+fails. It prints a table and exits 1 if any mutant survives, or if a mutant's old text is not found
+(a refactor moved it: update the table, never let a mutant vanish silently). Run by scripts/test.sh
+after pytest; `python3 scripts/mutation-check.py --list` shows the table, `--only ID` runs some.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSSES = "kuberl/runtime/algorithms/losses.py"
+ADVANTAGES = "kuberl/runtime/algorithms/advantages.py"
+TRAINER = "kuberl/runtime/trainer/trainer.py"
+BATCH = "kuberl/runtime/trainer/batch.py"
+STALENESS = "kuberl/runtime/staleness.py"
+
+# Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
+OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
+WIRING = "tests/unit/test_trainer_compute.py::TestDecoupledWiring"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    what: str  # the bug it plants, in words
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("weight-dropped", "behaviour weight pi_prox/pi_behave ignored", LOSSES,
+           "pg = pg * applied", "pg = pg * 1.0", (OFF_POLICY,)),
+    Mutant("weight-inverted", "behaviour weight inverted (pi_behave/pi_prox)", LOSSES,
+           "behave_log_w = torch.where(mask, prox - behave, zero)", "behave_log_w = torch.where(mask, behave - prox, zero)",
+           (OFF_POLICY,)),
+    Mutant("ratio-vs-behave", "PPO ratio taken against pi_behave instead of pi_prox", LOSSES,
+           "log_ratio = torch.where(mask, lp - prox, zero)", "log_ratio = torch.where(mask, lp - behave, zero)",
+           (OFF_POLICY,)),
+    Mutant("clip-removed", "PPO clip removed", LOSSES,
+           "pg = torch.maximum(pg_unclipped, pg_clipped)", "pg = pg_unclipped",
+           ("tests/unit/test_algorithms.py::TestClipIsATrustRegion",)),
+    Mutant("weight-cap-boundary", "behaviour weight exactly at the cap masked (>= instead of >)", LOSSES,
+           "dropped = (weight > cap) & mask", "dropped = (weight >= cap) & mask",
+           ("tests/unit/test_algorithms.py::TestBehaviourWeightCap",)),
+    Mutant("baseline-removed", "GRPO group mean not subtracted", ADVANTAGES,
+           "centred = r - r.mean(dim=1, keepdim=True)", "centred = r.clone()",
+           ("tests/unit/test_algorithms.py::TestBaseline",)),
+    Mutant("trainer-temperature-ignored", "trainer recomputes log-probs at temperature 1", TRAINER,
+           "return self.spec.algorithm.temperature", "return 1.0", (WIRING,)),
+    Mutant("logprobs-temperature-ignored", "response_logprobs never divides by the temperature", BATCH,
+           "logits = logits / temperature", "logits = logits", (WIRING,)),
+    Mutant("loss-gets-behave-as-prox", "the PPO update passes pi_behave as pi_prox (plain PPO)", TRAINER,
+           "loss, st = ppo_actor_loss(logp, prox, behave,", "loss, st = ppo_actor_loss(logp, behave, behave,", (WIRING,)),
+    Mutant("prox-is-behave", "stage_prox_logp copies pi_behave instead of recomputing pi_prox", TRAINER,
+           "batch.prox_logp = self._logprobs_all_rows(self.model, batch, rows, width)",
+           "batch.prox_logp = batch.behave_logp.clone()", (WIRING,)),
+    Mutant("fused-prox-is-behave", "with one minibatch, pi_prox taken from pi_behave instead of the update's forward", TRAINER,
+           "prox = logp.detach()", "prox = behave", (WIRING,)),
+    Mutant("stale-filter-removed", "the trainer trains on groups older than v - eta", TRAINER,
+           "if self.book.bound.is_stale(group.head_version, self.version):", "if False:",
+           ("tests/unit/test_trainer_stages.py::test_a_group_older_than_v_minus_eta_is_dropped_and_counted",)),
+    Mutant("stale-boundary", "a group exactly eta versions old counted stale", STALENESS,
+           "return head_version is not None and head_version < version - self.eta",
+           "return head_version is not None and head_version <= version - self.eta",
+           ("tests/unit/test_staleness.py::TestStaleGroups",)),
+    Mutant("capacity-one-batch-more", "staleness capacity (eta + v + 2) * B: one batch too many", STALENESS,
+           "cap = (self.eta + version + 1) * self.batch_size - self.started",
+           "cap = (self.eta + version + 2) * self.batch_size - self.started",
+           ("tests/unit/test_staleness.py::TestSynchronousWhenEtaIsZero",)),
+    Mutant("capacity-one-batch-less", "staleness capacity (eta + v) * B: one batch too few", STALENESS,
+           "cap = (self.eta + version + 1) * self.batch_size - self.started",
+           "cap = (self.eta + version) * self.batch_size - self.started",
+           ("tests/unit/test_staleness.py::TestSynchronousWhenEtaIsZero",)),
+    Mutant("concurrency-freed-on-training", "a concurrency slot freed when trained, not when accepted", STALENESS,
+           "cap = min(cap, self.max_concurrent - self.running)", "cap = min(cap, self.max_concurrent - self.in_flight)",
+           ("tests/unit/test_staleness.py::TestConcurrencyCap",)),
+)
+
+
+@dataclass
+class Result:
+    mutant: Mutant
+    outcome: str  # killed | SURVIVED | ERROR
+    detail: str
+    seconds: float
+
+
+def check_mutants(root: Path, mutants: tuple[Mutant, ...]) -> list[str]:
+    """Every mutant's old text occurs exactly once in its file (else the table is stale)."""
+    problems = []
+    for m in mutants:
+        path = root / m.file
+        text = path.read_text() if path.is_file() else ""
+        count = text.count(m.old)
+        if count != 1:
+            problems.append(f"{m.id}: {m.file} contains the old text {count} times (need exactly 1): {m.old!r}")
+        for t in m.tests:
+            if not (root / t.split("::")[0]).is_file():
+                problems.append(f"{m.id}: test file {t.split('::')[0]} does not exist")
+    return problems
+
+
+def make_copy(dest: Path) -> Path:
+    for part in ("kuberl", "tests"):
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    return dest
+
+
+def env_for(copy: Path) -> dict[str, str]:
+    # The copy comes first on sys.path (cwd and PYTHONPATH precede the editable install's finder).
+    return {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def assert_imports_from(copy: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import kuberl; print(kuberl.__file__)"], cwd=copy, env=env_for(copy),
+                         capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(out).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"mutation-check: the copy in {copy} imports kuberl from {out}; mutants would not be tested")
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--no-header", *tests]
+    try:
+        p = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout:.0f} s"
+    return p.returncode, p.stdout + p.stderr
+
+
+def first_failure(output: str) -> str:
+    m = re.search(r"^FAILED (\S+)", output, re.M) or re.search(r"^(\S+::\S+) FAILED", output, re.M)
+    return m.group(1) if m else "?"
+
+
+def run_one(copy: Path, m: Mutant, timeout: float) -> Result:
+    path = copy / m.file
+    original = path.read_text()
+    path.write_text(original.replace(m.old, m.new, 1))
+    t0 = time.monotonic()
+    try:
+        code, out = run_tests(copy, m.tests, timeout)
+    finally:
+        path.write_text(original)
+    secs = time.monotonic() - t0
+    if code == 1:
+        return Result(m, "killed", first_failure(out), secs)
+    if code == 0:
+        return Result(m, "SURVIVED", "every test passed", secs)
+    tail = "\n".join(out.strip().splitlines()[-15:])
+    return Result(m, "ERROR", f"pytest exit {code} (not a test failure):\n{tail}", secs)
+
+
+def print_table(results: list[Result]) -> None:
+    rows = [("mutant", "file", "tests run", "result", "killed by", "s")]
+    for r in results:
+        # The failing test's own name (its file and class are in "tests run"), shortened.
+        detail = r.detail.rsplit("::", 1)[-1] if r.outcome == "killed" else r.detail.splitlines()[0]
+        detail = detail if len(detail) <= 72 else detail[:69] + "..."
+        rows.append((r.mutant.id, r.mutant.file.removeprefix("kuberl/runtime/"), " ".join(t.removeprefix("tests/unit/") for t in r.mutant.tests),
+                     r.outcome, detail, f"{r.seconds:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        if k == 0:
+            print("-+-".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    ap.add_argument("--only", action="append", default=[], metavar="ID", help="run only these mutants (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, each in its own copy (default 1)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per mutant's test run (default 300)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the check that the selected tests pass unmutated")
+    args = ap.parse_args(argv)
+
+    unknown = set(args.only) - {m.id for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutant(s) {sorted(unknown)}; known: {[m.id for m in MUTANTS]}")
+    mutants = tuple(m for m in MUTANTS if not args.only or m.id in args.only)
+    if args.list:
+        for m in mutants:
+            print(f"{m.id}: {m.what}\n    {m.file}: {m.old!r} -> {m.new!r}\n    tests: {' '.join(m.tests)}")
+        return 0
+    problems = check_mutants(ROOT, mutants)
+    if problems:
+        print("mutation-check: the mutant table no longer matches the code (update MUTANTS in scripts/mutation-check.py):", file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kuberl-mutants-") as tmp:
+        copies = [make_copy(Path(tmp) / f"copy{i}") for i in range(max(1, min(args.jobs, len(mutants))))]
+        assert_imports_from(copies[0])
+        if not args.no_baseline:
+            # A mutant "killed" by a test that fails anyway proves nothing: the unmutated code must pass.
+            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            code, out = run_tests(copies[0], tests, args.timeout * 2)
+            if code != 0:
+                print(f"mutation-check: the selected tests fail without any mutant (exit {code}):\n{out[-4000:]}", file=sys.stderr)
+                return 2
+            print(f"baseline: the {len(tests)} test selections pass unmutated ({time.monotonic() - t0:.0f} s)", flush=True)
+        free = list(copies)
+
+        def job(m: Mutant) -> Result:
+            copy = free.pop()
+            try:
+                r = run_one(copy, m, args.timeout)
+            finally:
+                free.append(copy)
+            print(f"  {m.id}: {r.outcome} ({r.seconds:.0f} s)", flush=True)
+            return r
+
+        with ThreadPoolExecutor(len(copies)) as pool:
+            results = list(pool.map(job, mutants))
+    print()
+    print_table(results)
+    bad = [r for r in results if r.outcome != "killed"]
+    print(f"\n{len(results) - len(bad)}/{len(results)} mutants killed in {time.monotonic() - t0:.0f} s")
+    for r in bad:
+        print(f"\n{r.mutant.id} {r.outcome}: {r.mutant.what}\n  {r.mutant.file}: {r.mutant.old!r} -> {r.mutant.new!r}\n  {r.detail}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
