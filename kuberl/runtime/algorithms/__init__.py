@@ -34,7 +34,11 @@ Presets (resolve_algorithm):
 | liteppo     | (r - group mean) / batch std      | token-mean              | token    | "Tricks or Traps" (Liu et al. 2025)     |
 | ppo         | GAE with a critic: `advantages.gae` exists, but resolve_algorithm refuses ppo (no critic in the trainer yet) |
 Preset numbers fill only fields left at their API default; AReaL's reward bias/scaling (-0.5, x10), the
-decoupled objective and the behaviour-weight cap apply to all.
+decoupled objective and the behaviour-weight cap apply to all. Advantages are in shaped-reward units where
+no std divides them: rewardScaling scales drgrpo and rloo advantages (and so the step; set rewardScaling 1
+for the papers' scale). REINFORCE++'s KL-in-reward is scaled like the reward, so klCoef trades KL against
+the raw reward whatever rewardScaling is. algorithm.batchAdvantageNorm whitens the resulting token
+advantages over the batch after any estimator (AReaL's adv_norm batch/batch, on in examples/gsm8k-grpo.yaml).
 """
 
 from __future__ import annotations

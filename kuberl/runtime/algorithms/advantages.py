@@ -186,9 +186,36 @@ def compute_token_advantages(
     Every estimator but reinforce++ with per-token terms is `broadcast_to_tokens(compute_advantages(r))`.
     reinforce++ with the KL in the reward (cfg.kl_in_reward; `kl` = per-token log pi_old - log pi_ref,
     [N, T]) or gamma < 1 (REINFORCE++, Hu 2025):
-        r_t = -kl_coef * kl_t,  plus the sequence reward at the last loss token;  G_t = discounted return;
-        A_t = (G_t - mean(G)) / (std(G) + eps), mean and std over all loss tokens of the batch.
+        r_t = -reward_scaling * kl_coef * kl_t,  plus the sequence reward at the last loss token;
+        G_t = discounted return;  A_t = (G_t - mean(G)) / (std(G) + eps), over all loss tokens of the batch.
+    The KL term is in raw-reward units (scaled like the reward), so kl_coef trades KL against the raw
+    reward whatever algorithm.rewardScaling is.
+    Then, with cfg.batch_adv_norm (AReaL's adv_norm {mean_level: batch, std_level: batch}):
+        A_t = (A_t - mean(A)) / (std(A) + eps), mean and population std over all loss tokens of the batch.
     """
+    adv = _token_advantages(rewards, loss_mask, cfg, kl=kl)
+    if cfg.batch_adv_norm:
+        adv = batch_normalize_advantages(adv, loss_mask)
+    return adv
+
+
+def batch_normalize_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / (std + eps) over the loss tokens of the whole batch (token-weighted, population std);
+    0 where loss_mask is 0. Computed in float64, returned as float32."""
+    mask = loss_mask.bool()
+    if advantages.shape != mask.shape:
+        raise ValueError(f"advantages: shape {tuple(advantages.shape)} differs from loss_mask {tuple(mask.shape)}")
+    a = advantages.to(torch.float64)
+    valid = a[mask]
+    if valid.numel() == 0:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out = (a - valid.mean()) / (valid.std(unbiased=False) + ADV_EPS)
+    return torch.where(mask, out, 0.0).to(torch.float32)
+
+
+def _token_advantages(
+    rewards: torch.Tensor, loss_mask: torch.Tensor, cfg: AlgorithmConfig, *, kl: torch.Tensor | None = None
+) -> torch.Tensor:
     r = _as_tensor(rewards, "rewards")
     mask = loss_mask.bool()
     if mask.dim() != 2 or mask.shape[0] != r.numel():
@@ -204,7 +231,8 @@ def compute_token_advantages(
     if cfg.kl_in_reward:
         if kl.shape != mask.shape:
             raise ValueError(f"kl: shape {tuple(kl.shape)} differs from loss_mask {tuple(mask.shape)}")
-        token_rewards -= cfg.kl_coef * torch.where(mask, kl.detach().to(torch.float64), 0.0)
+        # In the reward's units: the shaped reward is scaled by reward_scaling, so is its KL penalty.
+        token_rewards -= cfg.reward_scaling * cfg.kl_coef * torch.where(mask, kl.detach().to(torch.float64), 0.0)
     # The sequence reward lands on each row's last loss token.
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask, positions, -1).max(dim=1).values

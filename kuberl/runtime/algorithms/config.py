@@ -52,6 +52,8 @@ class AlgorithmConfig:
     """What the centred rewards are divided by: group std, batch std, or nothing."""
     gamma: float
     """Discount over tokens for returns built from per-token rewards (reinforce++ with KL in the reward)."""
+    batch_adv_norm: bool
+    """After the estimator: whiten the token advantages over all loss tokens of the batch (AReaL adv_norm batch/batch)."""
     # --- loss --------------------------------------------------------------------------------
     aggregation: Aggregation
     ratio_level: RatioLevel
@@ -163,6 +165,7 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
         baseline=baseline,
         std_norm=std_norm,
         gamma=spec.gamma,
+        batch_adv_norm=spec.batch_advantage_norm,
         aggregation=aggregation,
         ratio_level=ratio_level,
         eps_low=eps_low,
