@@ -45,7 +45,7 @@ def test_a_json_list_and_a_json_object_with_one_list_are_both_read(tmp_path):
 
 
 def test_a_parquet_file_is_read(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # comes with datasets (kuberl[runtime]): a missing install fails, it is not skipped
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"question": ["a", "b"], "answer": ["1", "2"]}), tmp_path / "d.parquet")
@@ -89,7 +89,7 @@ def test_epoch_order_is_a_seeded_permutation_that_changes_per_epoch():
 
 
 def test_a_hub_style_data_set_loads_through_datasets_from_a_local_folder(tmp_path):
-    pytest.importorskip("datasets")
+    import datasets  # noqa: F401  kuberl[runtime]: a missing install fails, it is not skipped
     # `datasets.load_dataset` takes a folder of data files as an id: the hub path without a download.
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)) + "\n")
     items = load_items(DatasetSpec(id=str(tmp_path), split="train", size=3))
@@ -99,7 +99,8 @@ def test_a_hub_style_data_set_loads_through_datasets_from_a_local_folder(tmp_pat
 
 
 def test_a_saved_data_set_folder_is_read_with_its_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"question": "a", "answer": "1"}])})
     ds.save_to_disk(str(tmp_path / "saved"))
     items = load_items(DatasetSpec(path=str(tmp_path / "saved")))

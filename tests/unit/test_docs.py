@@ -103,16 +103,29 @@ class TestPages:
                 assert anchor in _anchors(path), f"{page.name}: link {link}: no heading #{anchor} in {path.name}"
 
     def test_rlexperiment_snippets_are_valid_manifests(self, page):
-        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.DOTALL):
+        text = page.read_text()
+        checked = 0
+        for block in re.findall(r"```yaml\n(.*?)```", text, re.DOTALL):
             for doc in yaml.safe_load_all(block):
                 if isinstance(doc, dict) and doc.get("kind") == "RLExperiment":
                     v1alpha1.RLExperiment.model_validate(doc)
+                    checked += 1
+        # Every manifest the page shows was checked: none sits in a block of another language (or none).
+        shown = sum(len(re.findall(r"^kind: RLExperiment[ \t]*$", b, re.MULTILINE))
+                    for b in re.findall(r"```[^\n]*\n(.*?)```", text, re.DOTALL))
+        assert checked == shown, f"{page.name}: {shown} RLExperiment manifests shown, {checked} in ```yaml blocks checked"
 
     def test_kuberl_commands_named_exist(self, page):
         for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.DOTALL):
             # `kuberl X` where a command starts: line start, after &&, ;, || or $( (not `helm install kuberl ...`)
             for sub in re.findall(r"(?:^|&&|;|\|\||\$\()[ \t]*kuberl ([a-z][a-z-]*)", block, re.MULTILINE):
                 assert sub in COMMANDS, f"{page.name}: `kuberl {sub}` is no kuberl subcommand"
+
+
+def test_the_pages_show_rlexperiment_manifests_that_get_checked():
+    # Guards TestPages' manifest check against passing vacuously (a changed fence style, a moved guide).
+    pages = {p.name for p in PAGES if re.search(r"```yaml\n[^`]*^kind: RLExperiment", p.read_text(), re.MULTILINE)}
+    assert {"user-guide.md", "gke.md", "eks.md"} <= pages, pages
 
 
 SKYPILOT = sorted((ROOT / "examples" / "skypilot").glob("*.yaml"))

@@ -6,6 +6,7 @@ the accounting rules can be checked one by one.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -46,6 +47,8 @@ class MemoryBus:
             self.stream += [self.answer(tk) for tk in self.tickets[self._answered:]]
             self._answered = len(self.tickets)
         got, self.stream = self.stream[:max_n], self.stream[max_n:]
+        if not got:  # a pull with nothing to deliver waits a little, as the bus's does (up to its timeout)
+            await asyncio.sleep(min(timeout, 0.02))
         return [(g, f"lease-{g.group_id}") for g in got]
 
 
@@ -85,7 +88,21 @@ async def test_collect_returns_b_groups_and_holds_their_leases_for_the_checkpoin
     plan = await t.stage_collect()
     assert [g["group_id"] for g in plan["groups"]] == [tk.ticket_id for tk in t.bus.tickets]
     assert t.held == [f"lease-{tk.ticket_id}" for tk in t.bus.tickets]
-    assert plan["wait_seconds"] >= 0
+    assert plan["wait_seconds"] < 1.0, "the groups were there already: nothing to wait for"
+
+
+async def test_wait_seconds_is_the_time_collect_spent_waiting_for_groups(tmp_path):
+    t = make_trainer(tmp_path)
+    await t.stage_issue_tickets()
+
+    async def agents_answer_later():
+        await asyncio.sleep(0.3)
+        t.bus.stream = [group(tk) for tk in t.bus.tickets]
+
+    late = asyncio.create_task(agents_answer_later())
+    plan = await t.stage_collect()
+    await late
+    assert len(plan["groups"]) == B and 0.3 <= plan["wait_seconds"] < 5.0
 
 
 async def test_a_rejected_group_is_replaced_by_a_new_ticket(tmp_path):
