@@ -34,8 +34,6 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Namespace": ("v1", "namespaces", False),
     "StatefulSet": ("apps/v1", "statefulsets", True),
     "Job": ("batch/v1", "jobs", True),
-    "Role": ("rbac.authorization.k8s.io/v1", "roles", True),
-    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "RLExperiment": ("kuberl.io/v1alpha1", "rlexperiments", True),

@@ -1,15 +1,18 @@
 """`kuberl operator`: runs the kopf operator (handlers in kuberl.operator.handlers) with KubeRL's settings.
 
 Called by kuberl.cli (`main(args)`). Settings: watch timeouts (server and client side, so a silent
-connection is noticed), peering (one active replica; --standalone disables it), event posting level,
+connection is noticed), peering (one active replica: each pod peers with its own priority, derived
+from its name, so the others stand by; --standalone disables it), event posting level,
 JSON logs, kopf's liveness endpoint on --health-port and Prometheus metrics on --metrics-port; the
-repository of the default runtime images from $KUBERL_RUNTIME_IMAGE_REPOSITORY.
+repository of the default runtime images from $KUBERL_RUNTIME_IMAGE_REPOSITORY, and the operator's
+namespace from $POD_NAMESPACE (the bus NetworkPolicies admit the operator from there only).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
 import sys
@@ -19,9 +22,24 @@ PEERING_NAME = "kuberl"
 # The repository of the default runtime images (<repository>/runtime-<flavour>:<version>); unset or
 # empty: ghcr.io/kuberl. Pods whose spec names an image are not affected.
 RUNTIME_IMAGE_REPOSITORY_ENV = "KUBERL_RUNTIME_IMAGE_REPOSITORY"
+# The chart sets it when replicaCount > 1: without the peering CRDs the replicas must not start at all
+# (kopf would otherwise run each of them alone, all active at once).
+PEERING_MANDATORY_ENV = "KUBERL_PEERING_MANDATORY"
 
 
-def configure_settings(settings: object, *, standalone: bool, clusterwide: bool) -> None:
+def peering_priority(pod_name: str | None) -> int:
+    """This replica's kopf peering priority: 0..2**31-1 from a hash of its pod name (the Downward API's
+    $POD_NAME), so two replicas practically never tie. kopf pauses every peer that sees a live peer of
+    higher priority, and *all* peers that tie (so equal priorities, kopf's default, pause everyone):
+    distinct priorities leave exactly one replica working, the others standing by until its peering
+    record expires."""
+    if not pod_name:
+        return 0
+    return int(hashlib.sha256(pod_name.encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def configure_settings(settings: object, *, standalone: bool, clusterwide: bool, priority: int = 0,
+                       mandatory: bool = False) -> None:
     """Apply KubeRL's kopf settings (kept apart from main() so a unit test can check them)."""
     import kopf
 
@@ -36,7 +54,9 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool)
     settings.peering.name = PEERING_NAME
     settings.peering.standalone = standalone
     settings.peering.clusterwide = clusterwide
-    settings.peering.mandatory = False  # without the peering CRD (e.g. a bare emulator) run alone, with a warning
+    settings.peering.priority = priority
+    # Without the peering CRD (e.g. a bare emulator) run alone, with a warning; several replicas must not.
+    settings.peering.mandatory = mandatory
     # Keep kopf's bookkeeping in annotations: the status schema (a structural CRD) prunes unknown fields.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kuberl.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kuberl.io", key="last-handled-configuration")
@@ -69,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
         from kuberl.operator.kube import KubeClient
 
         runtime_images = configure_runtime_images(os.environ)
+        from kuberl.operator.builders import network
+
+        network.configure_operator_namespace(os.environ.get("POD_NAMESPACE"))
         handlers.CONFIG.kube = KubeClient.from_environment()
     except (ValueError, ConfigException) as exc:
         print(f"kuberl operator: {exc}", file=sys.stderr)
@@ -88,7 +111,9 @@ def main(args: argparse.Namespace) -> int:
 
     @kopf.on.startup(id="kuberl-settings")
     def _settings(settings: kopf.OperatorSettings, **_: object) -> None:
-        configure_settings(settings, standalone=args.standalone, clusterwide=clusterwide)
+        configure_settings(settings, standalone=args.standalone, clusterwide=clusterwide,
+                           priority=peering_priority(os.environ.get("POD_NAME")),
+                           mandatory=os.environ.get(PEERING_MANDATORY_ENV, "").lower() in ("1", "true", "yes"))
 
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     logging.getLogger("kuberl.operator").info(

@@ -110,6 +110,16 @@ def network_policy_name(exp: ExperimentRef) -> str:
     return _child(exp, "bus", OBJECT_NAME_MAX)
 
 
+def rollout_network_policy_name(exp: ExperimentRef) -> str:
+    """NetworkPolicy guarding the engines."""
+    return _child(exp, "rollout", OBJECT_NAME_MAX)
+
+
+def trainer_network_policy_name(exp: ExperimentRef) -> str:
+    """NetworkPolicy guarding the trainer pods (and the PodDisruptionBudget of the trainer)."""
+    return _child(exp, "trainer", OBJECT_NAME_MAX)
+
+
 BUS_RUN_ANNOTATION = "kuberl.io/bus-run"  # labels.BUS_RUN_ANNOTATION (labels imports this module)
 
 

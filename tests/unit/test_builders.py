@@ -578,12 +578,11 @@ class TestStorage:
 
 
 class TestRBAC:
-    def test_the_runtime_role_grants_nothing(self) -> None:
-        account, role, binding = build_rbac(make_experiment())
-        assert role["rules"] == []
-        assert account["automountServiceAccountToken"] is False
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "exp-runtime"}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "exp-runtime", "namespace": "team-a"}]
+    def test_the_runtime_pods_get_a_token_less_account_and_no_role(self) -> None:
+        [account] = build_rbac(make_experiment())
+        assert account["kind"] == "ServiceAccount" and account["automountServiceAccountToken"] is False
+        kinds = {c["kind"] for c in build_children(make_experiment(), bus_token=TOKEN)}
+        assert not kinds & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
 
     @pytest.mark.parametrize("case,exp", list(IN_TEST.items()), ids=list(IN_TEST))
     def test_no_pod_mounts_an_api_token_or_may_escalate(self, case: str, exp: RLExperiment) -> None:
@@ -606,10 +605,11 @@ class TestNaming:
     def test_children_are_named_after_the_experiment(self) -> None:
         names = {k for k in by_key(build_children(make_experiment(), bus_token=TOKEN))}
         assert names == {
-            ("ServiceAccount", "exp-runtime"), ("Role", "exp-runtime"), ("RoleBinding", "exp-runtime"),
+            ("ServiceAccount", "exp-runtime"),
             ("ConfigMap", "exp-config"), ("Secret", "exp-bus-credentials"), ("PersistentVolumeClaim", "exp-checkpoints"),
             ("Service", "exp-bus"), ("Service", "exp-bus-headless"), ("NetworkPolicy", "exp-bus"), ("StatefulSet", "exp-bus"),
-            ("Service", "exp-rollout"), ("StatefulSet", "exp-rollout"), ("Service", "exp-trainer"), ("Job", "exp-trainer"),
+            ("Service", "exp-rollout"), ("NetworkPolicy", "exp-rollout"), ("StatefulSet", "exp-rollout"),
+            ("Service", "exp-trainer"), ("NetworkPolicy", "exp-trainer"), ("PodDisruptionBudget", "exp-trainer"), ("Job", "exp-trainer"),
         }  # fmt: skip
 
     def test_the_longest_allowed_name_still_gives_valid_distinct_children(self) -> None:

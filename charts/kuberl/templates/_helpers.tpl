@@ -38,3 +38,62 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "kuberl.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* Cluster-scoped rules: always in the ClusterRole. */}}
+{{- define "kuberl.clusterRules" -}}
+# Accelerator capacity (nvidia.com/gpu, huawei.com/Ascend910), reported, never blocking.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list"]
+# kopf: namespace discovery (cluster-wide mode) and the CRD's presence.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}
+
+{{/* Namespaced rules: in the ClusterRole (cluster-wide) or in a Role per watched namespace. */}}
+{{- define "kuberl.namespacedRules" -}}
+# The custom resource: watch it, add finalizers and the pin annotations, write the resolved
+# replicas, serve /scale; delete it when spec.ttlSecondsAfterFinished has passed.
+- apiGroups: ["kuberl.io"]
+  resources: ["rlexperiments"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["kuberl.io"]
+  resources: ["rlexperiments/status", "rlexperiments/scale"]
+  verbs: ["get", "patch"]
+# ownerReferences with blockOwnerDeletion need update on the owner's finalizers (OpenShift and
+# clusters with the OwnerReferencesPermissionEnforcement admission plugin).
+- apiGroups: ["kuberl.io"]
+  resources: ["rlexperiments/finalizers"]
+  verbs: ["update"]
+# Children, by server-side apply (create + patch) and read back (get). Secrets: the bus credentials
+# the operator makes, and the ones the spec names; never listed or watched.
+- apiGroups: [""]
+  resources: ["configmaps", "secrets", "services", "serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+# Workloads: also listed and watched (caches of the children's state); the trainer Job is deleted
+# and re-created when its immutable template must change or after a failure.
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Pods: read-only (readiness and problems for status).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Events on experiments (kopf posts them through both APIs).
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

@@ -15,7 +15,11 @@ from kuberl.operator.builders.bus import (
 from kuberl.operator.builders.common import Obj, default_image
 from kuberl.operator.builders.config import build_config_map, resolved_manifest
 from kuberl.operator.builders.immutable import keep_immutable_fields
-from kuberl.operator.builders.network import build_network_policy
+from kuberl.operator.builders.network import (
+    build_network_policy,
+    build_rollout_network_policy,
+    build_trainer_network_policy,
+)
 from kuberl.operator.builders.rbac import build_rbac
 from kuberl.operator.builders.rollout import (
     build_rollout_service,
@@ -28,6 +32,7 @@ from kuberl.operator.builders.storage import (
 )
 from kuberl.operator.builders.trainer import (
     build_trainer_job,
+    build_trainer_pdb,
     build_trainer_service,
     trainer_command,
 )
@@ -43,9 +48,12 @@ __all__ = [
     "build_config_map",
     "build_network_policy",
     "build_rbac",
+    "build_rollout_network_policy",
     "build_rollout_service",
     "build_rollout_statefulset",
     "build_trainer_job",
+    "build_trainer_network_policy",
+    "build_trainer_pdb",
     "build_trainer_service",
     "checkpoint_access_mode",
     "default_image",
@@ -60,8 +68,9 @@ __all__ = [
 def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None) -> list[Obj]:
     """Every child of `exp`, in apply order (what others depend on first).
 
-    Order: RBAC, ConfigMap, bus Secret, checkpoint PVC, bus Services, NetworkPolicy, bus StatefulSet,
-    rollout Service + StatefulSet, trainer Service + Job. The bus Secret is included only when
+    Order: ServiceAccount, ConfigMap, bus Secret, checkpoint PVC, bus Services, bus NetworkPolicy, bus
+    StatefulSet, rollout Service + NetworkPolicy + StatefulSet, trainer Service + NetworkPolicy +
+    PodDisruptionBudget + Job (each policy before the pods it guards). The bus Secret is included only when
     `bus_token` is given (embedded bus): the handlers generate the token once, create the Secret, and
     never rebuild it with a new token. `rollout_replicas` is the autoscaler's choice (default: the spec).
     """
@@ -78,6 +87,6 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
         if policy is not None:
             children.append(policy)
         children.append(build_bus_statefulset(exp))
-    children += [build_rollout_service(exp), build_rollout_statefulset(exp, rollout_replicas)]
-    children += [build_trainer_service(exp), build_trainer_job(exp)]
+    children += [build_rollout_service(exp), build_rollout_network_policy(exp), build_rollout_statefulset(exp, rollout_replicas)]
+    children += [build_trainer_service(exp), build_trainer_network_policy(exp), build_trainer_pdb(exp), build_trainer_job(exp)]
     return children

@@ -1,10 +1,12 @@
-"""ServiceAccount, Role and RoleBinding of the runtime pods: least privilege, which here is none.
+"""ServiceAccount of the runtime pods: least privilege, which here is none.
 
 Called by builders.build_children and the kopf handlers (O2). The runtime (engines, agents, trainer,
-NATS) talks only to the bus, the engines and its volumes, never to the Kubernetes API, so the Role
-grants nothing and the pods do not even mount a token (automountServiceAccountToken: false). The Role
-exists, empty, as the one named place a cluster admin would extend; binding an empty Role also needs
-no escalation rights from the operator.
+NATS) talks only to the bus, the engines and its volumes, never to the Kubernetes API, so the pods
+do not even mount a token (automountServiceAccountToken: false) and there is no Role: a cluster admin
+who needs one (e.g. for a custom agent) binds it to this ServiceAccount. Without Roles to create, the
+operator itself holds no rbac.authorization.k8s.io rights (charts/kuberl/templates/clusterrole.yaml).
+The account is also where GKE Workload Identity or EKS IRSA annotations would go
+(spec.<role>.podTemplate.serviceAccountName names another one).
 """
 
 from __future__ import annotations
@@ -17,25 +19,11 @@ from kuberl.api.v1alpha1 import RLExperiment
 
 
 def build_rbac(exp: RLExperiment) -> list[Obj]:
-    """[ServiceAccount, Role, RoleBinding], all named `{exp}-runtime`."""
-    name = naming.service_account_name(exp)
+    """[ServiceAccount `{exp}-runtime`], token not mounted."""
     account = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": metadata(exp, name, L.Component.RBAC),
+        "metadata": metadata(exp, naming.service_account_name(exp), L.Component.RBAC),
         "automountServiceAccountToken": False,
     }
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": metadata(exp, name, L.Component.RBAC),
-        "rules": [],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": metadata(exp, name, L.Component.RBAC),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": exp.namespace}],
-    }
-    return [with_spec_hash(account), with_spec_hash(role), with_spec_hash(binding)]
+    return [with_spec_hash(account)]

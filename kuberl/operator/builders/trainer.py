@@ -33,6 +33,9 @@ from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
 from kuberl.api.v1alpha1 import RLExperiment
 
 TRAINER_CONTAINER = "trainer"
+# The trainer checkpoints on SIGTERM (preemption, drain, a Kueue eviction, suspend): FSDP optimizer
+# state of a 7B model to a network volume takes minutes, not the default 30 s.
+TERMINATION_GRACE_SECONDS = 600
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # The runtime's exit code for a configuration error (contracts.md; kuberl.runtime.errors, which the
 # operator does not import).
@@ -109,6 +112,7 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
                 volumes=[{"name": "checkpoints", "persistentVolumeClaim": {"claimName": naming.checkpoint_claim_name(exp)}}, *data_vols],
                 spec_fields={
                     "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
                     # Pod DNS `{job}-{index}.{service}`: rank 0 is the torchrun master.
                     "subdomain": naming.trainer_name(exp),
                 },
@@ -116,6 +120,18 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
         },
     }
     return with_spec_hash(pinning.stamp(job, exp))
+
+
+def build_trainer_pdb(exp: RLExperiment) -> Obj:
+    """PodDisruptionBudget `{exp}-trainer`: no voluntary eviction of a trainer pod (a node drain or the
+    cluster autoscaler's scale-down waits). One lost rank fails the whole Job and costs a restart from
+    the last checkpoint (failurePolicy.maxRestarts); `spec.suspend` is the way to move a trainer."""
+    return with_spec_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(exp, naming.trainer_network_policy_name(exp), L.Component.TRAINER),
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}},
+    })
 
 
 def build_trainer_service(exp: RLExperiment) -> Obj:
