@@ -7,7 +7,8 @@ The agent returns its reward, or None to let workflow.reward score the final ans
 calls become one sample ("concat"): the calls that extend each other share one prefix; the tokens
 between them (tool outputs, user turns, template glue) are in the sample with loss_mask 0, version -1.
 A failing agent (raises, times out, returns a non-number, makes no call) fails its episode: the reason
-is logged and counted in `stats`, the group is rejected (its slot goes back), the run goes on.
+is logged and counted in `stats`, and the ticket fails with EpisodeFailed, which the rollout agent's
+poison-ticket rule retries and then publishes as a failed group (its slot goes back); the run goes on.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ class AgentWorkflow:
         return sample
 
     async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: Any) -> list[Sample] | None:
-        """samplesPerPrompt episodes at once; None (rejected) if any failed: the trainer needs full groups."""
+        """samplesPerPrompt episodes at once; EpisodeFailed if any failed (the trainer trains full groups only)."""
         ticket = getattr(ctx, "ticket_id", "") or "episode"
         results = await asyncio.gather(*(self.run_episode(engine, item, f"{ticket}/{i}") for i in range(self.sampling.n)),
                                        return_exceptions=True)
@@ -223,7 +224,9 @@ class AgentWorkflow:
             for f in failures:
                 self.stats.failed[f.kind] += 1
             counts = ", ".join(f"{k} {v}" for k, v in sorted(self.stats.failed.items()))
-            log.warning("agent %s: %d of %d episodes of item %d (ticket %s) failed, the group is rejected: %s [failed episodes so far: %s]",
+            log.warning("agent %s: %d of %d episodes of item %d (ticket %s) failed: %s [failed episodes so far: %s]",
                         self.name, len(failures), len(results), item.index, ticket, failures[0], counts)
-            return None
+            # The rollout agent's poison-ticket rule takes it from here: the ticket is tried again up to
+            # rollout.maxTicketAttempts, then published as a failed group with this reason (metrics, status).
+            raise EpisodeFailed(failures[0].kind, f"{len(failures)} of {len(results)} agent episodes failed; first: {failures[0]}")
         return list(results)  # type: ignore[arg-type]
