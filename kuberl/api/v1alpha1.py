@@ -137,6 +137,82 @@ class AcceleratorSpec(KubeModel):
     )
 
 
+# Pod template overrides: label and annotation keys, env names and volume names the operator owns.
+RESERVED_LABEL_PREFIXES = ("kuberl.io/", "app.kubernetes.io/")
+RESERVED_ENV_PREFIX = "KUBERL_"
+RESERVED_VOLUMES = ("config", "dshm", "cache", "workdir", "checkpoints", "model", "dataset")
+OVERRIDE_LABEL_MESSAGE = "podTemplate.labels and podTemplate.annotations must not use the kuberl.io/ or app.kubernetes.io/ prefixes (the operator's selectors and bookkeeping)"
+OVERRIDE_ENV_MESSAGE = "podTemplate.env must not set KUBERL_* variables (the operator sets them from the spec)"
+OVERRIDE_VOLUME_MESSAGE = "podTemplate.volumes must not reuse the names config, dshm, cache, workdir, checkpoints, model or dataset"
+_FREE_FORM_ITEMS = {"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+
+
+class EnvVar(KubeModel):
+    """An environment variable (core/v1 EnvVar): a value, or valueFrom (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
+
+    name: str = Field(description="Variable name.", min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = Field(None, description="Value.")
+    value_from: dict[str, Any] | None = Field(
+        None, description="Source of the value (core/v1 EnvVarSource).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+
+class LocalObjectReference(KubeModel):
+    name: str = Field(description="Name of an object in the experiment's namespace.", min_length=1, max_length=253)
+
+
+class PodTemplateOverride(KubeModel):
+    """Additions to a role's pods, merged into what the operator renders (like KubeRay's and Kubeflow
+    Trainer's podTemplateOverrides): labels, annotations and env merge by key or name (yours win),
+    volumes and mounts are added, the pod fields replace the operator's. Every runtime container of the
+    role gets the env and the mounts."""
+
+    model_config = _cel(
+        ("(!has(self.labels) || self.labels.all(k, !k.startsWith('kuberl.io/') && !k.startsWith('app.kubernetes.io/'))) && "
+         "(!has(self.annotations) || self.annotations.all(k, !k.startsWith('kuberl.io/') && !k.startsWith('app.kubernetes.io/')))",
+         OVERRIDE_LABEL_MESSAGE, ".labels"),
+        ("!has(self.env) || self.env.all(e, !e.name.startsWith('KUBERL_'))", OVERRIDE_ENV_MESSAGE, ".env"),
+        ("!has(self.volumes) || self.volumes.all(v, !has(v.name) || !(v.name in ['config', 'dshm', 'cache', 'workdir', 'checkpoints', 'model', 'dataset']))",
+         OVERRIDE_VOLUME_MESSAGE, ".volumes"),
+    )
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod labels, e.g. sidecar.istio.io/inject or a Kueue pod-group label.")
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod annotations, e.g. cluster-autoscaler.kubernetes.io/safe-to-evict.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Environment of every runtime container of the role (NCCL_*, HTTP(S)_PROXY, HF_*).")
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Extra pod volumes (core/v1 Volume), each with a name.", json_schema_extra=_FREE_FORM_ITEMS
+    )
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Mounts of the extra volumes in every runtime container of the role (core/v1 VolumeMount).",
+        json_schema_extra=_FREE_FORM_ITEMS,
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16, description="Secrets to pull a private image with.")
+    service_account_name: str | None = Field(
+        None, min_length=1, max_length=253, description="Run as this ServiceAccount (GKE Workload Identity, EKS IRSA/Pod Identity) instead of {experiment}-runtime."
+    )
+    runtime_class_name: str | None = Field(None, min_length=1, max_length=253, description="RuntimeClass, e.g. nvidia (GPU Operator clusters).")
+    scheduler_name: str | None = Field(None, min_length=1, max_length=253, description="Scheduler, e.g. volcano for gang scheduling.")
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, description="core/v1 TopologySpreadConstraints of the pods.", json_schema_extra=_FREE_FORM_ITEMS
+    )
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=0, le=86400, description="Seconds between SIGTERM and SIGKILL (default: 600 for the trainer, which checkpoints on SIGTERM; 30 otherwise)."
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> PodTemplateOverride:
+        if any(k.startswith(RESERVED_LABEL_PREFIXES) for k in (*self.labels, *self.annotations)):
+            raise ValueError(OVERRIDE_LABEL_MESSAGE)
+        if any(e.name.startswith(RESERVED_ENV_PREFIX) for e in self.env):
+            raise ValueError(OVERRIDE_ENV_MESSAGE)
+        for kind, items in (("volumes", self.volumes), ("volumeMounts", self.volume_mounts)):
+            for item in items:
+                if not isinstance(item.get("name"), str) or not item["name"]:
+                    raise ValueError(f"podTemplate.{kind}: every item needs a name")
+        if any(v["name"] in RESERVED_VOLUMES for v in self.volumes):
+            raise ValueError(OVERRIDE_VOLUME_MESSAGE)
+        return self
+
+
 class SchedulingSpec(KubeModel):
     """Pod placement and resources shared by the rollout and trainer blocks."""
 
@@ -154,6 +230,7 @@ class SchedulingSpec(KubeModel):
         None, description="Pod affinity (core/v1 Affinity).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
+    pod_template: PodTemplateOverride | None = Field(None, description="Additions to the pods (env, labels, volumes, service account, ...), merged into the operator's.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,8 +248,9 @@ class ModelSpec(KubeModel):
     id: str | None = Field(None, description="Hugging Face model id, e.g. Qwen/Qwen2.5-1.5B-Instruct.", min_length=1)
     path: str | None = Field(None, description="Folder with config.json and safetensors: inside `volume` if set, else a local path.", min_length=1)
     volume: VolumeRef | None = Field(None, description="PVC that holds the model; `path` is relative to it.")
-    builtin: Literal["tiny-qwen2"] | None = Field(
-        None, description="A tiny Qwen2 built locally (random init, locally trained tokenizer): for tests and the quickstart."
+    builtin: Literal["tiny-qwen2", "tiny-qwen2-instruct"] | None = Field(
+        None, description="A tiny Qwen2 built locally (random init, locally trained tokenizer): for tests and the quickstart. "
+        "tiny-qwen2-instruct is shaped like Qwen2.5-Instruct (tied embeddings, its generation_config sampling defaults).",
     )
     revision: str = Field("main", description="Hub revision (branch, tag or commit) when `id` is set.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Weights dtype for training and inference.")
@@ -339,6 +417,10 @@ PPO_UNSUPPORTED = (
     "algorithm.name ppo (PPO with a value critic) is not supported yet: the trainer has no critic model; "
     "use liteppo (critic-free PPO) or another algorithm"
 )
+TOP_P_UNSUPPORTED = (
+    "algorithm.topP must be 1: the trainer scores softmax(logits / temperature) over the whole vocabulary, "
+    "so a nucleus-truncated sampler would not be the policy it trains (lower algorithm.temperature to sharpen sampling)"
+)
 
 
 class AlgorithmSpec(KubeModel):
@@ -348,13 +430,18 @@ class AlgorithmSpec(KubeModel):
         ("!has(self.epsClipHigh) || !has(self.epsClip) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
         ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2", "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
         ("self.name != 'ppo'", PPO_UNSUPPORTED),
+        ("!has(self.topP) || self.topP == 1.0", TOP_P_UNSUPPORTED, ".topP"),
     )
     name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++ or liteppo (ppo, with a value critic, is reserved and refused for now).")
     samples_per_prompt: int = Field(4, ge=1, le=256, description="Responses sampled per prompt (group size n).")
     batch_size: int = Field(256, ge=1, le=65536, description="Prompts (groups) per training step, B.")
-    max_new_tokens: int = Field(1024, ge=1, le=131072, description="Generation length limit.")
+    max_new_tokens: int = Field(
+        1024, ge=1, le=131072,
+        description="Generation length limit per response; a multi-turn episode shares it across its turns (each turn gets what "
+        "the earlier ones left), so the overlong penalty and Dr.GRPO's normaliser measure against it.",
+    )
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; must stay 1 (the trainer scores the untruncated policy).")
     learning_rate: float = Field(1.7e-5, gt=0.0, le=1.0, description="Learning rate.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer settings.")
     ppo_minibatches: int = Field(1, ge=1, le=64, description="Optimizer steps per training step (minibatches of the batch).")
@@ -391,6 +478,8 @@ class AlgorithmSpec(KubeModel):
             raise ValueError("group-relative algorithms need algorithm.samplesPerPrompt >= 2")
         if self.name == AlgorithmName.PPO:
             raise ValueError(PPO_UNSUPPORTED)
+        if self.top_p != 1.0:
+            raise ValueError(TOP_P_UNSUPPORTED)
         return self
 
 
@@ -429,6 +518,13 @@ class EngineName(StrEnum):
     VLLM = "vllm"
 
 
+# The runtime-npu image carries torch_npu but no inference engine: an Ascend rollout must name an
+# image that has one (e.g. a vllm-ascend build with the KubeRL runtime installed).
+ASCEND_IMAGE_RULE = "!has(self.accelerator) || !has(self.accelerator.type) || self.accelerator.type != 'ascend' || has(self.image)"
+ASCEND_IMAGE_MESSAGE = ("rollout.image is required with rollout.accelerator.type ascend: the default runtime-npu image has no "
+                        "inference engine; use an image with vllm-ascend and the KubeRL runtime (see docs/guides/ascend.md)")
+
+
 class RolloutSpec(SchedulingSpec):
     """Inference: a StatefulSet of engine + rollout-agent pods."""
 
@@ -437,6 +533,7 @@ class RolloutSpec(SchedulingSpec):
     model_config = _cel(
         ("!self.autoscaling.enabled || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
          "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas", ".replicas"),
+        (ASCEND_IMAGE_RULE, ASCEND_IMAGE_MESSAGE, ".image"),
     )
     engine: EngineName = Field(
         EngineName.VLLM,
@@ -466,6 +563,8 @@ class RolloutSpec(SchedulingSpec):
         if a.enabled and "replicas" not in self.model_fields_set:
             # Left unset on purpose (not in model_fields_set) so that `allocation` may still fill it.
             object.__setattr__(self, "replicas", a.min_replicas)
+        if self.accelerator.type == AcceleratorType.ASCEND and not self.image:
+            raise ValueError(ASCEND_IMAGE_MESSAGE)
         return self
 
 
@@ -552,6 +651,11 @@ class CheckpointSpec(KubeModel):
     existing_claim: str | None = Field(None, description="Use this PVC instead of creating one.")
     every_steps: int = Field(10, ge=1, le=1_000_000, description="Checkpoint every N training steps.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (oldest deleted first).")
+    retain_policy: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description="Retain: the checkpoint PVC the operator creates outlives the experiment (not owned by it), so a re-created "
+        "experiment of the same name resumes from it; Delete: it is garbage-collected with the experiment.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> CheckpointSpec:
@@ -659,6 +763,7 @@ class ConditionType(StrEnum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     VALIDATED = "Validated"  # False with reason ValidationFailed when the spec cannot run
+    RECONCILED = "Reconciled"  # False with reason ApplyFailed when a child could not take the spec (the message names the field)
 
 
 class Condition(KubeModel):

@@ -119,6 +119,12 @@ class TestAllocation:
         s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"replicas": 4, "engine": "sglang"}))
         assert s.rollout.replicas == 4
 
+    def test_an_explicit_replica_count_wins_over_the_shorthand_d(self):
+        # kubectl scale / an HPA write spec.rollout.replicas through /scale: d is only the default.
+        s = RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"replicas": 2}))
+        assert (s.rollout.replicas, s.rollout.engine) == (2, "sglang")
+        assert RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4")).rollout.replicas == 4
+
     def test_with_autoscaling_the_shorthand_only_sets_the_starting_replicas(self):
         # The autoscaler and `kubectl scale` write spec.rollout.replicas; that must not contradict d4.
         auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 8}
@@ -129,7 +135,6 @@ class TestAllocation:
             RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", rollout={"autoscaling": auto, "replicas": 9}))
 
     @pytest.mark.parametrize("overrides, path, ours, theirs", [
-        ({"rollout": {"replicas": 2}}, "rollout.replicas", "4", "2"),
         ({"rollout": {"engine": "vllm"}}, "rollout.engine", "sglang", "vllm"),
         ({"rollout": {"tensorParallelSize": 2}}, "rollout.tensorParallelSize", "1", "2"),
         ({"trainer": {"backend": "megatron"}}, "trainer.backend", "fsdp", "megatron"),
@@ -166,7 +171,10 @@ class TestAllocation:
 # CEL (admission) and pydantic (kuberl run, the operator) must agree
 # ---------------------------------------------------------------------------------------------
 
-from kuberl.api.v1alpha1 import PPO_UNSUPPORTED  # noqa: E402
+from kuberl.api.v1alpha1 import ASCEND_IMAGE_MESSAGE, PPO_UNSUPPORTED  # noqa: E402
+from kuberl.api.v1alpha1 import OVERRIDE_ENV_MESSAGE, OVERRIDE_LABEL_MESSAGE, OVERRIDE_VOLUME_MESSAGE  # noqa: E402
+
+from kuberl.api.v1alpha1 import TOP_P_UNSUPPORTED  # noqa: E402
 
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
@@ -187,6 +195,8 @@ AGREEMENT_CASES = [
     ("rloo with one sample", {"algorithm": {"name": "rloo", "samplesPerPrompt": 1}}, "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
     ("ppo with a critic", {"algorithm": {"name": "ppo"}}, PPO_UNSUPPORTED),
     ("liteppo, critic-free", {"algorithm": {"name": "liteppo"}}, None),
+    ("nucleus sampling", {"algorithm": {"topP": 0.8}}, TOP_P_UNSUPPORTED),
+    ("topP 1", {"algorithm": {"topP": 1.0}}, None),
     ("reinforce++ with one sample", {"algorithm": {"name": "reinforce++", "samplesPerPrompt": 1}}, None),
     ("autoscaling min above max", {"rollout": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}, "rollout.autoscaling.minReplicas must be <= maxReplicas"),
     ("replicas within autoscaling", {"rollout": {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}}, None),
@@ -212,6 +222,13 @@ AGREEMENT_CASES = [
      "checkpoint.storageClassName has no effect with checkpoint.existingClaim"),
     ("no training length", {"training": {}}, "set training.totalSteps or training.epochs"),
     ("steps only", {"training": {"totalSteps": 10}}, None),
+    ("ascend rollout without an image", {"rollout": {"accelerator": {"type": "ascend"}}}, ASCEND_IMAGE_MESSAGE),
+    ("ascend rollout with an image", {"rollout": {"image": "r/vllm-ascend:1", "accelerator": {"type": "ascend"}}}, None),
+    ("pod template overrides", {"trainer": {"podTemplate": {"labels": {"team": "a"}, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                                                            "volumes": [{"name": "nvme", "emptyDir": {}}]}}}, None),
+    ("pod template with a reserved label", {"rollout": {"podTemplate": {"labels": {"kuberl.io/role": "x"}}}}, OVERRIDE_LABEL_MESSAGE),
+    ("pod template with a reserved env", {"trainer": {"podTemplate": {"env": [{"name": "KUBERL_BUS_URL", "value": "x"}]}}}, OVERRIDE_ENV_MESSAGE),
+    ("pod template with a reserved volume", {"trainer": {"podTemplate": {"volumes": [{"name": "config", "emptyDir": {}}]}}}, OVERRIDE_VOLUME_MESSAGE),
 ]
 
 

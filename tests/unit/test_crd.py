@@ -283,10 +283,26 @@ def test_quantities_are_int_or_string_with_the_kubernetes_pattern(schema):
     assert re.match(storage["pattern"], "10Gi") and not re.match(storage["pattern"], "10 GB")
 
 
-def test_tolerations_and_affinity_keep_unknown_fields(schema):
-    rollout = schema["properties"]["spec"]["properties"]["rollout"]["properties"]
-    assert rollout["tolerations"]["items"] == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    assert rollout["affinity"]["x-kubernetes-preserve-unknown-fields"] is True
+def test_tolerations_and_affinity_have_the_core_v1_schemas(schema):
+    # B8: free-form, a typo reached the pods (or a 422 on the child); now admission names it.
+    from kuberl.api.core_schemas import KUBERNETES_VERSION, core_schema, expand_from_kubernetes_validate
+
+    assert expand_from_kubernetes_validate(KUBERNETES_VERSION) == {k: core_schema(k) for k in ("Toleration", "Affinity")}, \
+        "core_v1_schemas.json is stale: python3 -m kuberl.api.core_schemas"
+    for role in ("rollout", "trainer"):
+        props = schema["properties"]["spec"]["properties"][role]["properties"]
+        tol = props["tolerations"]["items"]
+        assert "x-kubernetes-preserve-unknown-fields" not in tol and set(tol["properties"]) == {"key", "operator", "value", "effect", "tolerationSeconds"}
+        assert tol["properties"]["effect"]["enum"] == ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
+        aff = props["affinity"]
+        assert "x-kubernetes-preserve-unknown-fields" not in aff
+        term = aff["properties"]["nodeAffinity"]["properties"]["requiredDuringSchedulingIgnoredDuringExecution"]["properties"]["nodeSelectorTerms"]["items"]
+        assert term["properties"]["matchExpressions"]["items"]["required"] == ["key", "operator"]
+    good = {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    rollout = schema["properties"]["spec"]["properties"]["rollout"]
+    jsonschema.validate(good, {"type": "object", "properties": {"tolerations": rollout["properties"]["tolerations"]}})
+    with pytest.raises(jsonschema.ValidationError, match="NoSchedul"):
+        jsonschema.validate({"tolerations": [{"key": "k", "effect": "NoSchedul"}]}, {"type": "object", "properties": {"tolerations": rollout["properties"]["tolerations"]}})
 
 
 def test_field_descriptions_reach_the_schema_for_kubectl_explain(schema):
@@ -319,9 +335,15 @@ def test_status_has_no_defaults_and_conditions_are_a_map_list(schema):
 
 def test_printer_columns_read_fields_that_exist(crd, schema):
     cols = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
-    assert list(cols) == ["Phase", "Step", "Version", "Reward", "Rollout", "Age"]
+    assert list(cols) == ["Phase", "Reason", "Step", "Version", "Reward", "Rollout", "Age", "Samples/s", "Staleness", "Trainer", "Restarts"]
+    wide = {c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide == {"Samples/s", "Staleness", "Trainer", "Restarts"}, "kubectl get -o wide only"
     for name, path in cols.items():
-        if path != ".metadata.creationTimestamp":
+        if "[?(" in path:  # .status.conditions[?(@.type=="Ready")].reason: the list, then the item's field
+            head, tail = path.split("[", 1)
+            items = (resolve(schema, head) or {}).get("items") or {}
+            assert tail.split("].", 1)[1] in (items.get("properties") or {}), f"printer column {name}: {path} is not in the schema"
+        elif path != ".metadata.creationTimestamp":
             assert resolve(schema, path) is not None, f"printer column {name}: {path} is not in the schema"
     for key in ("statusReplicasPath", "labelSelectorPath"):
         assert resolve(schema, crd["spec"]["versions"][0]["subresources"]["scale"][key]) is not None
@@ -359,7 +381,12 @@ def test_every_cel_rule_compiles_and_names_only_declared_fields(schema):
             node = node["properties"][part]
         for match in SELF_PATH.finditer(rule["rule"]):
             # the API server type-checks rules against the schema: an undeclared field does not compile
-            assert resolve(node, match.group(1)) is not None, f"{where}: {rule['rule']!r} names undeclared {match.group(1)}"
+            path = match.group(1)
+            if rule["rule"][match.end():match.end() + 1] == "(":  # self.labels.all(...): a macro on a field
+                path = path.rpartition(".")[0]
+            if not path:
+                continue
+            assert resolve(node, path) is not None, f"{where}: {rule['rule']!r} names undeclared {path}"
         assert rule["message"] and "\n" not in rule["message"]
 
 

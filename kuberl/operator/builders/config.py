@@ -28,7 +28,8 @@ from kuberl.api.v1alpha1 import API_VERSION, KIND, RLExperiment
 # a new toleration, suspend) neither rewrites the file nor rolls the pods that read it; the pods get
 # their effect through the objects the operator renders instead. `allocation` is left out because it
 # is already expanded into the rollout and trainer fields.
-_SCHEDULING = ("replicas", "autoscaling", "image", "imagePullPolicy", "resources", "nodeSelector", "tolerations", "affinity", "priorityClassName")
+_SCHEDULING = ("replicas", "autoscaling", "image", "imagePullPolicy", "resources", "nodeSelector", "tolerations", "affinity", "priorityClassName",
+               "podTemplate")
 OPERATOR_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "": ("allocation", "suspend", "ttlSecondsAfterFinished", "failurePolicy"),
     "rollout": _SCHEDULING,

@@ -3,6 +3,8 @@
 Called by builders.rollout and builders.trainer, which add commands, ports, probes and their own volumes.
 Pure, like every builder: labels, config-hash annotation, a token-less service account, non-root security,
 the role's image and scheduling fields, and the config, shm and cache volumes runtime containers mount.
+Last, the role's `podTemplate` overrides are merged in (`apply_pod_overrides`): labels, annotations and
+env by key or name (the user's win), volumes and mounts added, pod fields replaced.
 """
 
 from __future__ import annotations
@@ -25,7 +27,46 @@ from kuberl.operator.builders.common import (
 )
 from kuberl.operator.builders.config import config_hash
 
-from kuberl.api.v1alpha1 import AcceleratorSpec, RLExperiment, SchedulingSpec
+from kuberl.api.v1alpha1 import AcceleratorSpec, PodTemplateOverride, RLExperiment, SchedulingSpec
+
+# PodTemplateOverride field -> the pod spec field it replaces.
+_POD_FIELDS = {
+    "service_account_name": "serviceAccountName",
+    "runtime_class_name": "runtimeClassName",
+    "scheduler_name": "schedulerName",
+    "termination_grace_period_seconds": "terminationGracePeriodSeconds",
+}
+
+
+def merge_by(key: str, ours: list[Obj], theirs: list[Obj]) -> list[Obj]:
+    """Strategic merge of two lists keyed by `key`: an item of theirs replaces ours of the same key
+    in place; new ones are appended in their order."""
+    replaced = {item[key]: item for item in theirs}
+    out = [replaced.pop(item[key], item) for item in ours]
+    return out + [item for item in theirs if item[key] in replaced]
+
+
+def apply_pod_overrides(template: Obj, override: PodTemplateOverride | None) -> Obj:
+    """`template` (a pod template the builders rendered) with the role's overrides merged in."""
+    if override is None:
+        return template
+    meta, spec = template["metadata"], template["spec"]
+    meta["labels"] = {**override.labels, **meta.get("labels", {})}  # the API refuses ours being overridden
+    meta["annotations"] = {**meta.get("annotations", {}), **override.annotations}
+    env = [e.to_manifest() for e in override.env]
+    for c in spec["containers"]:
+        c["env"] = merge_by("name", c.get("env") or [], env)
+        c["volumeMounts"] = merge_by("name", c.get("volumeMounts") or [], [dict(m) for m in override.volume_mounts])
+    spec["volumes"] = merge_by("name", spec.get("volumes") or [], [dict(v) for v in override.volumes])
+    if override.image_pull_secrets:
+        spec["imagePullSecrets"] = merge_by("name", spec.get("imagePullSecrets") or [], [r.to_manifest() for r in override.image_pull_secrets])
+    if override.topology_spread_constraints:
+        spec["topologySpreadConstraints"] = [dict(t) for t in override.topology_spread_constraints]
+    for field, pod_field in _POD_FIELDS.items():
+        value = getattr(override, field)
+        if value is not None:
+            spec[pod_field] = value
+    return template
 
 
 def runtime_pod_template(
@@ -44,7 +85,7 @@ def runtime_pod_template(
     `volumes` come after config, shm and cache; `spec_fields` (e.g. restartPolicy) lead the pod spec.
     Pods roll when the resolved experiment (config_hash) changes; `kubectl logs` picks default_container.
     """
-    return {
+    return apply_pod_overrides({
         "metadata": {
             "labels": L.child_labels(exp, component),
             "annotations": {L.CONFIG_HASH_ANNOTATION: config_hash(exp), L.DEFAULT_CONTAINER_ANNOTATION: default_container},
@@ -59,7 +100,7 @@ def runtime_pod_template(
             "containers": containers,
             "volumes": [config_volume(exp), shm_volume(), cache_volume(), *volumes],
         },
-    }
+    }, sched.pod_template)
 
 
 def runtime_container(
