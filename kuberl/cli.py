@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args._target.split(":")
+    if args.command in ("engine", "rollout", "trainer"):  # cores and thread pools, before torch or vLLM start threads
+        from kuberl.runtime.resources import ResourceError, apply_process_resources
+
+        try:
+            apply_process_resources(args.command, getattr(args, "config", None))
+        except ResourceError as exc:
+            print(f"kuberl {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

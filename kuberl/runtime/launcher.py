@@ -27,6 +27,7 @@ import yaml
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.net import free_port
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
+from kuberl.runtime.resources import available_cpus, plan_local_cpus, role_env as role_cpu_env
 
 log = logging.getLogger("kuberl.run")
 
@@ -123,13 +124,17 @@ class LocalRun:
         cli = [sys.executable, "-m", "kuberl.cli"]
         logs = self.workdir / "logs"
         devices = assign_gpus(self.exp, gpus)
+        # Each role its own cores and thread counts (KUBERL_CPUS/KUBERL_THREADS, applied by the role's entry point).
+        cores = plan_local_cpus(self.exp, available_cpus())
+        devices = {role: {**role_cpu_env(c), **devices.get(role, {})} for role, c in cores.items()}
         for i in range(spec.rollout.replicas):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
                                    self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
             self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
-                                   self.role_env(f"rollout-{i}", KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}"),
+                                   self.role_env(f"rollout-{i}", KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}",
+                                                 **devices.get(f"rollout-{i}", {})),
                                    logs / f"rollout-{i}.log"))
         nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
         trainer_cmd = ["trainer", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)]

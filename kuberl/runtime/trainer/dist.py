@@ -68,7 +68,13 @@ def init_distributed(device: str | None = None) -> DistInfo:
 
 
 def shard_model(model: torch.nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """FSDP2 (`fully_shard`) each decoder layer, then the root; mixed precision only where asked (GPU)."""
+    """FSDP2 (`fully_shard`) each decoder layer, then the root; mixed precision only where asked (GPU).
+
+    One rank without mixed precision: the plain module. There is nothing to shard, and FSDP's hooks
+    (unshard/reshard per layer, DTensor parameters) cost more than a tiny model's whole forward.
+    """
+    if info.world_size == 1 and (param_dtype is None or param_dtype == torch.float32):
+        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -96,6 +102,15 @@ def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()
+
+
+def all_reduce_rows(rows: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum a CPU tensor over ranks (each row filled by exactly one rank, zeros elsewhere); as is on one rank."""
+    if info.world_size == 1:
+        return rows
+    t = rows.to(info.device)
+    dist.all_reduce(t)
+    return t.cpu()
 
 
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
