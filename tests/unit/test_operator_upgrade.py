@@ -204,3 +204,57 @@ class TestChildLabels:
             assert [(r["uid"], r["controller"], r["blockOwnerDeletion"]) for r in refs] == [(body["metadata"]["uid"], True, True)]
         job = get("Job", "kq1-trainer")
         assert QUEUE_LABEL not in job["spec"]["template"]["metadata"].get("labels", {})
+
+
+class FakeBus:
+    """The operator's bus reader, answering a checkpoint request the way the trainer does (progress.checkpoint.time)."""
+
+    def __init__(self, job_uid_at_request: list) -> None:
+        self.requests: list[tuple[str, str]] = []
+        self.asked_at: float | None = None
+        self.job_uid_at_request = job_uid_at_request
+
+    async def request_checkpoint(self, url, token, experiment, request_id, *, run=""):
+        import time
+
+        job = await h.kube().get("Job", NS, f"{experiment}-trainer")
+        self.job_uid_at_request.append(job["metadata"]["uid"] if job else None)
+        self.requests.append((experiment, run))
+        self.asked_at = time.time()
+        return True
+
+    async def read(self, url, token, experiment, key="progress", *, run=""):
+        if self.asked_at is None:
+            return None
+        return {"step": 12, "checkpoint": {"step": 12, "time": self.asked_at + 0.1, "path": "/checkpoints/step-12"}}
+
+    async def close(self):
+        return None
+
+
+class TestTrainerRecreation:
+    def test_a_running_trainer_checkpoints_before_its_job_is_recreated(self, operator, monkeypatch) -> None:
+        create("rc1")
+        reconcile("rc1")
+        old_uid = get("Job", "rc1-trainer")["metadata"]["uid"]
+        run(h.kube().patch_status("Job", NS, "rc1-trainer", {"active": 1}))
+        seen: list = []
+        bus = FakeBus(seen)
+        monkeypatch.setattr(h.CONFIG, "bus", bus)
+        patch_experiment("rc1", {"spec": {"trainer": {"resources": {"requests": {"cpu": "2"}}}}})
+        reconcile("rc1")
+        run_id = get("RLExperiment", "rc1")["metadata"]["annotations"]["kuberl.io/bus-run"]
+        assert bus.requests == [("rc1", run_id)]
+        assert seen == [old_uid]  # asked while the old Job still ran
+        assert get("Job", "rc1-trainer")["metadata"]["uid"] != old_uid
+
+    def test_a_trainer_without_running_pods_is_recreated_without_asking(self, operator, monkeypatch) -> None:
+        create("rc2")
+        reconcile("rc2")
+        old_uid = get("Job", "rc2-trainer")["metadata"]["uid"]
+        bus = FakeBus([])
+        monkeypatch.setattr(h.CONFIG, "bus", bus)
+        patch_experiment("rc2", {"spec": {"trainer": {"resources": {"requests": {"cpu": "2"}}}}})
+        reconcile("rc2")
+        assert bus.requests == []
+        assert get("Job", "rc2-trainer")["metadata"]["uid"] != old_uid

@@ -41,6 +41,28 @@ NATS_MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 LAME_DUCK_SECONDS = 30  # nats-server refuses less than 30 s
 PID_DIR = "/var/run/nats"
 PID_FILE = f"{PID_DIR}/nats.pid"  # the preStop hook signals lame-duck mode through it
+# Requests when spec.bus.embedded.resources sets none: a NATS server with BestEffort QoS is the first
+# pod evicted under node pressure, and the whole experiment waits on it. Limits stay the user's.
+DEFAULT_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
+HOSTNAME_KEY = "kubernetes.io/hostname"
+ZONE_KEY = "topology.kubernetes.io/zone"
+
+
+def cluster_placement(exp: RLExperiment) -> Obj:
+    """A 3- or 5-server JetStream cluster keeps its quorum only if one node (or zone) going down takes
+    at most a minority: spread the servers over nodes (preferred anti-affinity, so a small cluster
+    still schedules them) and over zones where there are several. Nothing for a single server."""
+    if _embedded(exp).replicas < 2:
+        return {}
+    selector = {"matchLabels": L.selector_labels(exp, L.Role.BUS)}
+    return {
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {"topologyKey": HOSTNAME_KEY, "labelSelector": selector}},
+        ]}},
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": ZONE_KEY, "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector},
+        ],
+    }
 
 
 def _embedded(exp: RLExperiment) -> EmbeddedBusSpec:
@@ -155,6 +177,10 @@ def build_bus_statefulset(exp: RLExperiment) -> Obj:
         "securityContext": {**container_security_context(), "readOnlyRootFilesystem": True},
     }
     resources = {part: {k: str(v) for k, v in getattr(bus.resources, part).items()} for part in ("requests", "limits")}
+    resources["requests"] = {**DEFAULT_REQUESTS, **resources["requests"]}
+    for name, limit in resources["limits"].items():  # a limit below our default request would be refused
+        if name in DEFAULT_REQUESTS and name not in bus.resources.requests:
+            resources["requests"][name] = limit
     resources = {k: v for k, v in resources.items() if v}
     if resources:
         container["resources"] = resources
@@ -184,6 +210,7 @@ def build_bus_statefulset(exp: RLExperiment) -> Obj:
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": LAME_DUCK_SECONDS + 30,
                     "securityContext": pod_security_context(AcceleratorSpec(type=AcceleratorType.CPU, count=0)),
+                    **cluster_placement(exp),
                     "containers": [container],
                     "volumes": [
                         {
