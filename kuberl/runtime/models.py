@@ -1,8 +1,9 @@
 """The policy model's files: build the tiny test model, and resolve any ModelSpec to a local folder.
 
 Called by the trainer (initial weights), the engine launcher (what vLLM/SGLang serve), `kuberl run`
-and `kuberl build-model OUT`. The tiny model is a random-init Qwen2 with UNTIED embeddings (vLLM's
-reload leaves a tied LM head stale) and a byte-level BPE tokenizer trained here on the builtin tasks.
+and `kuberl build-model OUT`. Two builtin variants, both random-init Qwen2 with a byte-level BPE tokenizer
+trained here: `tiny-qwen2` (untied embeddings, no sampling defaults) and `tiny-qwen2-instruct`, shaped like
+Qwen2.5-Instruct (tied embeddings, chat template, generation_config.json with its sampling defaults).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ TINY_CONFIG = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
+}
+# Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct's generation_config.json sampling defaults: an engine that applies
+# them samples from a top-k, nucleus, repetition-penalised policy the trainer never scores.
+QWEN25_INSTRUCT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+# builtin name -> (config overrides, generation_config sampling keys)
+BUILTIN_MODELS: dict[str, tuple[dict, dict]] = {
+    "tiny-qwen2": ({}, {"do_sample": True}),
+    "tiny-qwen2-instruct": ({"tie_word_embeddings": True}, QWEN25_INSTRUCT_SAMPLING),
 }
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -87,11 +96,15 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_TARGET):
     return fast
 
 
-def build_tiny_model(output_dir: str | Path, seed: int = 0, **overrides: int) -> Path:
+def build_tiny_model(output_dir: str | Path, seed: int = 0, *, variant: str = "tiny-qwen2", **overrides: int) -> Path:
     """Write a tiny Qwen2ForCausalLM + tokenizer in Hugging Face layout (safetensors); deterministic per seed.
 
+    variant: a BUILTIN_MODELS name (its config overrides and generation_config sampling defaults).
     `overrides` change TINY_CONFIG entries (e.g. hidden_size=128) for experiments.
     """
+    if variant not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {variant!r}; known: {', '.join(BUILTIN_MODELS)}")
+    config_overrides, sampling = BUILTIN_MODELS[variant]
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -100,19 +113,27 @@ def build_tiny_model(output_dir: str | Path, seed: int = 0, **overrides: int) ->
     tokenizer = build_tokenizer()
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
     cfg = Qwen2Config(
-        **{**TINY_CONFIG, **overrides},
+        **{**TINY_CONFIG, **config_overrides, **overrides},
         vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
     )
-    if cfg.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings must stay False: vLLM's weight reload leaves a tied LM head stale")
     cfg.dtype = "float32"
     # Seed and init on CPU in float32 so the same seed gives the same bytes everywhere.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    # Instruct models stop at <|im_end|> or <|endoftext|> (Qwen2.5-Instruct lists both).
+    eos_ids = [eos, pad] if variant != "tiny-qwen2" else eos
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad, **sampling)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if variant != "tiny-qwen2":
+        # Qwen2.5-Instruct's layout: the chat template inside tokenizer_config.json, no chat_template.jinja.
+        tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+        tok_cfg["chat_template"] = CHAT_TEMPLATE
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+        (out / "chat_template.jinja").unlink(missing_ok=True)
     return out
 
 
@@ -133,7 +154,7 @@ def _check_model_dir(path: Path, field: str) -> Path:
     return path
 
 
-def _build_once(target: Path, seed: int) -> Path:
+def _build_once(target: Path, seed: int, variant: str) -> Path:
     """Build the builtin model into `target` unless it is there; a lock keeps concurrent roles from racing."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -142,7 +163,7 @@ def _build_once(target: Path, seed: int) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            build_tiny_model(tmp, seed=seed)
+            build_tiny_model(tmp, seed=seed, variant=variant)
             try:
                 os.replace(tmp, target)  # atomic: readers see all files or none
             except OSError:
@@ -164,7 +185,7 @@ def resolve_model(spec: ModelSpec, workdir: str | Path | None = None, *, seed: i
     if spec.builtin is not None:
         if workdir is None:
             raise ModelResolutionError("model.builtin: a workdir is needed to build the model into")
-        return str(_build_once(Path(workdir) / "models" / spec.builtin, seed))
+        return str(_build_once(Path(workdir) / "models" / spec.builtin, seed, spec.builtin))
     if spec.path is not None:
         if spec.volume is not None:
             root = Path(MODEL_VOLUME_ROOT) / spec.volume.claim_name
@@ -194,7 +215,7 @@ def model_summary(path: str | Path) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`kuberl build-model OUT [--seed N]`."""
-    out = build_tiny_model(args.output, seed=args.seed)
+    """`kuberl build-model OUT [--seed N] [--variant NAME]`."""
+    out = build_tiny_model(args.output, seed=args.seed, variant=getattr(args, "variant", None) or "tiny-qwen2")
     print(f"built tiny model in {out}: {model_summary(out)}")
     return 0

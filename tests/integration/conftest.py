@@ -30,4 +30,4 @@ def experiment_name(request: pytest.FixtureRequest) -> str:
     stem = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:30].strip("-") or "t"
     return f"{stem}-{uuid.uuid4().hex[:8]}"
 
-from conftest_engines import vllm_server  # noqa: E402,F401  (engineer C: the session vLLM CPU server fixture)
+from conftest_engines import vllm_instruct_server, vllm_server  # noqa: E402,F401  (the session vLLM CPU server fixtures)

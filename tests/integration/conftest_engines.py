@@ -1,9 +1,11 @@
-"""Engine fixtures of the integration tests (engineer C): one real vLLM CPU server for the whole session.
+"""Engine fixtures of the integration tests: real vLLM CPU servers, each started once per session.
 
-`vllm_server` builds the tiny model (as `kuberl run` would, into a session workdir), starts
-`python -m vllm.entrypoints.openai.api_server` once on a free loopback port and stops it by its
-process group at the end. Tests attach to it with `VLLMEngine(url=...)` and load the weights they
-need first (a reload takes ~30 ms), so no test depends on what an earlier one loaded.
+`vllm_server` serves the builtin tiny model (untied, no sampling defaults); `vllm_instruct_server`
+the Instruct-shaped one (tied embeddings, Qwen2.5-Instruct's generation_config). Each is built as
+`kuberl run` would (resolve_model into a session workdir), started with the command `kuberl engine`
+uses (`python -m vllm.entrypoints.openai.api_server` ...) on a free loopback port and stopped by its
+process group at the end. Tests attach with `VLLMEngine(url=...)` and load the weights they need
+first (a reload takes ~30 ms), so no test depends on what an earlier one loaded.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ class VLLMServer:
     log_path: Path
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def _serve(tmp_path_factory: pytest.TempPathFactory, builtin: str) -> Iterator[VLLMServer]:
     from kuberl.runtime.inference.vllm import VLLMEngine
 
-    workdir = tmp_path_factory.mktemp("engine-workdir")
-    model_dir = Path(resolve_model(ModelSpec(builtin="tiny-qwen2"), workdir))
-    other = build_tiny_model(workdir / "weights" / "v1", seed=1)
+    workdir = tmp_path_factory.mktemp(f"engine-workdir-{builtin}")
+    model_dir = Path(resolve_model(ModelSpec(builtin=builtin), workdir))
+    other = build_tiny_model(workdir / "weights" / "v1", seed=1, variant=builtin)
     log_path = workdir / "vllm.log"
     engine = VLLMEngine(str(model_dir), max_model_len=512, max_num_seqs=16, log_path=log_path, startup_timeout=300)
 
@@ -52,3 +53,14 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
         yield VLLMServer(url=engine.url, workdir=workdir, model_dir=model_dir, other_weights=other, log_path=log_path)
     finally:
         asyncio.run(engine.stop())
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    yield from _serve(tmp_path_factory, "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def vllm_instruct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The Instruct-shaped model: tied embeddings, a chat template, Qwen2.5-Instruct's sampling defaults."""
+    yield from _serve(tmp_path_factory, "tiny-qwen2-instruct")

@@ -1,4 +1,4 @@
-"""The tiny model and model resolution (kuberl.runtime.models): builds, is untied, loads, resolves."""
+"""The tiny models and model resolution (kuberl.runtime.models): builds (untied, and the tied Instruct-shaped variant), loads, resolves."""
 
 from __future__ import annotations
 
@@ -112,3 +112,33 @@ def test_build_model_command_writes_a_loadable_model(tmp_path, capsys):
     assert main(["build-model", str(tmp_path / "m"), "--seed", "3"]) == 0
     assert (tmp_path / "m" / "config.json").is_file()
     assert "tiny model" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("instruct"), seed=0, variant="tiny-qwen2-instruct")
+
+
+def test_the_instruct_variant_is_shaped_like_qwen25_instruct_tied_with_its_sampling_defaults_and_chat_template(instruct):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = json.loads((instruct / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["tie_word_embeddings"] is True
+    model = AutoModelForCausalLM.from_pretrained(instruct)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    gen = json.loads((instruct / "generation_config.json").read_text())
+    assert {k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")} == {
+        "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    tok_cfg = json.loads((instruct / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tok_cfg["chat_template"] and not (instruct / "chat_template.jinja").exists()
+    tok = AutoTokenizer.from_pretrained(instruct)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_instruct_builtin_resolves_to_its_own_folder_and_unknown_variants_are_refused(tmp_path):
+    path = Path(resolve_model(ModelSpec(builtin="tiny-qwen2-instruct"), tmp_path))
+    assert path == tmp_path / "models" / "tiny-qwen2-instruct"
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    with pytest.raises(ValueError, match="unknown builtin model 'tiny-llama'"):
+        build_tiny_model(tmp_path / "x", variant="tiny-llama")

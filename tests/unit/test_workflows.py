@@ -84,14 +84,14 @@ class TestMakeWorkflow:
         return RLExperimentSpec.model_validate({
             "model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
             "workflow": {"reward": "repeat-digit", **workflow},
-            "algorithm": {"samplesPerPrompt": 6, "maxNewTokens": 12, "temperature": 0.8, "topP": 0.95},
+            "algorithm": {"samplesPerPrompt": 6, "maxNewTokens": 12, "temperature": 0.8, "topP": 1.0},  # topP < 1 is refused
         })
 
     def test_rlvr_takes_its_sampling_from_the_algorithm_and_stops_at_eos(self, tokenizer):
         wf = make_workflow(self.spec(), tokenizer, max_total_tokens=512)
         assert type(wf) is RLVRWorkflow
         s = wf.sampling
-        assert (s.n, s.max_new_tokens, s.temperature, s.top_p, s.max_total_tokens) == (6, 12, 0.8, 0.95, 512)
+        assert (s.n, s.max_new_tokens, s.temperature, s.top_p, s.max_total_tokens) == (6, 12, 0.8, 1.0, 512)
         assert s.stop_token_ids == [tokenizer.eos_token_id]
 
     def test_multi_turn_gets_its_turns_and_discount(self, tokenizer):

@@ -4,6 +4,8 @@ plus the `kuberl engine` launch settings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from kuberl.runtime.inference import sglang, vllm
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, engine_class
@@ -60,6 +62,17 @@ class TestSGLang:
         with pytest.raises(EngineError, match="unexpected finish_reason"):
             sglang.parse_generate(odd, 0)
 
+    def test_every_sampling_field_is_explicit_and_neutral_so_the_models_defaults_cannot_apply(self):
+        sp = sglang.generate_payload(REQ)["sampling_params"]
+        # SGLang's SamplingParams: top_k -1 = whole vocabulary (0 is refused), min_p 0, penalties neutral.
+        assert (sp["top_k"], sp["min_p"], sp["repetition_penalty"], sp["presence_penalty"], sp["frequency_penalty"]) == (-1, 0.0, 1.0, 0.0, 0.0)
+        greedy = sglang.generate_payload(GenerateRequest(input_ids=[1], max_new_tokens=1, temperature=0.0))["sampling_params"]
+        assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
+
+    def test_the_server_takes_openai_sampling_defaults_not_the_models(self):
+        cmd = sglang.build_server_command("/m", port=30000)
+        assert cmd[cmd.index("--sampling-defaults") + 1] == "openai"
+
     def test_weight_update_payload_names_path_and_version(self):
         assert sglang.update_weights_payload("/w/v3", 3) == {"model_path": "/w/v3", "weight_version": "3", "abort_all_requests": True}
 
@@ -78,6 +91,21 @@ class TestVLLM:
         assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["ignore_eos"] is True
         assert body["stop_token_ids"] == [2] and body["skip_special_tokens"] is False
 
+    def test_every_sampling_field_of_the_installed_vllm_is_explicit_and_neutral(self):
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        body = vllm.VLLMEngine.completion_payload(REQ)
+        # Whatever vLLM would fill from the server's defaults (= the model's generation_config under
+        # --generation-config auto) is named in the request.
+        assert set(CompletionRequest.__private_attributes__["_DEFAULT_SAMPLING_PARAMS"].default) <= set(body)
+        # Through vLLM's own request model, with Qwen2.5-Instruct's generation_config as the server defaults:
+        # the sampling parameters are the manifest's temperature and top_p and nothing else.
+        qwen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05}
+        sp = CompletionRequest(**body).to_sampling_params(max_tokens=16, default_sampling_params=qwen)
+        assert (sp.temperature, sp.top_p) == (0.7, 0.9)
+        assert sp.top_k in (0, -1) and sp.min_p == 0.0
+        assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, 0.0, 0.0)
+
     def test_an_unexpected_completion_is_an_error(self):
         with pytest.raises(EngineError, match="unexpected response shape"):
             vllm.VLLMEngine.parse_completion({"choices": []}, 0)
@@ -88,6 +116,8 @@ class TestVLLM:
         cmd = vllm.build_server_command("/m", port=8000, max_model_len=512, extra_args=["--max-model-len", "256"])
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # the model's sampling defaults are off
+        assert cmd[cmd.index("--worker-extension-cls") + 1] == vllm.WORKER_EXTENSION  # tied-head-safe reload
         assert cmd[-2:] == ["--max-model-len", "256"]  # the user's engineArgs come last and win
         assert vllm.server_env({})["VLLM_SERVER_DEV_MODE"] == "1"
 
@@ -107,6 +137,38 @@ def exp(**rollout) -> RLExperiment:
 def test_engine_settings_on_cpu_use_float32_a_small_context_and_enough_sequences_for_the_agent():
     s = engine_settings(exp(accelerator={"type": "cpu"}, engineArgs=["--foo"]))
     assert s["dtype"] == "float32" and s["max_model_len"] == 512 and s["max_num_seqs"] == 32 and s["extra_args"] == ["--foo"]
+
+
+def test_cpu_engines_compute_in_float32_and_the_trainer_exports_what_the_engine_computes_in():
+    from kuberl.runtime.inference.main import engine_dtype
+
+    cpu = exp(accelerator={"type": "cpu"})
+    assert cpu.spec.model.dtype == "bfloat16" and engine_dtype(cpu.spec) == "float32"
+    src = (Path(__file__).resolve().parents[2] / "kuberl/runtime/trainer/trainer.py").read_text()
+    assert "getattr(torch, engine_dtype(self.spec))" in src  # the export dtype follows the engine, not model.dtype
+
+
+def test_a_stale_tied_head_is_found_and_repacked_with_vllms_own_cpu_gemm():
+    """vLLM's CPU GEMM runs on a packed copy of the weight: an in-place update of a tied weight leaves it stale."""
+    import torch
+    from kuberl.runtime.inference.vllm_worker import KubeRLWorkerExtension, gemm_is_current, refresh_tied_layers
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    class Layer(torch.nn.Module):
+        def __init__(self, weight: torch.nn.Parameter) -> None:
+            super().__init__()
+            self.weight, self.quant_method = weight, UnquantizedEmbeddingMethod()
+
+    shared = torch.nn.Parameter(torch.randn(320, 128), requires_grad=False)
+    model = torch.nn.ModuleDict({"embed_tokens": Layer(shared), "lm_head": Layer(shared), "o_proj": Layer(torch.nn.Parameter(torch.randn(64, 128), requires_grad=False))})
+    for layer in model.values():
+        layer.quant_method.process_weights_after_loading(layer)  # what vLLM does at load: the CPU prepack
+    assert refresh_tied_layers(model) == {"tied_layers": 2, "refreshed": 0}
+    shared.data.copy_(torch.randn(320, 128))  # a reload writes new values into the same tensor
+    assert not gemm_is_current(model["lm_head"])  # the packed copy still holds the old head
+    assert refresh_tied_layers(model) == {"tied_layers": 2, "refreshed": 2}
+    assert gemm_is_current(model["lm_head"]) and gemm_is_current(model["o_proj"])
+    assert callable(KubeRLWorkerExtension.kuberl_reload_weights) and vllm.VLLMEngine.reload_method == "kuberl_reload_weights"
 
 
 def test_the_engine_command_is_the_registered_engines_server(tmp_path):

@@ -27,17 +27,29 @@ log = logging.getLogger("kuberl.engine")
 BUILTIN_MAX_MODEL_LEN = 512
 
 
-def engine_settings(exp: RLExperiment) -> dict:
-    """Launch keyword arguments for the engine class's build_server_command, from the spec."""
+def engine_on_cpu(spec) -> bool:
     from kuberl.runtime.inference.vllm import on_cpu
 
+    return spec.rollout.accelerator.type == AcceleratorType.CPU or on_cpu()
+
+
+def engine_dtype(spec) -> str:
+    """The dtype the engine computes in, and so the one the trainer exports weights in.
+
+    bf16 on this CPU dies with SIGILL unless AMX is initialised in every worker: CPU engines run float32,
+    and get float32 weights (bf16-rounded weights would make pi_behave differ from the trainer's pi_prox).
+    """
+    return "float32" if engine_on_cpu(spec) else spec.model.dtype
+
+
+def engine_settings(exp: RLExperiment) -> dict:
+    """Launch keyword arguments for the engine class's build_server_command, from the spec."""
     spec = exp.spec
-    cpu = spec.rollout.accelerator.type == AcceleratorType.CPU or on_cpu()
+    cpu = engine_on_cpu(spec)
     settings: dict = {
         "tensor_parallel_size": spec.rollout.tensor_parallel_size,
         "pipeline_parallel_size": spec.rollout.pipeline_parallel_size,
-        # bf16 on this CPU dies with SIGILL unless AMX is initialised in every worker: float32 is safe.
-        "dtype": "float32" if cpu else spec.model.dtype,
+        "dtype": engine_dtype(spec),
         "seed": spec.seed,
         "extra_args": list(spec.rollout.engine_args),
         "max_model_len": None,

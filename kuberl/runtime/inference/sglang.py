@@ -2,8 +2,10 @@
 
 Used by the rollout agent and `kuberl engine` when spec.rollout.engine is sglang (GPU images; SGLang
 has no CPU build here, so tests check the request/response shaping against recorded payloads).
-Endpoints (checked against SGLang 0.5.5 and 0.5.21, the pinned one): /generate (input_ids, sampling_params, return_logprob), /pause_generation
+Endpoints (read from SGLang 0.5.5 and 0.5.21; the image pins 0.5.23): /generate (input_ids, sampling_params, return_logprob), /pause_generation
 (aborts in-flight requests), /update_weights_from_disk, /continue_generation, /flush_cache, /health_generate.
+Only the manifest decides sampling: `--sampling-defaults openai` (not the model's generation_config.json)
+and every sampling field named in each request (SGLang's SamplingParams: top_k -1 = off, min_p 0, penalties neutral).
 Launching, health waits, stopping and the generation gate are http_engine.HTTPServerEngine's.
 """
 
@@ -15,6 +17,9 @@ from pathlib import Path
 import aiohttp
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.http_engine import HTTPServerEngine
+
+# SGLang's SamplingParams fields, neutral (top_k -1 = the whole vocabulary; 0 is refused by SGLang).
+NEUTRAL_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def build_server_command(
@@ -35,6 +40,8 @@ def build_server_command(
         "--host", host, "--port", str(port), "--dtype", dtype,
         "--tp-size", str(tensor_parallel_size), "--pp-size", str(pipeline_parallel_size),
         "--random-seed", str(seed), "--skip-server-warmup",
+        # Unset request fields take SGLang/OpenAI defaults, not the model's generation_config.json.
+        "--sampling-defaults", "openai",
     ]
     if max_model_len is not None:
         cmd += ["--context-length", str(max_model_len)]
@@ -49,6 +56,7 @@ def generate_payload(req: GenerateRequest) -> dict:
         "max_new_tokens": req.max_new_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        **NEUTRAL_SAMPLING,
         "stop_token_ids": list(req.stop_token_ids),
         "skip_special_tokens": False,
         "ignore_eos": True,  # stop only on stop_token_ids (the workflows pass eos), as with vLLM

@@ -3,8 +3,10 @@
 Used by the rollout agent (`kuberl rollout`) and by `kuberl engine` (which only launches the server).
 Generation goes through /v1/completions with prompt token ids (exact output ids and the sampled
 tokens' logprobs); weight updates through the dev-mode endpoints (VLLM_SERVER_DEV_MODE=1):
-/pause?mode=abort, /abort_requests, /collective_rpc reload_weights(weights_path), /reset_prefix_cache,
-/resume. Facts measured on CPU: `vllm serve` is broken here (use the module), float32 avoids bf16 SIGILL.
+/pause?mode=abort, /abort_requests, /collective_rpc kuberl_reload_weights(weights_path) (vllm_worker.py:
+reload, then refresh tied LM heads), /reset_prefix_cache, /resume. Only the manifest decides sampling: the
+server ignores the model's generation_config (`--generation-config vllm`) and every request names every
+sampling field. Facts measured on CPU: `vllm serve` is broken here (use the module), float32 avoids bf16 SIGILL.
 Launching, health waits, stopping and the generation gate are http_engine.HTTPServerEngine's.
 """
 
@@ -23,6 +25,11 @@ from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # 
 log = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "policy"
+WORKER_EXTENSION = "kuberl.runtime.inference.vllm_worker.KubeRLWorkerExtension"
+# Every sampling field of vLLM 0.32's /v1/completions, neutral: a field left out takes the server's
+# default, which `--generation-config auto` (vLLM's default) reads from the model's generation_config.json.
+# top_k 0 = off (vLLM 0.32 prefers 0, accepts -1); min_p 0 = off; penalties 1 / 0 = none.
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def on_cpu() -> bool:
@@ -57,6 +64,11 @@ def build_server_command(
         "--seed", str(seed),
         # Logprobs after temperature/top-p: the behaviour policy pi_behave that actually sampled the token.
         "--logprobs-mode", "processed_logprobs",
+        # Server sampling defaults are vLLM's neutral ones, not the model's generation_config.json (Qwen2.5-
+        # Instruct's top_k 20 / repetition_penalty 1.05 would make pi_behave differ from the trained policy).
+        "--generation-config", "vllm",
+        # kuberl_reload_weights: reload_weights + the tied-LM-head refresh vLLM's CPU reload misses.
+        "--worker-extension-cls", WORKER_EXTENSION,
         "--disable-uvicorn-access-log",
     ]
     if max_model_len is not None:
@@ -135,13 +147,14 @@ class VLLMEngine(HTTPServerEngine):
 
     @staticmethod
     def completion_payload(req: GenerateRequest) -> dict:
-        """The /v1/completions body for a token-ids request."""
+        """The /v1/completions body for a token-ids request: every sampling field explicit."""
         body = {
             "model": SERVED_MODEL_NAME,
             "prompt": list(req.input_ids),
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            **NEUTRAL_SAMPLING,
             "logprobs": 0,  # the sampled token's logprob only
             "return_token_ids": True,  # exact output ids (no re-tokenisation)
             "skip_special_tokens": False,
@@ -176,6 +189,9 @@ class VLLMEngine(HTTPServerEngine):
 
     # -- weight updates ------------------------------------------------------------------------
 
+    # The /collective_rpc method that reloads weights (vllm_worker.KubeRLWorkerExtension's).
+    reload_method = "kuberl_reload_weights"
+
     async def _pause_server(self) -> None:
         await self._post(self.pause_path, params={"mode": "abort"})
 
@@ -191,7 +207,17 @@ class VLLMEngine(HTTPServerEngine):
         if not (Path(path) / "config.json").is_file() and not any(Path(path).glob("*.safetensors")):
             raise EngineError(f"weights path {path!r} holds no safetensors")
         started = time.monotonic()
-        await self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        try:
+            body = await self._post("/collective_rpc", json={"method": self.reload_method, "kwargs": {"weights_path": str(path)}})
+        except EngineError as exc:
+            if self.reload_method in str(exc) or "has no attribute" in str(exc):
+                raise EngineError(
+                    f"vLLM at {self.url} has no {self.reload_method} method: start it with `kuberl engine` or pass "
+                    f"--worker-extension-cls {WORKER_EXTENSION} (a plain reload leaves a tied LM head stale on CPU)",
+                    status=exc.status) from exc
+            raise
         await self._post("/reset_prefix_cache")  # cached KV was computed by the old weights
         self._version = version
-        log.info("vLLM loaded weights v%d from %s in %.0f ms", version, path, 1000 * (time.monotonic() - started))
+        # One entry per worker: {"tied_layers": n, "refreshed": k} (vllm_worker.refresh_tied_layers).
+        self.last_reload = body.get("results") if isinstance(body, dict) else body
+        log.info("vLLM loaded weights v%d from %s in %.0f ms (%s)", version, path, 1000 * (time.monotonic() - started), self.last_reload)

@@ -1,0 +1,59 @@
+"""A vLLM worker extension (`--worker-extension-cls`): weight reload that checks tied LM heads afterwards.
+
+On CPU, vLLM's unquantized GEMMs run on a prepacked copy of the weight (`dispatch_cpu_unquantized_gemm`
+keeps it in `layer.cpu_linear`; measured: oneDNN's handle does not see in-place weight updates). A tied
+LM head shares embed_tokens' weight, so it is correct only if the reload re-packs the head as well.
+vLLM 0.32's layerwise reload does (measured with Qwen2); older versions did not. After every reload each
+layer that shares its weight with another is checked (its GEMM against the live weight) and re-packed
+if stale; a head still stale after that fails the reload. Imported in vLLM's worker: torch and vLLM only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Layers with a GEMM method whose 2-D weight shares storage with another such layer (embedding + tied head)."""
+    by_storage: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "quant_method", None) is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
+            continue
+        by_storage.setdefault(weight.untyped_storage().data_ptr(), []).append(module)
+    return [m for group in by_storage.values() if len(group) > 1 for m in group]
+
+
+@torch.no_grad()
+def gemm_is_current(layer: torch.nn.Module) -> bool:
+    """Does the layer's GEMM (what the sampler's logits come from) compute with its live weight?"""
+    weight = layer.weight
+    x = torch.randn(2, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    got = layer.quant_method.apply(layer, x).float()
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-4))
+
+
+def refresh_tied_layers(model: torch.nn.Module) -> dict:
+    """Re-pack every stale tied layer; raise if one stays stale (never sample from an old head)."""
+    tied = tied_layers(model)
+    refreshed = 0
+    for layer in tied:
+        if gemm_is_current(layer):
+            continue
+        layer.quant_method.process_weights_after_loading(layer)
+        refreshed += 1
+        if not gemm_is_current(layer):
+            raise RuntimeError(f"{type(layer).__name__}: its GEMM still uses old weights after a re-pack (tied LM head stale)")
+    return {"tied_layers": len(tied), "refreshed": refreshed}
+
+
+class KubeRLWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are callable through /collective_rpc."""
+
+    def kuberl_reload_weights(self, weights_path: str) -> dict:
+        """vLLM's reload_weights(weights_path), then check (and if need be re-pack) tied layers."""
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]  (the worker's own method)
+        return refresh_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
