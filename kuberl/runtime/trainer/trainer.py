@@ -369,13 +369,35 @@ class Trainer:
         return {"groups": [g.model_dump(mode="json") for g, _ in taken], "wait_seconds": time.monotonic() - t0}
 
     def stage_prox_logp(self, batch: RolloutBatch) -> None:
-        """train.prox_logp: log pi_prox with the pre-update weights (and log pi_ref with a KL term), no grad."""
+        """train.prox_logp: log pi_prox with the pre-update weights (and log pi_ref with a KL term).
+
+        One no-grad forward in eval mode (dropout off), or none at all where the update's own forward
+        gives the same numbers (`prox_in_update`): then stage_ppo_update takes pi_prox from it.
+        """
         rows = list(range(batch.num_samples))
         width = batch.loss_mask.shape[1]
-        with torch.no_grad():
-            batch.prox_logp = self._logprobs_all_rows(self.model, batch, rows, width)
-            if self.ref_model is not None:
-                batch.ref_logp = self._logprobs_all_rows(self.ref_model, batch, rows, width)
+        batch.extra["prox_in_update"] = self.prox_in_update()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if not batch.extra["prox_in_update"]:
+                    batch.prox_logp = self._logprobs_all_rows(self.model, batch, rows, width)
+                if self.ref_model is not None:
+                    batch.ref_logp = self._logprobs_all_rows(self.ref_model, batch, rows, width)
+        finally:
+            self.model.train(was_training)
+
+    def prox_in_update(self) -> bool:
+        """True when pi_prox needs no forward of its own: one PPO minibatch (every micro-batch of the update
+        runs at the pre-update weights), no dropout (train-mode logits equal eval-mode ones) and no KL in
+        the reward (the advantages need pi_prox before the update). Then log pi_prox is the update's own
+        log pi_theta, detached: the same numbers, one forward pass fewer per step."""
+        if self.spec.algorithm.ppo_minibatches != 1 or self.cfg.kl_in_reward:
+            return False
+        if not hasattr(self, "_dropout"):
+            self._dropout = _has_dropout(self.model)
+        return not self._dropout
 
     def _logprobs_all_rows(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], width: int) -> torch.Tensor:
         out = torch.zeros(batch.num_samples, width)
@@ -408,6 +430,7 @@ class Trainer:
         """train.ppo_update: algorithm.ppoMinibatches optimizer steps of the decoupled PPO loss."""
         self.model.train()
         width = batch.loss_mask.shape[1]
+        fused_prox = torch.zeros(batch.num_samples, width) if batch.extra.get("prox_in_update") else None
         sums: dict[str, float] = {}
         token_total = 0.0
         grad_norms, losses = [], []
@@ -421,6 +444,10 @@ class Trainer:
                                          temperature=self.cfg_temperature, device=self.info.device)
                 prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
                                                 (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
+                if fused_prox is not None:  # pre-update weights (one minibatch): pi_prox is this forward, detached
+                    prox = logp.detach()
+                    if mb is not None:
+                        fused_prox[mb] = prox.cpu()
                 loss, st = ppo_actor_loss(logp, prox, behave, adv, mask, self.cfg, ref_logp=ref, denominator=denom)
                 # FSDP averages gradients over ranks; the loss is a sum over the whole minibatch, so undo it.
                 scale = float(self.info.world_size) if mb is not None else 0.0
@@ -439,6 +466,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             grad_norms.append(float(norm))
             losses.append(mb_loss)
+        if fused_prox is not None:  # every row's pi_prox on every rank, as the separate forward gives it
+            batch.prox_logp = D.all_reduce_rows(fused_prox, self.info)
         totals = D.all_reduce_sum([token_total, sum(losses)] + [sums[k] for k in sorted(sums)], self.info)
         tokens = max(totals[0], 1.0)
         out = {k: v / tokens for k, v in zip(sorted(sums), totals[2:])}
@@ -544,6 +573,15 @@ class Trainer:
         # Never negative: after a restart, redelivered groups may come from versions newer than the checkpoint's.
         lags = [max(self.version - 1 - h, 0) for h in batch.head_versions if h >= 0]
         return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags) if lags else 0}
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode changes the model's outputs: a dropout layer or a dropout rate in its config."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = [getattr(config, k, 0.0) for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")]
+    return any(isinstance(r, (int, float)) and r > 0 for r in rates)
 
 
 def _fmt_eta(seconds: float) -> str:
