@@ -23,6 +23,7 @@ from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
+from kuberl.runtime.bus.outage import Outage, retry
 from kuberl.runtime.bus.messages import (
     MessageError,
     Ticket,
@@ -56,16 +57,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEADER_ROOM = 4096  # bytes kept free under max_payload for headers and the protocol line
-# Transient conditions while the server restarts or the client reconnects: publishes are retried
-# (safe, the msg id dedupes) until publish_timeout.
-_TRANSIENT = (
-    nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
-    nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
-    asyncio.TimeoutError,
-)
 FETCH_BYTES = 256 * 1024 * 1024
 WATCH_CHECK_SECONDS = 15.0  # how often an idle state watch checks that its consumer still exists
-_FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
 
 
 async def _best_effort(what: str, aw: Awaitable[Any]) -> None:
@@ -100,9 +93,11 @@ class Bus(Topology):
         self._assembler = ChunkAssembler()
         self.bad_messages = 0  # undecodable messages terminated (each logged)
         self.reconnects = 0
+        self.outage = Outage(nc, publish_timeout)  # how long calls wait for a restarted server
 
     def _on_reconnect(self) -> None:
         self.reconnects += 1
+        self.outage.on_reconnect()
 
     # -- connecting -----------------------------------------------------------------------------
 
@@ -152,7 +147,10 @@ class Bus(Topology):
 
     async def close(self) -> None:
         if not self.nc.is_closed:
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except (OSError, nats.errors.Error) as exc:  # a server already gone: nothing left to flush to
+                log.debug("closing the bus connection: %s", exc)
 
     async def __aenter__(self) -> Self:
         return self
@@ -163,40 +161,8 @@ class Bus(Topology):
     # -- helpers ---------------------------------------------------------------------------------
 
     async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + self.publish_timeout
-        delay = 0.1
-        while True:
-            try:
-                return await fn()
-            except nats.js.errors.ServiceUnavailableError as exc:
-                if exc.err_code in _FULL:
-                    raise BusFullError(f"{what}: the stream is full ({exc.description}): the trainer is not keeping up "
-                                       "with the agents; retry later, or raise the bus size") from None
-                if time.monotonic() + delay > deadline:
-                    raise BusError(f"{what}: bus at {self.url} unavailable for {self.publish_timeout:.0f}s ({exc.description})") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except nats.js.errors.NoStreamResponseError:
-                # A server that lost its store (no PVC) answers nothing on our subjects: re-create the streams.
-                if self._may_create and time.monotonic() + delay <= deadline:
-                    try:
-                        await self._create()
-                        log.warning("bus: streams of %s were missing on %s; re-created them", self.names.experiment, self.url)
-                    except Exception as exc:  # noqa: BLE001 - retried on the next attempt
-                        log.debug("re-creating streams failed: %s", exc)
-                if time.monotonic() + delay > deadline:
-                    raise BusError(f"{what}: no stream answers on {self.url} (deleted?) for {self.publish_timeout:.0f}s") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except _TRANSIENT as exc:
-                if time.monotonic() + delay > deadline:
-                    raise BusError(f"{what}: bus at {self.url} not answering for {self.publish_timeout:.0f}s ({type(exc).__name__})") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except nats.js.errors.NotFoundError:
-                raise
-            except nats.js.errors.APIError as exc:
-                raise BusError(f"{what}: {getattr(exc, 'description', None) or exc} (code {getattr(exc, 'err_code', None)})") from None
+        """fn() retried through a bus outage (kuberl.runtime.bus.outage); missing streams are re-created."""
+        return await retry(self.outage, self.url, what, fn, self._create if self._may_create else None)
 
     async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], what: str) -> api.PubAck:
         # A request sent while reconnecting can vanish: wait for its answer only as long as the payload needs.
@@ -236,7 +202,7 @@ class Bus(Topology):
             while not out and (left := deadline - time.monotonic()) > 0.01:
                 for m in await self._fetch(AGENTS_CONSUMER, max_n, left):
                     try:
-                        out.append(Lease(decode_ticket(m.data), [m]))
+                        out.append(Lease(decode_ticket(m.data), [m], outage=self.outage))
                     except MessageError as exc:
                         await self._poison(m, exc)
         return out

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Generic, TypeVar
 
-import nats.errors
+from kuberl.runtime.bus.outage import Outage, retry
 from nats.aio.msg import Msg
 
 log = logging.getLogger(__name__)
@@ -19,8 +19,9 @@ class Lease(Generic[T]):
     """A message taken from a work queue: `.value`; `ack()` when done, `nak()` to give it back,
     `in_progress()` to keep it longer than ack_wait. A chunked group holds several messages."""
 
-    def __init__(self, value: T, msgs: list[Msg], generation: int = 0, owner: Any = None) -> None:
+    def __init__(self, value: T, msgs: list[Msg], generation: int = 0, owner: Any = None, outage: Outage | None = None) -> None:
         self.value = value
+        self._outage = outage or getattr(owner, "outage", None)
         self._msgs = msgs
         self._generation = generation
         self._owner = owner
@@ -39,11 +40,12 @@ class Lease(Generic[T]):
         if self._stale():
             log.warning("ack of a lease from before reset_trainer_consumer ignored (it will be redelivered)")
             return
+        # Retried through a bus outage (a restarted nats-server keeps the consumer's state): acking twice
+        # is harmless (the server confirms it again), a lost ack would redeliver.
+        outage = self._outage or Outage(self._msgs[0]._client, 15.0)
         for m in self._msgs:  # the head message first: a crash midway leaves only orphan chunks
-            try:
-                await m.ack_sync(timeout=5.0)
-            except nats.errors.TimeoutError:
-                await m.ack_sync(timeout=10.0)  # acking twice is harmless; a lost ack would redeliver
+            m._ackd = False  # nats-py refuses a second ack_sync of a message it thinks acked
+            await retry(outage, "the bus", f"ack {self.value!r:.60}", lambda m=m: m.ack_sync(timeout=5.0))
 
     async def nak(self, delay: float | None = None) -> None:
         """Give it back for redelivery (after `delay` seconds)."""

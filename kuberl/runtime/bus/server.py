@@ -118,8 +118,9 @@ class NatsServer:
     """A running nats-server process; `stop()` ends it by PID. Also a context manager."""
 
     def __init__(self, proc: subprocess.Popen, *, host: str, port: int, store_dir: str, workdir: str,
-                 own_store: bool, token: str | None, max_payload: int, log_path: str) -> None:
+                 own_store: bool, token: str | None, max_payload: int, log_path: str, server_name: str = "") -> None:
         self.proc = proc
+        self.server_name = server_name
         self.host = host
         self.port = port
         self.store_dir = store_dir
@@ -153,6 +154,19 @@ class NatsServer:
         if self.alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+    def respawn(self, start_timeout: float = 30.0) -> NatsServer:
+        """A new server in place of this dead one: same port, store, token, payload limit and log file
+        (JetStream recovers its streams, consumers and acks from the store). Raises NatsServerError."""
+        if self.alive():
+            raise NatsServerError(f"nats-server pid {self.pid} is still running")
+        own_log = Path(self.log_path).parent == Path(self._workdir)
+        self.stop(remove_store=False)  # its temp folder (config, and the log unless it was given); the store stays
+        new = start_nats_server(port=self.port, store_dir=self.store_dir, max_payload=self.max_payload, token=self.token,
+                                host=self.host, start_timeout=start_timeout, server_name=self.server_name or None,
+                                log_path=None if own_log else self.log_path)
+        new._own_store = self._own_store
+        return new
 
     def stop(self, timeout: float = 10.0, *, remove_store: bool | None = None) -> None:
         """SIGTERM by PID, wait, SIGKILL if it lingers; remove the temp dirs this object created."""
@@ -204,11 +218,12 @@ def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, lo
 
 def start_nats_server(port: int | None = None, store_dir: str | None = None, max_payload: int | str = "8MB",
                       token: str | None = None, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
-                      server_name: str | None = None) -> NatsServer:
+                      server_name: str | None = None, log_path: str | None = None) -> NatsServer:
     """Start nats-server with JetStream and wait until it accepts connections.
 
     port None = a free loopback port; store_dir None = a temp folder removed by `stop()`.
     token: clients must send it (the config file holding it is private to this user).
+    log_path: the server's log (appended to); None = a file in its temp folder.
     """
     payload = parse_max_payload(max_payload)
     binary = find_nats_server()
@@ -224,7 +239,7 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(render_config(host=host, port=p, store_dir=store, max_payload=payload, token=token, server_name=name))
-        log_path = os.path.join(workdir, "nats.log")
+        log_path = log_path or os.path.join(workdir, "nats.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
@@ -238,7 +253,7 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         server = NatsServer(proc, host=host, port=p, store_dir=store, workdir=workdir, own_store=own_store,
-                            token=token, max_payload=payload, log_path=log_path)
+                            token=token, max_payload=payload, log_path=log_path, server_name=name)
         log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
         return server
     raise AssertionError("unreachable")
