@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -106,6 +107,7 @@ class LocalRun:
     bus_url: str
     roles: list[Role] = field(default_factory=list)
     config_error: bool = False  # a role exited 2: the run failed on its configuration
+    supervisor: Any = None  # kuberl.runtime.supervisor.Supervisor, made on the first supervise()
 
     def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -151,32 +153,13 @@ class LocalRun:
         return next(r for r in self.roles if r.name == "trainer")
 
     def supervise(self) -> str | None:
-        """Restart roles that died; returns a failure message once the trainer exceeds its restarts, or
-        at once when a role exits 2 (a configuration error: restarting cannot fix it; see config_error)."""
-        policy = self.exp.spec.failure_policy
-        now = time.monotonic()
-        for role in self.roles:
-            if role.done or role.alive():
-                continue
-            if role.proc is not None and role.next_start == 0.0:
-                code = role.proc.returncode
-                if role is self.trainer and code == 0:
-                    role.done = True
-                    continue
-                if code == CONFIG_ERROR_EXIT:  # the roles' exit code for a bad setting: a restart cannot fix it
-                    self.config_error = True
-                    reason = role.termination_message() or "no reason given"
-                    return f"{role.name} stopped on a configuration error (exit 2): {reason}; see {role.log_path}"
-                if role.restarts >= policy.max_restarts:
-                    return f"{role.name} exited with code {code} after {role.restarts} restarts; see {role.log_path}"
-                delay = min(policy.backoff_seconds * (2**role.restarts), 300) if role is self.trainer else 2.0
-                log.warning("%s exited with code %s; restarting in %.0fs (%d/%d)", role.name, code, delay, role.restarts + 1, policy.max_restarts)
-                role.next_start = now + delay
-            if role.next_start and now >= role.next_start:
-                role.restarts += 1
-                role.next_start = 0.0
-                role.start()
-        return None
+        """Restart roles that died (kuberl.runtime.supervisor); a failure line when the run must stop, at once
+        when a role exits 2 (a configuration error: restarting cannot fix it; see config_error)."""
+        from kuberl.runtime.supervisor import Supervisor
+
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self)
+        return self.supervisor.check()
 
     def stop_all(self) -> None:
         # Trainer first (it may be writing a checkpoint: give it the longest grace), then agents, then engines.
@@ -236,7 +219,7 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
     """Follow the trainer's progress in the bus KV with a rich progress bar; returns the last report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from kuberl.runtime.bus import Bus
+    from kuberl.runtime.bus import Bus, BusError
 
     bus = await Bus.connect(run.bus_url, run.exp.name)
     last: dict | None = None
@@ -249,7 +232,11 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
             task = bar.add_task("training", total=total, info="starting roles (engine warm-up takes ~30 s on CPU)")
             last_line = 0.0
             while not stop.is_set():
-                report = await bus.get_state("progress")
+                try:
+                    report = await bus.get_state("progress")
+                except BusError as exc:  # the bus is restarting (the supervisor brings it back): keep waiting
+                    log.debug("progress unavailable: %s", exc)
+                    report = None
                 if report and report != last:
                     last = report
                     info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
@@ -315,6 +302,9 @@ def main(args) -> int:
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)  # a fresh run; --resume keeps checkpoints and the bus state
     workdir.mkdir(parents=True, exist_ok=True)
+    from kuberl.runtime.supervisor import BusProcess, Supervisor, route_logs
+
+    route_logs(workdir / "logs" / "launcher.log")  # tracebacks go to the file, not the terminal
     manifest = prepare_manifest(exp, workdir, args.max_steps)
     exp = load_experiment(manifest)
 
@@ -335,7 +325,7 @@ def main(args) -> int:
     if bus_url is None:
         from kuberl.runtime.bus.server import start_nats_server
 
-        server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB")
+        server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB", log_path=str(workdir / "logs" / "nats-server.log"))
         bus_url = server.url
         print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
 
@@ -348,6 +338,8 @@ def main(args) -> int:
         raise
     for role in run.roles:
         role.start()
+    bus_proc = BusProcess(server) if server is not None else None
+    supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
     print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
 
     failure: str | None = None
@@ -358,7 +350,7 @@ def main(args) -> int:
     async def supervise() -> None:
         nonlocal failure
         while not stop.is_set():
-            failure = run.supervise()
+            failure = supervisor.check()
             if failure or run.trainer.done:
                 stop.set()
                 break
@@ -387,8 +379,8 @@ def main(args) -> int:
         pass
     finally:
         run.stop_all()
-        if server is not None:
-            server.stop()
+        if bus_proc is not None:
+            bus_proc.stop()
         loop.close()
 
     png = plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
