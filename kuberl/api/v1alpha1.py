@@ -725,6 +725,11 @@ class RLExperimentSpec(KubeModel):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the experiment this long after it succeeds or fails.")
     failure_policy: FailurePolicySpec = Field(default_factory=FailurePolicySpec, description="Restarts and backoff.")
     seed: int = Field(1, ge=0, description="Random seed (data order, sampling, init).")
+    managed_by: str | None = Field(
+        None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9._]+$",
+        description="The controller that runs this experiment; unset or kuberl.io/operator: the KubeRL operator. Any other value "
+        "(e.g. kueue.x-k8s.io/multikueue) leaves it alone: no children, no status writes. Set it at creation.",
+    )
 
     @model_validator(mode="after")
     def _expand_allocation(self) -> RLExperimentSpec:

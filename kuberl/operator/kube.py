@@ -37,6 +37,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "RLExperiment": ("kuberl.io/v1alpha1", "rlexperiments", True),
+    "Workload": ("kueue.x-k8s.io/v1beta1", "workloads", True),  # kuberl.operator.kueue
 }
 
 

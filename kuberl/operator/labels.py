@@ -110,6 +110,19 @@ def child_labels(exp: ExperimentRef, component: Component | str) -> dict[str, st
     return labels
 
 
+# --- spec.managedBy ---------------------------------------------------------------------------
+# The value that means "this operator"; an experiment managed by another controller (MultiKueue's
+# kueue.x-k8s.io/multikueue on a manager cluster) is skipped entirely, as the Job controller does.
+MANAGED_BY_OPERATOR = "kuberl.io/operator"
+
+
+def managed_elsewhere(body: object) -> str | None:
+    """The foreign spec.managedBy of a kopf body (or manifest), None when this operator manages it."""
+    spec = (body.get("spec") if hasattr(body, "get") else None) or {}
+    value = spec.get("managedBy")
+    return value if value and value != MANAGED_BY_OPERATOR else None
+
+
 # --- condition reasons (metav1.Condition.reason, CamelCase) -----------------------------------
 class Reason(StrEnum):
     """Why a condition has its status. Condition types and phases live in kuberl.api.v1alpha1."""

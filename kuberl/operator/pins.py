@@ -41,7 +41,7 @@ async def ensure_pins(body: Any, exp: RLExperiment) -> RLExperiment:
 
 
 def _running(job: dict[str, Any] | None) -> bool:
-    from kuberl.operator.lifecycle import trainer_running
+    from kuberl.operator.rules import trainer_running
 
     return trainer_running(job) and bool(((job or {}).get("status") or {}).get("active"))
 
@@ -50,7 +50,8 @@ async def checkpoint_before_recreate(body: Any, live_job: dict[str, Any] | None,
     """Ask a running trainer for a checkpoint and wait for it (at most CONFIG.checkpoint_timeout);
     True when one was written. A trainer with no active pod has nothing to save."""
     from kuberl.operator.handlers import parse_experiment
-    from kuberl.operator.lifecycle import CONFIG, bus_endpoint, checkpoint_answered, event
+    from kuberl.operator.lifecycle import CONFIG, bus_endpoint, event
+    from kuberl.operator.rules import checkpoint_answered
 
     if not _running(live_job):
         return False

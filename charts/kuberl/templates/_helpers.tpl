@@ -92,6 +92,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# Kueue (kuberl.operator.kueue): the Workload of an experiment labelled kueue.x-k8s.io/queue-name,
+# and its quota given back after an eviction. Harmless where Kueue is not installed.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 # Events on experiments (kopf posts them through both APIs).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]

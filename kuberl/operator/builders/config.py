@@ -31,7 +31,7 @@ from kuberl.api.v1alpha1 import API_VERSION, KIND, RLExperiment
 _SCHEDULING = ("replicas", "autoscaling", "image", "imagePullPolicy", "resources", "nodeSelector", "tolerations", "affinity", "priorityClassName",
                "podTemplate")
 OPERATOR_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("allocation", "suspend", "ttlSecondsAfterFinished", "failurePolicy"),
+    "": ("allocation", "suspend", "ttlSecondsAfterFinished", "failurePolicy", "managedBy"),
     "rollout": _SCHEDULING,
     "trainer": tuple(f for f in _SCHEDULING if f not in ("replicas", "autoscaling")),
     "bus": ("embedded",),
