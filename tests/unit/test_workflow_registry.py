@@ -129,3 +129,12 @@ def test_a_custom_class_that_cannot_be_used_is_a_configuration_error_naming_the_
 def test_an_agent_entry_point_that_is_not_a_two_argument_function_is_refused(tokenizer):
     with pytest.raises(WorkflowError, match=r"workflow.agent: .* must take \(client, item\)"):
         make_workflow(spec(type="agent", agent=f"{MODULE}:not_a_class"), tokenizer)
+
+
+def test_an_agent_that_cannot_be_imported_stops_the_rollout_as_a_configuration_error(tokenizer):
+    """The rollout agent builds its workflow inside spec_errors(): exit 2 with the reason, no restart."""
+    from kuberl.runtime.errors import ConfigError, spec_errors
+
+    with pytest.raises(ConfigError, match=r"workflow.agent: cannot import module 'my_agents\.search'.*rollout\.image"):
+        with spec_errors():
+            make_workflow(spec(type="agent", agent="my_agents.search:run"), tokenizer)
