@@ -115,3 +115,22 @@ class TestReplicas:
 
         decisions = {identity: asyncio.run(paused(identity)) for identity in pods.values()}
         assert sorted(decisions.values()) == [False, True], decisions
+
+
+def test_notes_point_a_new_user_at_an_example_a_default_cluster_can_run() -> None:
+    """NOTES.txt's first experiment must run on kind/minikube: no accelerator, no ReadWriteMany volume."""
+    import re
+
+    from kuberl.operator.builders import checkpoint_access_mode
+    from kuberl.operator.builders.common import accelerator_resource
+    from test_chart import ROOT
+
+    from kuberl.api import load_experiment
+
+    with helm.Chart.load(CHART) as chart:
+        notes = next(text for path, text in chart.render({}, name="kuberl", namespace=NAMESPACE, is_install=True).items()
+                     if path.endswith("NOTES.txt"))
+    [example] = re.findall(r"kubectl apply -f (examples/\S+\.yaml)", notes)
+    exp = load_experiment(ROOT / example)
+    assert checkpoint_access_mode(exp) == "ReadWriteOnce"
+    assert not any(accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator))
