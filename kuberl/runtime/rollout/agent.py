@@ -35,6 +35,7 @@ HEARTBEAT_SECONDS = 10.0  # well under the tickets' ack_wait (30 s)
 BUS_WEIGHTS_KEEP = 2  # local copies of bus-mode weights kept (the one loaded and the one before)
 NAK_DELAY_SECONDS = 5.0  # a failed ticket comes back after this long (another agent may take it)
 WEIGHTS_POLL_SECONDS = 5.0  # a ticket waiting for newer weights re-reads the weights key this often
+ENGINE_WAIT_SECONDS = 900.0  # how long an agent waits for its restarted engine before it fails (exit 1)
 
 
 def default_agent_id() -> str:
@@ -74,6 +75,9 @@ class RolloutAgent:
         self.dynamic_sampling = resolve_algorithm(exp.spec.algorithm).dynamic_sampling
         self.stats = AgentStats()
         self._update_lock = asyncio.Lock()
+        # Engine restarts (see _engine_lost): an episode that spans one is given back, never published.
+        self._engine_epoch = 0
+        self._engine_down = False
         self._last_weights: dict[str, Any] | None = None
         self.max_attempts = exp.spec.rollout.max_ticket_attempts
         # The version of the last weights update the follower finished (loaded or failed), and a condition
@@ -190,10 +194,13 @@ class RolloutAgent:
             await lease.term()
             return None
         beat = asyncio.create_task(self._heartbeat(lease))
+        epoch = self._engine_epoch
         try:
             await self.wait_for_weights(ticket.issued_version)
             ctx = EpisodeContext(ticket_id=ticket.ticket_id, seed=None)
             samples = await self.workflow.arun_episode(self.engine, self.items[ticket.index], ctx)
+            if epoch != self._engine_epoch:  # its tokens may come from two engine lives (two weight loads)
+                raise EngineError("the engine restarted during this episode")
             rewards = [s.reward for s in samples or []]
             rejected = samples is None or not samples or (self.dynamic_sampling and self.all_rewards_equal(rewards))
             group = TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, samples=[] if rejected else samples,
@@ -234,6 +241,8 @@ class RolloutAgent:
 
     async def _give_back(self, lease: Lease[Ticket], exc: Exception) -> None:
         self.stats.failed += 1
+        if not self._engine_down and not await self.engine.health():
+            self._engine_lost(exc)
         log.error("agent %s: ticket %s failed (delivery %d of at most %d), giving it back: %s", self.agent_id,
                   lease.value.ticket_id, lease.delivered, self.max_attempts, exc, exc_info=exc)
         with contextlib.suppress(Exception):
@@ -256,6 +265,31 @@ class RolloutAgent:
                 await lease.nak(delay=NAK_DELAY_SECONDS)
             return None
         return group
+
+    # -- engine lost -----------------------------------------------------------------------------
+
+    def _engine_lost(self, exc: Exception) -> None:
+        """The engine stopped answering (killed, OOM): take no ticket until it is back with the current weights."""
+        self._engine_down = True
+        self._engine_epoch += 1
+        log.warning("agent %s: engine at %s is not answering (%s); its tickets go back, waiting for it to restart",
+                    self.agent_id, getattr(self.engine, "url", "?"), exc)
+
+    async def _engine_back(self) -> None:
+        """Wait for the restarted engine (launcher or kubelet), then load the current weights into it:
+        a new engine serves the initial model, whatever version the agent last loaded."""
+        started = time.monotonic()
+        while not await self.engine.health():
+            if time.monotonic() - started > ENGINE_WAIT_SECONDS:
+                raise EngineError(f"engine at {getattr(self.engine, 'url', '?')} not back after {ENGINE_WAIT_SECONDS:.0f}s")
+            await asyncio.sleep(1.0)
+        w = await self.bus.get_state(KEY_WEIGHTS)
+        if w is not None:
+            await self.apply_weights(w)
+        else:
+            self.engine.set_version(0)
+        self._engine_down = False
+        log.info("agent %s: engine back after %.0f s, serving v%d", self.agent_id, time.monotonic() - started, self.engine.version)
 
     async def _report(self) -> None:
         while True:
@@ -280,6 +314,10 @@ class RolloutAgent:
                 if follower.done():
                     follower.result()  # re-raise: without weight updates the agent must not go on
                 await slots.acquire()
+                if self._engine_down:
+                    slots.release()
+                    await self._engine_back()
+                    continue
                 lease = await self.bus.pull_ticket(timeout=1.0)
                 if lease is None:
                     slots.release()
