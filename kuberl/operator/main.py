@@ -22,6 +22,8 @@ PEERING_NAME = "kuberl"
 # The repository of the default runtime images (<repository>/runtime-<flavour>:<version>); unset or
 # empty: ghcr.io/kuberl. Pods whose spec names an image are not affected.
 RUNTIME_IMAGE_REPOSITORY_ENV = "KUBERL_RUNTIME_IMAGE_REPOSITORY"
+# The NATS image of embedded buses (unset or empty: nats:2.15-alpine); the chart's runtimeImages.nats.
+NATS_IMAGE_ENV = "KUBERL_NATS_IMAGE"
 # The chart sets it when replicaCount > 1: without the peering CRDs the replicas must not start at all
 # (kopf would otherwise run each of them alone, all active at once).
 PEERING_MANDATORY_ENV = "KUBERL_PEERING_MANDATORY"
@@ -89,9 +91,13 @@ def main(args: argparse.Namespace) -> int:
         from kuberl.operator.kube import KubeClient
 
         runtime_images = configure_runtime_images(os.environ)
-        from kuberl.operator.builders import network
+        from kuberl.operator.builders import bus, network
 
         network.configure_operator_namespace(os.environ.get("POD_NAMESPACE"))
+        try:
+            bus.configure_nats_image(os.environ.get(NATS_IMAGE_ENV))
+        except ValueError as exc:
+            raise ValueError(f"{NATS_IMAGE_ENV}: {exc}") from None
         handlers.CONFIG.kube = KubeClient.from_environment()
     except (ValueError, ConfigException) as exc:
         print(f"kuberl operator: {exc}", file=sys.stderr)

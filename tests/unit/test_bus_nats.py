@@ -41,3 +41,37 @@ def test_nats_gets_requests_by_default_and_the_users_win() -> None:
     assert c["resources"] == {"requests": DEFAULT_REQUESTS}
     [c] = pod(experiment(resources={"requests": {"cpu": "2"}, "limits": {"memory": "128Mi"}}))["spec"]["containers"]
     assert c["resources"] == {"requests": {"cpu": "2", "memory": "128Mi"}, "limits": {"memory": "128Mi"}}
+
+
+@pytest.mark.parametrize("image,ok", [
+    ("", True), ("registry.example.com:5000/mirror/nats:2.15-alpine", True), ("nats@sha256:" + "a" * 64, True),
+    ("Registry/NATS", False), ("nats 2.15", False), ("nats:", False),
+])
+def test_the_chart_and_the_operator_agree_on_the_nats_image(image, ok) -> None:
+    """runtimeImages.nats reaches the operator as KUBERL_NATS_IMAGE and becomes the default NATS image."""
+    import helm_python as helm
+    from kuberl.operator.builders import bus
+    from kuberl.operator.main import NATS_IMAGE_ENV
+
+    from test_chart import CHART, one, render
+
+    with helm.Chart.load(CHART) as chart:
+        try:
+            chart.validate_schema(chart.merge_values({"runtimeImages": {"nats": image}}))
+            chart_ok = True
+        except helm.HelmError:
+            chart_ok = False
+    try:
+        bus.configure_nats_image(image)
+        operator_ok = True
+    except ValueError:
+        operator_ok = False
+    try:
+        assert chart_ok == operator_ok == ok
+        if ok and image:
+            env = {e["name"]: e.get("value") for e in one(render({"runtimeImages": {"nats": image}}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+            assert env[NATS_IMAGE_ENV] == image
+            [c] = build_bus_statefulset(experiment())["spec"]["template"]["spec"]["containers"]
+            assert c["image"] == image
+    finally:
+        bus.configure_nats_image(None)

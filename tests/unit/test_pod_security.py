@@ -178,3 +178,10 @@ class TestTrainerDisruption:
     def test_the_trainer_gets_time_to_checkpoint_on_sigterm(self) -> None:
         job = next(iter(by_kind(self.exp, "Job").values()))
         assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
+
+
+def test_volumes_are_reowned_only_when_their_root_is_not_ours_yet() -> None:
+    """fsGroupChangePolicy OnRootMismatch: no walk over every file of a big checkpoint volume per pod start."""
+    for child in build_children(EXPERIMENTS["gsm8k-grpo"], bus_token="t0ken"):
+        if child["kind"] in ("StatefulSet", "Job"):
+            assert child["spec"]["template"]["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"

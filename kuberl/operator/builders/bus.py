@@ -7,6 +7,7 @@ objects exist; pods then reach the external URL with the user's credentials Secr
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
 
 from kuberl.operator import labels as L
@@ -30,7 +31,25 @@ from kuberl.api.v1alpha1 import (
     RLExperiment,
 )
 
-NATS_IMAGE = "nats:2.15-alpine"
+DEFAULT_NATS_IMAGE = "nats:2.15-alpine"
+# The NATS image of embedded buses without spec.bus.embedded.image. `kuberl operator` sets it once at
+# start-up from $KUBERL_NATS_IMAGE (the chart's runtimeImages.nats, for mirrors and air-gapped
+# clusters) through configure_nats_image(); pinned per experiment like every pod template.
+NATS_IMAGE = DEFAULT_NATS_IMAGE
+
+
+_IMAGE_REFERENCE = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]([-a-z0-9._]*[a-z0-9])?)*"
+                              r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$")
+
+
+def configure_nats_image(image: str | None) -> str:
+    """Set the default NATS image (None or "": nats:2.15-alpine); returns it. ValueError on a bad reference."""
+    global NATS_IMAGE
+    value = (image or "").strip()
+    if value and not _IMAGE_REFERENCE.match(value):
+        raise ValueError(f"NATS image {image!r} is no valid image reference (e.g. registry.example.com/mirror/nats:2.15-alpine)")
+    NATS_IMAGE = value or DEFAULT_NATS_IMAGE
+    return NATS_IMAGE
 NATS_CONF_KEY = "nats.conf"
 NATS_CONF_DIR = "/etc/nats"
 JETSTREAM_DIR = "/data/jetstream"

@@ -238,7 +238,9 @@ def pod_security_context(accelerator: AcceleratorSpec) -> Obj:
     Pod Security "restricted" holds for every role."""
     ctx: Obj = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     if accelerator.type != AcceleratorType.ASCEND:
-        ctx.update(runAsUser=RUNTIME_UID, runAsGroup=RUNTIME_UID, fsGroup=RUNTIME_UID)
+        # OnRootMismatch: the kubelet re-owns a volume only when its root is not ours yet, instead of
+        # walking every file of a large checkpoint volume on each pod start.
+        ctx.update(runAsUser=RUNTIME_UID, runAsGroup=RUNTIME_UID, fsGroup=RUNTIME_UID, fsGroupChangePolicy="OnRootMismatch")
     return ctx
 
 
