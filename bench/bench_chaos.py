@@ -43,7 +43,6 @@ def manifest(workroot: Path, name: str, steps: int) -> Path:
     spec["training"] = {"totalSteps": steps}
     spec["checkpoint"] = {"everySteps": 2, "keep": 2}
     spec["failurePolicy"] = {"maxRestarts": 20, "backoffSeconds": 1}
-    spec.setdefault("algorithm", {})["batchSize"] = 8
     path = workroot / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
