@@ -20,7 +20,7 @@ QUICKSTART = ROOT / "examples" / "quickstart-cpu.yaml"
 FALLBACK = Path(__file__).parent / "manifests" / "quickstart-cpu.yaml"
 MANIFEST = QUICKSTART if QUICKSTART.exists() else FALLBACK
 NAME = yaml.safe_load(MANIFEST.read_text())["metadata"]["name"]
-COLUMNS = ["NAME", "PHASE", "STEP", "VERSION", "REWARD", "ROLLOUT", "AGE"]
+COLUMNS = ["NAME", "PHASE", "REASON", "STEP", "VERSION", "REWARD", "ROLLOUT", "AGE"]
 
 
 def phase(c: Cluster) -> str:

@@ -3,7 +3,8 @@
 Called by RLExperimentSpec's validator: the shorthand expands into rollout.{engine, replicas,
 tensorParallelSize, pipelineParallelSize, accelerator.count} and trainer.{backend, nodes,
 accelerator.count, parallelism}. A field the manifest sets explicitly must agree with it, else the
-spec is rejected with both values named; the one exception is rollout.replicas under autoscaling.
+spec is rejected with both values named; the one exception is rollout.replicas: the shorthand's d is
+only its default (an explicit count, e.g. from `kubectl scale`, wins).
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)
     if per_node == 0 or world % per_node:
         raise FieldError("spec.trainer.accelerator.count", per_node, f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
-    # With autoscaling on, the shorthand's rollout d is only the starting replica count: the operator
-    # and `kubectl scale` (the /scale subresource) then move spec.rollout.replicas within the bounds.
-    elastic = r.autoscaling.enabled and "replicas" in r.model_fields_set
+    # The shorthand's rollout d is only the default replica count: an explicit spec.rollout.replicas
+    # wins, so `kubectl scale`, an HPA and the autoscaler (all through the /scale subresource, which
+    # writes spec.rollout.replicas) can move it; the operator writes the resolved count there once.
+    explicit_replicas = "replicas" in r.model_fields_set
     wanted = [
         (r, "engine", "rollout.engine", alloc.engine),
-        *([] if elastic else [(r, "replicas", "rollout.replicas", alloc.rollout["d"])]),
+        *([] if explicit_replicas else [(r, "replicas", "rollout.replicas", alloc.rollout["d"])]),
         (r, "tensor_parallel_size", "rollout.tensorParallelSize", alloc.rollout["t"]),
         (r, "pipeline_parallel_size", "rollout.pipelineParallelSize", alloc.rollout["p"]),
         (r.accelerator, "count", "rollout.accelerator.count", alloc.rollout_accelerators),
@@ -100,5 +102,5 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
             raise FieldError(f"spec.{path}", getattr(obj, attr), f"allocation {spec.allocation!r} sets {path}={value}, but the spec says {getattr(obj, attr)}")
     for obj, attr, _, value in wanted:
         object.__setattr__(obj, attr, value)
-    if r.autoscaling.enabled and not elastic and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
+    if r.autoscaling.enabled and not explicit_replicas and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
         raise FieldError("spec.rollout.replicas", r.replicas, f"rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (allocation {spec.allocation!r} sets {r.replicas})")

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel
 
 from kuberl.api import v1alpha1 as api
+from kuberl.api.core_schemas import core_schema
 
 CRD_FILENAME = f"{api.GROUP}_{api.PLURAL}.yaml"
 REGENERATE = "kuberl crd -o crds/"
@@ -44,11 +45,20 @@ _DROP = {"title"}
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "Why the experiment is (not) Ready: the Ready condition's reason (kubectl describe has the message)."},
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.steps", "description": "Training steps done/planned."},
     {"name": "Version", "type": "integer", "jsonPath": ".status.progress.policyVersion", "description": "Policy version the engines serve."},
     {"name": "Reward", "type": "string", "jsonPath": ".status.progress.rewardText", "description": "Mean reward of the last step."},
     {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.readyText", "description": "Ready/desired inference replicas."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # -o wide only (priority 1)
+    {"name": "Samples/s", "type": "number", "jsonPath": ".status.progress.samplesPerSecond", "priority": 1,
+     "description": "Trajectories per second the trainer consumes."},
+    {"name": "Staleness", "type": "number", "jsonPath": ".status.progress.stalenessMean", "priority": 1,
+     "description": "Mean policy-version lag of the trained samples."},
+    {"name": "Trainer", "type": "string", "jsonPath": ".status.trainer.readyText", "priority": 1, "description": "Ready/desired trainer pods."},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1, "description": "Trainer restarts."},
 ]
 
 
@@ -197,6 +207,26 @@ def _strip_defaults(schema: dict[str, Any]) -> None:
             _strip_defaults(schema[key])
 
 
+# core/v1 Toleration fields the API server checks on pods: checked here at admission already.
+TOLERATION_ENUMS = {"operator": ["Equal", "Exists"], "effect": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]}
+
+
+def _core_scheduling_schemas(spec: dict[str, Any]) -> None:
+    """tolerations and affinity of the rollout and trainer get the real core/v1 schemas (a typo is
+    rejected at admission instead of reaching the pods, or a 422 on the child, as free-form did)."""
+    toleration = core_schema("Toleration")
+    for key, values in TOLERATION_ENUMS.items():
+        toleration["properties"][key]["enum"] = values
+    for role in ("rollout", "trainer"):
+        props = spec["properties"][role]["properties"]
+        for key, schema in (("tolerations", {"items": toleration}), ("affinity", core_schema("Affinity"))):
+            kept = {k: v for k, v in props[key].items() if k in ("description", "maxItems", "type", "default")}  # ours win
+            props[key] = {**copy.deepcopy(schema), **kept}
+            props[key].pop("x-kubernetes-preserve-unknown-fields", None)
+            if key == "tolerations":
+                props[key]["type"] = "array"
+
+
 def build_schema() -> dict[str, Any]:
     """The openAPIV3Schema of RLExperiment (structural, $refs inlined)."""
     conv = _Converter(api.RLExperiment)
@@ -205,6 +235,7 @@ def build_schema() -> dict[str, Any]:
     status = conv.model("RLExperimentStatus", "status", defaults=False)
     _strip_defaults(status)
     status["properties"]["conditions"].update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    _core_scheduling_schemas(spec)
     meta_name = api.ObjectMeta.model_fields["name"].metadata
     name_schema: dict[str, Any] = {"type": "string", "pattern": api.DNS1123_LABEL}
     for m in meta_name:

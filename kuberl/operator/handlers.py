@@ -1,8 +1,10 @@
 """The kopf handlers of the RLExperiment operator: thin glue between kopf and kuberl.operator.lifecycle.
 
-`on_reconcile` (create/resume/spec update) validates the spec, refuses to create pods while a Secret,
-PVC or accelerator is missing (condition + event + a later retry, never a crash loop), then applies
-the children; the `monitor` timer runs the lifecycle, autoscaler and status on every tick. Loaded by
+`on_reconcile` (create/resume/spec update) validates the spec, writes the resolved replica count into
+spec.rollout.replicas once (for /scale), refuses to create pods while a Secret or PVC is missing
+(condition + event + a later retry, never a crash loop; node capacity never blocks), then applies what
+each child can take and reports the rest (Reconciled=False/ApplyFailed); the `monitor` timer runs the
+lifecycle, autoscaler and status on every tick. Loaded by
 kuberl.operator.main. Handler ids are persisted in annotations by kopf: keep them stable.
 
 No KubeRL finalizer: all state outside the cluster (bus connections, metrics) is the operator's own
@@ -16,11 +18,12 @@ import logging
 from typing import Any
 
 import kopf
-from kuberl.operator import metrics
+from kuberl.operator import kueue, metrics
 from kuberl.operator import status as st
 from kuberl.operator.kube import KubeError
-from kuberl.operator.labels import EventReason
+from kuberl.operator.labels import EventReason, managed_elsewhere
 from kuberl.operator.lifecycle import CONFIG, apply_children, event, kube, now, refresh
+from kuberl.operator.rules import replicas_to_write
 from pydantic import ValidationError
 
 from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, RLExperiment, RLExperimentStatus
@@ -35,7 +38,9 @@ def parse_experiment(body: Any) -> RLExperiment:
     manifest = {
         "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace") or "default",
-                     "labels": dict(meta.get("labels") or {}), "generation": meta.get("generation")},
+                     "labels": dict(meta.get("labels") or {}), "generation": meta.get("generation"),
+                     # uid and annotations: the pins (runtime image, bus run; builders.pinning)
+                     "uid": meta.get("uid"), "annotations": dict(meta.get("annotations") or {})},
         "spec": dict(body.get("spec") or {}),
     }
     exp = RLExperiment.model_validate(manifest)
@@ -88,37 +93,57 @@ async def on_cleanup(**_: Any) -> None:
 @kopf.on.resume(*RES, id="reconcile")
 @kopf.on.create(*RES, id="reconcile")
 @kopf.on.update(*RES, id="reconcile", field="spec")
-async def on_reconcile(body: Any, status: Any, memo: Any, **_: Any) -> None:
-    """Validate, check prerequisites, apply children, refresh status."""
+async def on_reconcile(body: Any, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+    """Validate, write the resolved replica count, check prerequisites, apply children, refresh status."""
     metrics.record_reconcile("reconcile")
+    if managed_elsewhere(body):  # spec.managedBy: another controller (e.g. MultiKueue) runs it
+        logger.info("spec.managedBy is %r: left alone", managed_elsewhere(body))
+        return
     status = dict(status or {})
-    exp = await validated(body, status)
-    blocking = await refresh(body, exp, status, memo, act=False)
-    if blocking:
-        metrics.record_error("reconcile", str(blocking[0].reason))
-        raise kopf.TemporaryError("; ".join(p.message for p in blocking), delay=CONFIG.retry_delay)
-    try:
-        await apply_children(body, exp, status, memo)
+    exp = await kueue.gate(body, await validated(body, status), status, memo)  # queued: suspended until admitted
+    meta = body["metadata"]
+    write = replicas_to_write(body, exp)
+    if write is not None:  # /scale (kubectl scale, an HPA) reads spec.rollout.replicas: never leave it unset
+        await kube().patch("RLExperiment", exp.namespace, exp.name, write[1])
+        logger.info("spec.rollout.replicas set to the resolved %d (allocation %r)", write[0], exp.spec.allocation)
+    seen = await refresh(body, exp, status, memo, act=False)
+    if seen.blocking:
+        metrics.record_error("reconcile", str(seen.blocking[0].reason))
+        raise kopf.TemporaryError("; ".join(p.message for p in seen.blocking), delay=CONFIG.retry_delay)
+    try:  # with the refreshed status: "finished" is never a stale phase (e.g. an invalid spec's Failed)
+        failures = await apply_children(body, exp, seen.status, memo, seen.progress)
     except ValueError as exc:  # a builder refusing this spec: the user must edit it
         await event(body, "Warning", EventReason.VALIDATION_FAILED.value, str(exc))
         raise kopf.PermanentError(str(exc)) from exc
-    except KubeError as exc:
+    except KubeError as exc:  # apply_children reports what the cluster refuses; this is the API being unwell
         metrics.record_error("reconcile", exc.reason or str(exc.status))
-        await event(body, "Warning", "ApplyFailed", str(exc))
-        if exc.status in (400, 422):
-            raise kopf.PermanentError(str(exc)) from exc  # the cluster rejects what we built: retrying cannot help
         raise kopf.TemporaryError(str(exc), delay=CONFIG.retry_delay) from exc
+    if failures:
+        metrics.record_error("reconcile", EventReason.APPLY_FAILED.value)
+    # observedGeneration and Reconciled move only now, after the apply (Reconciled=False names what failed).
+    exp = exp.model_copy(update={"status": _status_model(seen.status)})
+    await refresh(body, exp, seen.status, memo, act=False, applied=st.Applied(meta.get("generation"), tuple(failures)))
+
+
+def _status_model(status: dict[str, Any]) -> RLExperimentStatus | None:
+    try:
+        return RLExperimentStatus.model_validate(status)
+    except ValidationError:
+        return None
 
 
 @kopf.timer(*RES, id="monitor", interval=CONFIG.interval, initial_delay=CONFIG.interval)
 async def monitor(body: Any, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
     """Observe children and bus progress; lifecycle, autoscaler, status."""
     metrics.record_reconcile("monitor")
+    if managed_elsewhere(body):
+        return
     try:
         exp = parse_experiment(body)
     except (ValidationError, ValueError):
         return  # on_reconcile reported it; nothing runs
     try:
+        exp = await kueue.gate(body, exp, status, memo)  # queued: suspended until admitted
         await refresh(body, exp, dict(status or {}), memo)
     except KubeError as exc:
         metrics.record_error("monitor", exc.reason or str(exc.status))

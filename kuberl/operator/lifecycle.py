@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
 from kuberl.operator import metrics, naming
 from kuberl.operator import status as st
 from kuberl.operator.builders import (
@@ -27,16 +26,41 @@ from kuberl.operator.builders import (
     build_trainer_job,
 )
 from kuberl.operator.builders.common import accelerator_resource
-from kuberl.operator.kube import KubeClient
+from kuberl.operator.builders.immutable import keep_immutable_fields
+from kuberl.operator.capacity import capacity_advisories
+from kuberl.operator.builders.pinning import keep_pinned
+from kuberl.operator.kube import KubeClient, own_child
+from kuberl.operator.pins import checkpoint_before_recreate, ensure_pins
 from kuberl.env import env_seconds
 from kuberl.operator.labels import EventReason, Reason
 from kuberl.operator.progress import BusReader
+from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers and tests use them from here)
+    REPLICAS_FROM_ANNOTATION,
+    checkpoint_answered,
+    configuration_error_event_due,
+    decode_secret_value,
+    finished,
+    job_condition,
+    merge_patch_for,
+    parse_time,
+    phase_event,
+    replicas_to_write,
+    restart_due,
+    restart_trainer,
+    rfc3339,
+    running_copy,
+    stopped_copy,
+    suspend_applied,
+    trainer_running,
+    ttl_expired,
+)
 
 from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 
 log = logging.getLogger("kuberl.operator")
-# Problems that keep the operator from creating pods at all (the rest show up once pods exist).
-BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.INSUFFICIENT_ACCELERATORS}
+# Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node
+# capacity is never one: a scale-from-zero pool starts only for pending pods (kuberl.operator.capacity).
+BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND}
 
 
 @dataclass
@@ -49,7 +73,7 @@ class OperatorConfig:
     node_cache_seconds: float = 60.0  # Node capacity changes slowly; do not list Nodes every tick
     kube: KubeClient | None = None
     bus: BusReader = field(default_factory=BusReader)
-    nodes: tuple[float, dict[str, int]] | None = None
+    nodes: tuple[float, list[dict[str, Any]]] | None = None
 
 
 CONFIG = OperatorConfig()
@@ -63,115 +87,6 @@ def kube() -> KubeClient:
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure rules
-# ---------------------------------------------------------------------------------------------
-
-
-def parse_time(text: str | None) -> dt.datetime | None:
-    if not text:
-        return None
-    try:
-        return dt.datetime.fromisoformat(str(text))
-    except ValueError:
-        return None
-
-
-def rfc3339(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def job_condition(job: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
-    """The Job's condition of this type (Complete, Failed, Suspended) when it is True."""
-    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == kind and cond.get("status") == "True":
-            return cond
-    return None
-
-
-def restart_due(restarts: int, backoff_seconds: float, failed_at: dt.datetime | None, t: dt.datetime) -> bool:
-    """Failure policy: restart n waits backoff * 2**n after the failure (30 s, 60 s, 120 s, ...)."""
-    if failed_at is None:
-        return True
-    return (t - failed_at).total_seconds() >= backoff_seconds * (2 ** restarts)
-
-
-def restart_trainer(observed: st.ObservedChildren, policy: FailurePolicySpec, t: dt.datetime) -> bool:
-    """Whether to re-create the trainer Job now: it failed, restarts are left and their backoff has
-    passed; never after a configuration error (exit code 2: the same spec fails the same way)."""
-    failed = job_condition(dict(observed.trainer) if observed.trainer else None, "Failed")
-    if failed is None or observed.configuration_error is not None:
-        return False
-    restarts = observed.trainer_restarts or 0
-    return restarts < policy.max_restarts and restart_due(restarts, policy.backoff_seconds, parse_time(failed.get("lastTransitionTime")), t)
-
-
-def checkpoint_answered(progress: dict[str, Any] | None, requested_at: float) -> bool:
-    """Did the trainer write a checkpoint after we asked (progress.checkpoint.time >= request time)?"""
-    ckpt = (progress or {}).get("checkpoint") or {}
-    try:
-        return float(ckpt.get("time") or 0) >= requested_at
-    except (TypeError, ValueError):
-        return False
-
-
-def ttl_expired(spec_ttl: int | None, completion_time: str | None, t: dt.datetime) -> bool:
-    done = parse_time(completion_time)
-    return spec_ttl is not None and done is not None and (t - done).total_seconds() >= spec_ttl
-
-
-def phase_event(old: str | None, new: str) -> tuple[str, str] | None:
-    """(event type, reason) for a phase transition, None when the phase did not change."""
-    if old == new:
-        return None
-    return ("Warning" if new == Phase.FAILED else "Normal", f"Phase{new}")
-
-
-def running_copy(exp: RLExperiment) -> RLExperiment:
-    """The experiment as if spec.suspend were false: what stays applied until the checkpoint is taken."""
-    return exp.model_copy(update={"spec": exp.spec.model_copy(update={"suspend": False})})
-
-
-def merge_patch_for(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A merge patch turning `old` status into `new` (top-level keys that disappear become null)."""
-    return {**{k: None for k in old if k not in new}, **new}
-
-
-def decode_secret_value(secret: dict[str, Any] | None, key: str) -> str | None:
-    if not secret:
-        return None
-    if key in (secret.get("data") or {}):
-        return base64.b64decode(secret["data"][key]).decode()
-    return (secret.get("stringData") or {}).get(key)
-
-
-def configuration_error_event_due(status: dict[str, Any], message: str, memo: Any) -> bool:
-    """Whether the ConfigurationError event is still to be posted: once per message, also across
-    operator restarts (the status's Failed condition already carrying it means it was posted)."""
-    if memo.get("configuration_error_reported") == message:
-        return False
-    failed = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"), None)
-    return not (failed and failed.get("reason") == st.CONFIGURATION_ERROR and failed.get("message") == message)
-
-
-def trainer_running(job: dict[str, Any] | None) -> bool:
-    """A trainer Job that still has (or will get) pods: not finished, not suspended."""
-    if not job or ((job.get("spec") or {}).get("suspend")):
-        return False
-    return not any(job_condition(job, kind) for kind in ("Complete", "Failed", "FailureTarget"))
-
-
-def stopped_copy(exp: RLExperiment) -> RLExperiment:
-    """The experiment as if spec.suspend were true: its trainer Job built suspended (no pods)."""
-    return exp.model_copy(update={"spec": exp.spec.model_copy(update={"suspend": True})})
-
-
-def suspend_applied(exp: RLExperiment, job: dict[str, Any] | None, memo: Any) -> bool:
-    """Whether the suspended shape is (or may be) applied: after the checkpoint, or already in the
-    cluster (the live Job is suspended), which also survives an operator restart."""
-    return bool(memo.get("suspend_applied") or ((job or {}).get("spec") or {}).get("suspend"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,19 +104,20 @@ async def bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
     return naming.bus_url(exp), decode_secret_value(secret, "token")
 
 
-async def accelerators_per_node() -> dict[str, int]:
-    """Largest allocatable count of each extended resource on one node (cached)."""
+async def current_nodes() -> list[dict[str, Any]]:
+    """The Nodes as listed (cached for node_cache_seconds); only for the advisory capacity note."""
     if CONFIG.nodes is None or time.monotonic() - CONFIG.nodes[0] > CONFIG.node_cache_seconds:
-        largest: dict[str, int] = {}
-        for node in await kube().list("Node"):
-            for res, value in (((node.get("status") or {}).get("allocatable")) or {}).items():
-                if "/" in res:
-                    try:
-                        largest[res] = max(largest.get(res, 0), int(str(value)))
-                    except ValueError:
-                        pass
-        CONFIG.nodes = (time.monotonic(), largest)
+        CONFIG.nodes = (time.monotonic(), await kube().list("Node"))
     return CONFIG.nodes[1]
+
+
+async def capacity_notes(exp: RLExperiment) -> tuple[st.Problem, ...]:
+    """Advisory InsufficientAccelerators notes over the pod templates the builders render."""
+    if not any(accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)):
+        return ()
+    pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"],
+            "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
+    return tuple(capacity_advisories(exp, pods, await current_nodes()))
 
 
 async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
@@ -217,8 +133,6 @@ async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
     for _, claim in st.referenced_claims(exp):
         if not await kube().pvc_exists(ns, claim):
             missing_claims.add(claim)
-    needs = [accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)]
-    per_node = await accelerators_per_node() if any(needs) else None
     pods = await kube().list("Pod", ns, f"kuberl.io/experiment={name}")
     trainer = await kube().get("Job", ns, naming.trainer_name(exp))
     return st.ObservedChildren(
@@ -228,7 +142,7 @@ async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
         missing_secrets=frozenset(missing_secrets), missing_secret_keys=frozenset(missing_keys),
         missing_claims=frozenset(missing_claims),
         pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
-        accelerators_per_node=per_node, trainer_restarts=restarts,
+        advisories=await capacity_notes(exp), trainer_restarts=restarts,
         # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
         configuration_error=st.configuration_error(trainer, pods))
 
@@ -246,21 +160,47 @@ async def event(body: Any, type_: str, reason: str, message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def apply_child(body: Any, child: dict[str, Any]) -> bool:
+async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True) -> bool:
     """Adopt and server-side-apply one child; a Job whose immutable template changed is re-created.
-    Returns True when the child did not exist before."""
+    `own=False` leaves out the ownerReference (a retained checkpoint PVC outlives the experiment).
+    Returns True when the child did not exist before; raises KubeError when the cluster refuses it."""
     from kuberl.operator.kube import KubeError
 
-    kopf.adopt(child, owner=dict(body))
+    own_child(child, body)  # ownerReference only, no owner labels (kube.own_child)
+    if not own:
+        child["metadata"].pop("ownerReferences", None)
     kind, name, ns = child["kind"], child["metadata"]["name"], child["metadata"]["namespace"]
     live = await kube().get(kind, ns, name)
+    child = keep_pinned(child, live)  # an operator upgrade alone rolls nothing (builders.pinning)
     try:
         await kube().apply(child)
     except KubeError as exc:
         if not (exc.status == 422 and kind == "Job" and live is not None):
             raise
-        await recreate_job(body, child, "its pod template changed (immutable in a Job)")
+        why = "its pod template changed (immutable in a Job)"
+        await checkpoint_before_recreate(body, live, why)
+        await recreate_job(body, child, why)
     return live is None
+
+
+async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> tuple[bool, list[str]]:
+    """Apply what can change of one child: immutable fields (StatefulSet volumeClaimTemplates, PVC
+    accessModes, storageClassName, a smaller size) are kept from the live object and reported.
+    The cluster refusing the rest (422 Invalid, 403 e.g. a PVC grow on a non-expandable class)
+    is reported too, never raised: the other children still get the spec.
+    Returns (created, one message per field or child not applied)."""
+    from kuberl.operator.kube import KubeError
+
+    kind, name = child["kind"], child["metadata"]["name"]
+    live = await kube().get(kind, child["metadata"].get("namespace"), name)
+    kept, notes = keep_immutable_fields(child, live)
+    try:
+        created = await apply_child(body, kept, own=own)
+    except KubeError as exc:
+        if exc.status not in (400, 403, 422):
+            raise
+        return False, [*notes, f"{kind}/{name}: {exc.message or exc.reason}"]
+    return created, notes
 
 
 async def recreate_job(body: Any, job: dict[str, Any], why: str) -> None:
@@ -270,7 +210,7 @@ async def recreate_job(body: Any, job: dict[str, Any], why: str) -> None:
         if await kube().get("Job", ns, name) is None:
             break
         await asyncio.sleep(0.5)
-    kopf.adopt(job, owner=dict(body))
+    own_child(job, body)
     await kube().apply(job)
     await event(body, "Normal", EventReason.RECREATED.value, f"Job {name} re-created: {why}")
 
@@ -283,24 +223,38 @@ async def bus_token_for_children(exp: RLExperiment) -> str | None:
     return decode_secret_value(secret, "token") or secrets.token_urlsafe(32)
 
 
-async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any) -> None:
+async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
+                         progress: dict[str, Any] | None = None) -> list[str]:
     """Apply every child built from the spec, minding the lifecycle: a suspend waits for the
-    checkpoint (the running shape stays applied), a finished experiment keeps rollout at 0."""
+    checkpoint (the running shape stays applied), a finished experiment keeps rollout at 0 (finished:
+    from the refreshed `status` and the trainer's completion, never an invalid spec's Failed phase).
+    Returns one message per field or child the cluster did not take (empty: all applied)."""
+    exp = await ensure_pins(body, exp)  # runtime image and bus run, kept for the experiment's lifetime
     job = await kube().get("Job", exp.namespace, naming.trainer_name(exp))
     effective = exp
     if exp.spec.suspend and not suspend_applied(exp, job, memo) and job is not None:
         effective = running_copy(exp)
-    finished = status.get("phase") in (Phase.SUCCEEDED, Phase.FAILED)
-    created = []
+    done = finished(status, job, progress)
+    retained = exp.spec.checkpoint.retain_policy == "Retain"
+    created, failures = [], []
     for child in build_children(effective, bus_token=await bus_token_for_children(exp)):
-        if finished and child["kind"] == "Job":
+        if done and child["kind"] == "Job":
             continue  # a finished trainer is not started again
-        if finished and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
+        if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
             child = build_rollout_statefulset(effective, replicas=0)
-        if await apply_child(body, child):
+        own = not (retained and child["kind"] == "PersistentVolumeClaim" and child["metadata"]["name"] == naming.checkpoint_pvc_name(exp))
+        new, notes = await apply_kept(body, child, own=own)
+        failures.extend(notes)
+        if new:
             created.append(f"{child['kind']}/{child['metadata']['name']}")
     if created:
         await event(body, "Normal", EventReason.CREATED.value, f"Created {', '.join(created)}")
+    reported = memo.setdefault("reported_apply_failures", set())
+    for message in failures:
+        if message not in reported:
+            reported.add(message)
+            await event(body, "Warning", EventReason.APPLY_FAILED.value, message)
+    return failures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,22 +262,31 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
 # ---------------------------------------------------------------------------------------------
 
 
-async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, *, act: bool = True) -> list[st.Problem]:
+@dataclass
+class Refreshed:
+    blocking: list[st.Problem]  # problems that keep the operator from creating pods
+    status: dict[str, Any]  # the status as it now is (what refresh patched over the old one)
+    progress: dict[str, Any] | None  # the bus progress read (None: unreachable)
+
+
+async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, *, act: bool = True,
+                  applied: st.Applied | None = None) -> Refreshed:
     """Observe, run the lifecycle (when `act`), patch status if it changed, post events.
-    Returns the problems that block pod creation."""
+    `applied`: the children were just applied (observedGeneration and Reconciled move only then).
+    Returns the problems that block pod creation, the status now (as patched) and the bus progress."""
     t = now()
     ns, name = exp.namespace, exp.name
     restarts = int(status.get("restarts") or 0)
     observed = await observe(exp, restarts)
     url, token = await bus_endpoint(exp)
-    progress = await CONFIG.bus.read(url, token, name)
+    progress = await CONFIG.bus.read(url, token, name, run=naming.bus_run(exp))
     blocking = blockers(exp, observed)
     extra: dict[str, Any] = {}
     if act and not blocking:
         extra, changed = await lifecycle(body, exp, status, memo, observed, progress, url, token, t)
         if changed:  # what we just did (restart, suspend, scale) must show in this status
             observed = await observe(exp, int(extra.get("restarts", restarts)))
-    new = st.compute_status(exp, observed, progress, t) | extra
+    new = st.compute_status(exp, observed, progress, t, applied) | extra
     if st.status_changed(status, new):
         await kube().patch_status("RLExperiment", ns, name, merge_patch_for(status, new))
     transition = phase_event(status.get("phase"), new["phase"])
@@ -334,14 +297,14 @@ async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
             await event(body, "Normal", EventReason.RESUMED.value, "resumed: the trainer continues from its last checkpoint")
     metrics.record_phase(f"{ns}/{name}", new["phase"])
     reported = memo.setdefault("reported_problems", set())
-    for problem in st.explain_unrunnable(exp, observed):
+    for problem in [*st.explain_unrunnable(exp, observed), *observed.advisories]:
         if (problem.reason, problem.message) not in reported:
             reported.add((problem.reason, problem.message))
             await event(body, "Warning", str(problem.reason), problem.message)
     if ttl_expired(exp.spec.ttl_seconds_after_finished, new.get("completionTime"), t):
         await event(body, "Normal", "Deleted", f"ttlSecondsAfterFinished={exp.spec.ttl_seconds_after_finished} passed: deleting")
         await kube().delete("RLExperiment", ns, name)
-    return blocking
+    return Refreshed(blocking, new, progress)
 
 
 async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, observed: st.ObservedChildren,
@@ -422,7 +385,8 @@ async def suspend(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
         return False
     if "ckpt_requested_at" not in memo:
         memo["ckpt_requested_at"] = time.time()
-        memo["ckpt_asked"] = await CONFIG.bus.request_checkpoint(url, token, exp.name, f"suspend-{body['metadata'].get('generation')}")
+        memo["ckpt_asked"] = await CONFIG.bus.request_checkpoint(url, token, exp.name, f"suspend-{body['metadata'].get('generation')}",
+                                                          run=naming.bus_run(exp))
         await event(body, "Normal", EventReason.CHECKPOINT_REQUESTED.value,
                     "asked the trainer for a checkpoint before suspending" if memo["ckpt_asked"]
                     else "the bus is unreachable: suspending without a fresh checkpoint")
@@ -437,7 +401,7 @@ async def suspend(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
     elif memo["ckpt_asked"] and trainer_active:
         await event(body, "Warning", EventReason.SUSPENDED.value, f"no checkpoint within {CONFIG.checkpoint_timeout:.0f}s: suspending anyway")
     memo["suspend_applied"] = True
-    await apply_children(body, exp, status, memo)
+    await apply_children(body, exp, status, memo, progress)
     await event(body, "Normal", EventReason.SUSPENDED.value, "trainer Job suspended, rollout scaled to 0")
     return True
 

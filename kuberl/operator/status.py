@@ -17,15 +17,30 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kuberl.operator.builders.common import accelerator_resource
-from kuberl.operator.builders.rollout import AGENT_CONTAINER, ENGINE_CONTAINER, rollout_replicas
-from kuberl.operator.builders.trainer import CONFIG_ERROR_EXIT_CODE, TRAINER_CONTAINER
-from kuberl.operator.labels import ROLE_LABEL, EventReason, Reason, Role, selector_string
+from kuberl.operator.builders.rollout import rollout_replicas
+from kuberl.operator.labels import EventReason, Reason, Role, selector_string
+from kuberl.operator.observed import (
+    CONFIGURATION_ERROR,
+    IMAGE_PULL_REASONS,
+    ConfigurationFailure,
+    ObservedChildren,
+    PodProblem,
+    Problem,
+    _job_condition,
+    configuration_error,
+    explain_unrunnable,
+    job_pods,
+    pod_problems,
+    referenced_claims,
+    referenced_secrets,
+)
 
 from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 
 __all__ = [
     "CONFIGURATION_ERROR",
+    "Applied",
+    "IMAGE_PULL_REASONS",
     "ConfigurationFailure",
     "EventReason",
     "ObservedChildren",
@@ -43,253 +58,27 @@ __all__ = [
     "status_changed",
 ]
 
-# kubelet "waiting" reasons that mean the image cannot be had (never fixes itself without a change).
-IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
-# Reason of the Ready/Failed conditions and of the Warning event when a role exited with
-# CONFIG_ERROR_EXIT_CODE: the spec cannot run, and no restart can change that.
-CONFIGURATION_ERROR = Reason.CONFIGURATION_ERROR.value
-# The Job controller's reason on the Failed condition of a Job that a podFailurePolicy FailJob rule
-# ended (the trainer's only such rule is its exit code 2).
-POD_FAILURE_POLICY = "PodFailurePolicy"
-# Labels the Job controller puts on its pods (current names first, then the legacy ones).
-JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
-JOB_UID_LABELS = ("batch.kubernetes.io/controller-uid", "controller-uid")
 
 
 @dataclass(frozen=True)
-class PodProblem:
-    """Something a pod cannot get past, as the kubelet or the scheduler reported it."""
+class Applied:
+    """What one apply of the children did: the generation applied and one message per field or child
+    that the cluster could not take (empty: everything applied)."""
 
-    pod: str
-    reason: str  # kubelet waiting reason (ErrImagePull, CrashLoopBackOff, ...) or "Unschedulable"
-    message: str = ""
-    container: str | None = None
-    image: str | None = None
-
-
-@dataclass(frozen=True)
-class ConfigurationFailure:
-    """A role stopped on a configuration error (exit code 2): what the container said, and where."""
-
-    role: str  # "trainer" or "rollout"
-    message: str  # the container's termination message (the runtime's one-line reason), or the Job's
-    pod: str | None = None
-    container: str | None = None
-
-    def describe(self) -> str:
-        """The condition and event message: where it happened, then the reason as the role gave it."""
-        where = f"the {self.role}" + (f" (pod {self.pod}, container {self.container})" if self.pod else "")
-        return f"{where} stopped on a configuration error (exit code {CONFIG_ERROR_EXIT_CODE}): {self.message or 'no reason given'}"
-
-
-@dataclass(frozen=True)
-class ObservedChildren:
-    """What the handlers read from the API for one experiment. Objects are passed whole, as read."""
-
-    bus: Mapping[str, Any] | None = None  # the bus StatefulSet (None: not there yet, or external bus)
-    rollout: Mapping[str, Any] | None = None  # the rollout StatefulSet
-    trainer: Mapping[str, Any] | None = None  # the trainer Job
-    missing_secrets: frozenset[str] = frozenset()  # referenced Secrets (referenced_secrets) not found
-    missing_secret_keys: frozenset[tuple[str, str]] = frozenset()  # (secret, key) found without that key
-    missing_claims: frozenset[str] = frozenset()  # referenced PVCs (referenced_claims) not found
-    pod_problems: tuple[PodProblem, ...] = ()  # from pod_problems() over the experiment's pods
-    # Largest allocatable amount of each accelerator resource on any one node, e.g.
-    # {"nvidia.com/gpu": 8}; None when unknown (then no accelerator check is made).
-    accelerators_per_node: Mapping[str, int] | None = None
-    validation_errors: tuple[str, ...] = ()  # e.g. a builder's ValueError on this spec
-    # Problems the handlers found themselves, as (reason, message), e.g. from their own Secret/PVC
-    # checks; reasons should be labels.Reason values.
-    blockers: tuple[tuple[str, str], ...] = ()
-    # How many times the handlers re-created the trainer Job; None = take status.restarts.
-    trainer_restarts: int | None = None
-    # A role that exited 2 (configuration_error() over the trainer Job and the pods): fail, do not restart.
-    configuration_error: ConfigurationFailure | None = None
-
-    @classmethod
-    def from_objects(
-        cls,
-        *,
-        rollout: Mapping[str, Any] | None = None,
-        job: Mapping[str, Any] | None = None,
-        bus: Mapping[str, Any] | None = None,
-        pod_problems: Iterable[PodProblem | tuple[str, str, str]] = (),
-        blockers: Iterable[tuple[str, str]] = (),
-        **more: Any,
-    ) -> ObservedChildren:
-        """Build from objects as read; pod problems may be (pod, reason, message) tuples."""
-        problems = tuple(p if isinstance(p, PodProblem) else PodProblem(*p) for p in pod_problems)
-        return cls(bus=bus, rollout=rollout, trainer=job, pod_problems=problems, blockers=tuple(tuple(b) for b in blockers), **more)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why the experiment cannot run as it stands: a condition reason and a message naming the field."""
-
-    reason: Reason | str  # a Reason; a handler's own CamelCase reason passes through as it is
-    message: str
+    generation: int | None
+    failures: tuple[str, ...] = ()
 
 
 @dataclass
 class _Roles:
     bus: tuple[int, int] = (0, 0)  # (ready, desired)
     rollout: tuple[int, int] = (0, 0)
+    rollout_wanted: int = 0  # what the spec asks for (0 when suspended)
     trainer: tuple[int, int] = (0, 0)
     waiting: list[tuple[Reason, str]] = field(default_factory=list)
 
 
-# --- what the spec refers to -------------------------------------------------------------------
-def referenced_secrets(exp: RLExperiment) -> list[tuple[str, str, str]]:
-    """(field path, Secret name, key) of every Secret the pods need from the user."""
-    out = []
-    if exp.spec.model.hub_token_secret is not None:
-        ref = exp.spec.model.hub_token_secret
-        out.append(("spec.model.hubTokenSecret", ref.name, ref.key))
-    ext = exp.spec.bus.external
-    if ext is not None and ext.credentials_secret is not None:
-        out.append(("spec.bus.external.credentialsSecret", ext.credentials_secret.name, ext.credentials_secret.key))
-    return out
-
-
-def referenced_claims(exp: RLExperiment) -> list[tuple[str, str]]:
-    """(field path, PVC name) of every PVC the user must provide."""
-    out = []
-    if exp.spec.checkpoint.existing_claim:
-        out.append(("spec.checkpoint.existingClaim", exp.spec.checkpoint.existing_claim))
-    if exp.spec.model.volume is not None:
-        out.append(("spec.model.volume.claimName", exp.spec.model.volume.claim_name))
-    if exp.spec.dataset.volume is not None:
-        out.append(("spec.dataset.volume.claimName", exp.spec.dataset.volume.claim_name))
-    return out
-
-
-def pod_problems(pod: Mapping[str, Any]) -> list[PodProblem]:
-    """Image pull errors, config errors, crash loops and unschedulable placement of one pod (as read)."""
-    name = pod.get("metadata", {}).get("name", "?")
-    status = pod.get("status") or {}
-    out = []
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-            out.append(PodProblem(name, "Unschedulable", cond.get("message", "")))
-    images = {c.get("name"): c.get("image") for c in (pod.get("spec") or {}).get("containers", [])}
-    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = waiting.get("reason")
-        if reason in IMAGE_PULL_REASONS or reason in ("CreateContainerConfigError", "CrashLoopBackOff"):
-            out.append(PodProblem(name, reason, waiting.get("message", ""), cs.get("name"), cs.get("image") or images.get(cs.get("name"))))
-    return out
-
-
-# --- configuration errors (exit code 2) ---------------------------------------------------------
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return (obj.get("metadata") or {}).get("labels") or {}
-
-
-def job_pods(job: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The pods of this Job (not of an earlier Job of the same name), found by the Job's labels: its
-    selector's matchLabels (the API server sets the controller uid there), else the job-name label,
-    and a pod that carries a controller-uid label must carry this Job's uid."""
-    if not job:
-        return []
-    meta = job.get("metadata") or {}
-    uid = meta.get("uid")
-    match = dict((((job.get("spec") or {}).get("selector") or {}).get("matchLabels")) or {})
-    out = []
-    for pod in pods:
-        labels = _labels(pod)
-        if match:
-            mine = all(labels.get(k) == v for k, v in match.items())
-        else:
-            mine = any(labels.get(k) == meta.get("name") for k in JOB_NAME_LABELS)
-        pod_uid = next((labels[k] for k in JOB_UID_LABELS if k in labels), None)
-        if mine and (pod_uid is None or uid is None or pod_uid == uid):
-            out.append(pod)
-    return out
-
-
-def _terminated_with_config_error(pod: Mapping[str, Any], containers: Iterable[str]) -> tuple[str, str] | None:
-    """(container, termination message) of the first of `containers` whose current or last
-    termination had exit code 2."""
-    wanted = set(containers)
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") not in wanted:
-            continue
-        for key in ("state", "lastState"):
-            terminated = (cs.get(key) or {}).get("terminated") or {}
-            if terminated.get("exitCode") == CONFIG_ERROR_EXIT_CODE:
-                return cs["name"], str(terminated.get("message") or "").strip()
-    return None
-
-
-def configuration_error(trainer: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> ConfigurationFailure | None:
-    """The configuration error a role stopped on, from the objects as read; None when there is none.
-
-    Trainer: a pod of the current Job whose trainer container terminated with exit code 2 (message:
-    its termination message), or, the pod being gone, the Job's Failed (or FailureTarget) condition
-    with reason PodFailurePolicy (message: the Job controller's). Rollout: an engine or agent
-    container whose current or last termination had exit code 2 (a StatefulSet has no
-    podFailurePolicy: the kubelet would restart it in CrashLoopBackOff forever).
-    """
-    pods = list(pods)
-    for pod in job_pods(trainer, pods):
-        found = _terminated_with_config_error(pod, [TRAINER_CONTAINER])
-        if found:
-            return ConfigurationFailure("trainer", found[1], (pod.get("metadata") or {}).get("name"), found[0])
-    for kind in ("Failed", "FailureTarget"):
-        cond = _job_condition(trainer, kind)
-        if cond and cond.get("reason") == POD_FAILURE_POLICY:
-            return ConfigurationFailure("trainer", str(cond.get("message") or ""))
-    for pod in pods:
-        if _labels(pod).get(ROLE_LABEL) != Role.ROLLOUT.value:
-            continue
-        found = _terminated_with_config_error(pod, [ENGINE_CONTAINER, AGENT_CONTAINER])
-        if found:
-            return ConfigurationFailure("rollout", found[1], (pod.get("metadata") or {}).get("name"), found[0])
-    return None
-
-
-# --- unrunnable ---------------------------------------------------------------------------------
-def explain_unrunnable(exp: RLExperiment, observed: ObservedChildren) -> list[Problem]:
-    """Problems that keep the experiment from running until the user (or an admin) acts.
-
-    Missing Secrets or keys (hub token, external bus credentials), missing PVCs, image pull and
-    container config errors, unschedulable pods, and pods asking for more accelerators than any node
-    has. Each message names the field and the value; the handlers set it as a condition and an event.
-    """
-    ns = exp.namespace
-    problems = [Problem(Reason.VALIDATION_FAILED, e) for e in observed.validation_errors]
-    for reason, message in observed.blockers:
-        problems.append(Problem(Reason(reason) if reason in Reason._value2member_map_ else reason, message))
-    for path, name, key in referenced_secrets(exp):
-        if name in observed.missing_secrets:
-            problems.append(Problem(Reason.SECRET_NOT_FOUND, f"{path}: Secret {name!r} not found in namespace {ns!r}"))
-        elif (name, key) in observed.missing_secret_keys:
-            problems.append(Problem(Reason.SECRET_NOT_FOUND, f"{path}: Secret {name!r} has no key {key!r}"))
-    for path, claim in referenced_claims(exp):
-        if claim in observed.missing_claims:
-            problems.append(Problem(Reason.CLAIM_NOT_FOUND, f"{path}: PersistentVolumeClaim {claim!r} not found in namespace {ns!r}"))
-    if observed.accelerators_per_node is not None:
-        for path, role, accel in (("spec.rollout.accelerator", "rollout", exp.spec.rollout.accelerator), ("spec.trainer.accelerator", "trainer", exp.spec.trainer.accelerator)):
-            resource = accelerator_resource(accel)
-            if resource is None:
-                continue
-            largest = int(observed.accelerators_per_node.get(resource, 0))
-            if accel.count > largest:
-                problems.append(
-                    Problem(
-                        Reason.INSUFFICIENT_ACCELERATORS,
-                        f"{path}.count: each {role} pod asks for {accel.count} {resource}, but the largest node offers {largest}",
-                    )
-                )
-    for p in observed.pod_problems:
-        where = f"pod {p.pod}" + (f" container {p.container}" if p.container else "")
-        if p.reason in IMAGE_PULL_REASONS:
-            problems.append(Problem(Reason.IMAGE_PULL_FAILED, f"{where}: cannot pull image {p.image!r} ({p.reason}): {p.message}".rstrip(": ")))
-        elif p.reason == "CreateContainerConfigError":
-            problems.append(Problem(Reason.CONTAINER_CONFIG_ERROR, f"{where}: {p.message}"))
-        elif p.reason == "Unschedulable":
-            problems.append(Problem(Reason.UNSCHEDULABLE, f"{where}: {p.message}"))
-    return problems
 
 
 # --- conditions ---------------------------------------------------------------------------------
@@ -331,13 +120,6 @@ def _int(value: Any) -> int:
         return 0
 
 
-def _job_condition(job: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
-    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_ and cond.get("status") == "True":
-            return cond
-    return None
-
-
 def _roles(exp: RLExperiment, observed: ObservedChildren) -> _Roles:
     roles = _Roles()
     embedded = exp.spec.bus.embedded
@@ -349,9 +131,12 @@ def _roles(exp: RLExperiment, observed: ObservedChildren) -> _Roles:
         if ready < desired:
             roles.waiting.append((Reason.WAITING_FOR_BUS, f"bus {ready}/{desired} NATS servers ready"))
     sts = observed.rollout
-    desired = _int(sts["spec"].get("replicas")) if sts else rollout_replicas(exp)
+    roles.rollout_wanted = rollout_replicas(exp)
+    desired = _int(sts["spec"].get("replicas")) if sts else roles.rollout_wanted
     ready = _int((sts or {}).get("status", {}).get("readyReplicas"))
     roles.rollout = (ready, desired)
+    if sts and desired != roles.rollout_wanted:  # e.g. a scale not applied yet: never "ready" at the wrong count
+        roles.waiting.append((Reason.WAITING_FOR_ROLLOUT, f"rollout StatefulSet at {desired} replicas, spec.rollout.replicas asks for {roles.rollout_wanted}"))
     if ready < desired:
         roles.waiting.append((Reason.WAITING_FOR_ROLLOUT, f"rollout {ready}/{desired} inference replicas ready"))
     job = observed.trainer
@@ -473,8 +258,10 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     # 4. Finished phases stay finished while the spec is unchanged (the pods may be gone by now);
     #    without a known generation they stay finished (the handlers never restart a finished run).
     old_phase = old.get("phase")
-    if old_phase in TERMINAL_PHASES and (generation is None or old.get("observedGeneration") in (None, generation)):
-        failed_cond = next((c for c in old.get("conditions", []) if c.get("type") == ConditionType.FAILED and c.get("status") == "True"), None)
+    #    A ValidationFailed "Failed" is never kept: the spec is valid now (it parsed), so the run starts.
+    failed_cond = next((c for c in old.get("conditions", []) if c.get("type") == ConditionType.FAILED and c.get("status") == "True"), None)
+    invalid_before = bool(failed_cond and failed_cond.get("reason") == Reason.VALIDATION_FAILED)
+    if old_phase in TERMINAL_PHASES and not invalid_before and (generation is None or old.get("observedGeneration") in (None, generation)):
         if old_phase == Phase.SUCCEEDED:
             return _Verdict(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, "training finished", False, complete=True)
         kept = failed_cond.get("reason") if failed_cond else None
@@ -506,24 +293,31 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     # 9. Up, or on the way.
     trainer_up = roles.trainer[0] >= roles.trainer[1] or (progress is not None and not progress.get("done"))
     bus_up = roles.bus[0] >= roles.bus[1]
-    rollout_up = roles.rollout[0] >= 1 or roles.rollout[1] == 0
+    # Rollout counts as up with one engine serving, or when the spec itself asks for none; a
+    # StatefulSet left at 0 while the spec wants engines is not up (nothing generates).
+    rollout_up = roles.rollout[0] >= 1 or (roles.rollout_wanted == 0 and roles.rollout[1] == 0)
+    # Engines loading a model or pods of a scale-up are normal progress, not Degraded (Argo CD would
+    # flip the app to Degraded on every scale); Degraded is for crash loops, restarts and user fixes.
+    note = "; ".join(p.message for p in observed.advisories)
     if trainer_up and bus_up and rollout_up:
         short = [msg for reason, msg in roles.waiting if reason != Reason.WAITING_FOR_TRAINER or progress is None]
         if short:
-            return _Verdict(Phase.RUNNING, Reason.REPLICAS_NOT_READY, "; ".join(short), True, degraded=(Reason.REPLICAS_NOT_READY, "; ".join(short)))
+            return _Verdict(Phase.RUNNING, Reason.REPLICAS_NOT_READY, "; ".join([*short, *([note] if note else [])]), True, degraded=degraded)
         return _Verdict(Phase.RUNNING, Reason.TRAINING, "all roles ready", True, degraded=degraded)
     reason, _ = roles.waiting[0] if roles.waiting else (Reason.WAITING_FOR_TRAINER, "")
-    msg = "; ".join(m for _, m in roles.waiting) or "waiting for the trainer's first report"
-    if started:
-        return _Verdict(Phase.RUNNING, reason, msg, True, degraded=degraded or (Reason.REPLICAS_NOT_READY, msg))
-    return _Verdict(Phase.INITIALIZING, reason, msg, True, degraded=degraded)
+    msg = "; ".join([*(m for _, m in roles.waiting), *([note] if note else [])]) or "waiting for the trainer's first report"
+    return _Verdict(Phase.RUNNING if started else Phase.INITIALIZING, reason, msg, True, degraded=degraded)
 
 
-def compute_status(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, now: datetime) -> dict[str, Any]:
+def compute_status(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, now: datetime,
+                   applied: Applied | None = None) -> dict[str, Any]:
     """The whole status (manifest camelCase) for `exp` (its current status is the previous one).
 
     `progress` is the bus KV `progress` value (contracts.md) or None when it could not be read (then
     the previous progress is kept). Conditions keep their lastTransitionTime while their status holds.
+    `applied`: the handlers just applied the children (the generation and what could not be applied);
+    only then do observedGeneration and the Reconciled condition move (API conventions: observedGeneration
+    says the spec of that generation reached the cluster). None keeps both as they were.
     """
     old = _old_status(exp)
     generation = _generation(exp)
@@ -546,6 +340,15 @@ def compute_status(exp: RLExperiment, observed: ObservedChildren, progress: Mapp
         cond(ConditionType.FAILED, v.failed is not None, *(v.failed or (Reason.NO_FAILURE, ""))),
         cond(ConditionType.VALIDATED, validation is None, *(validation or (Reason.SPEC_VALID, ""))),
     ]
+    observed_generation = old.get("observedGeneration")
+    if applied is not None:
+        failures = "; ".join(applied.failures)
+        conditions.append(_condition(prev, ConditionType.RECONCILED, not failures, Reason.APPLY_FAILED if failures else Reason.APPLIED,
+                                     failures or f"the spec of generation {applied.generation} is applied", applied.generation, stamp))
+        if not failures:
+            observed_generation = applied.generation
+    elif ConditionType.RECONCILED.value in prev:
+        conditions.append(dict(prev[ConditionType.RECONCILED.value]))
     status: dict[str, Any] = {
         "phase": v.phase.value,
         "conditions": conditions,
@@ -557,8 +360,8 @@ def compute_status(exp: RLExperiment, observed: ObservedChildren, progress: Mapp
         "selector": selector_string(exp, Role.ROLLOUT),
         "restarts": _restarts(observed, old),
     }
-    if generation is not None:
-        status["observedGeneration"] = generation
+    if observed_generation is not None:
+        status["observedGeneration"] = observed_generation
     checkpoint = _last_checkpoint(progress, old)
     if checkpoint:
         status["lastCheckpoint"] = checkpoint

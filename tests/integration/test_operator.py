@@ -152,9 +152,9 @@ CHILDREN = [
     ("/apis/apps/v1/namespaces/default/statefulsets/{e}-bus"),
     ("/apis/apps/v1/namespaces/default/statefulsets/{e}-rollout"),
     ("/apis/batch/v1/namespaces/default/jobs/{e}-trainer"),
-    ("/api/v1/namespaces/default/persistentvolumeclaims/{e}-checkpoints"),
     ("/api/v1/namespaces/default/serviceaccounts/{e}-runtime"),
 ]
+CHECKPOINT_PVC = "/api/v1/namespaces/default/persistentvolumeclaims/{e}-checkpoints"
 
 
 def test_an_experiment_gets_owned_children_and_runs_through_initializing_running_succeeded(api: Api, experiment_name: str) -> None:
@@ -163,6 +163,8 @@ def test_an_experiment_gets_owned_children_and_runs_through_initializing_running
     for path in CHILDREN:
         child = api.wait(path.format(e=e), lambda p=path: api.get(p.format(e=e)))
         assert owned_by(child, uid), f"{path.format(e=e)} is not owned by the experiment: {child['metadata'].get('ownerReferences')}"
+    pvc = api.wait("checkpoint PVC", lambda: api.get(CHECKPOINT_PVC.format(e=e)))
+    assert not pvc["metadata"].get("ownerReferences"), "checkpoint.retainPolicy Retain (the default): the PVC outlives the experiment"
     assert api.wait("phase Initializing", lambda: api.phase(e) == "Initializing")
     api.make_ready(e)
     assert api.wait("phase Running", lambda: api.phase(e) == "Running")
@@ -354,6 +356,16 @@ def test_deleting_the_experiment_garbage_collects_its_children(api: Api, experim
     api.wait("the experiment gone (kopf's finalizer released)", lambda: api.experiment(e) is None)
     for path in CHILDREN:
         api.wait(f"{path.format(e=e)} collected", lambda p=path: api.get(p.format(e=e)) is None, timeout=20)
+    assert api.get(CHECKPOINT_PVC.format(e=e)) is not None, "retainPolicy Retain keeps the checkpoints"
+
+
+def test_checkpoint_retain_policy_delete_collects_the_pvc_with_the_experiment(api: Api, experiment_name: str) -> None:
+    e = experiment_name
+    uid = api.call("POST", RLX, manifest(e, checkpoint={"retainPolicy": "Delete"}))["metadata"]["uid"]
+    pvc = api.wait("checkpoint PVC", lambda: api.get(CHECKPOINT_PVC.format(e=e)))
+    assert owned_by(pvc, uid)
+    api.call("DELETE", f"{RLX}/{e}")
+    api.wait("the checkpoint PVC collected", lambda: api.get(CHECKPOINT_PVC.format(e=e)) is None, timeout=30)
 
 
 def test_a_finished_experiment_is_deleted_after_its_ttl(api: Api, experiment_name: str) -> None:
@@ -388,10 +400,59 @@ def test_an_image_pull_error_of_a_pod_becomes_a_condition_and_an_event(api: Api,
                                                          for c in (api.experiment(e).get("status") or {}).get("conditions", [])))
 
 
-def test_more_accelerators_than_any_node_has_blocks_pods_with_a_clear_condition(api: Api, experiment_name: str) -> None:
+def test_more_accelerators_than_any_node_has_still_creates_the_pods_and_says_so(api: Api, experiment_name: str) -> None:
+    """B1: a node pool scaling from zero has no GPU node until a pod is pending, so the operator must
+    create the pods (the autoscaler reacts to them) and only report the capacity it sees."""
     e = experiment_name
     api.call("POST", RLX, manifest(e, rollout={"accelerator": {"type": "nvidia", "count": 16}, "tensorParallelSize": 16}))
+    sts = api.wait("the rollout StatefulSet, created although no node has 16 GPUs", lambda: api.sts(f"{e}-rollout"))
+    assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in (16, "16")
+    api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
     ev = api.wait("an InsufficientAccelerators event", lambda: [x for x in api.events(e) if x["reason"] == "InsufficientAccelerators"])
-    assert "16" in ev[0]["message"] and "8" in ev[0]["message"], ev[0]["message"]
-    assert api.phase(e) == "Pending"
-    assert api.sts(f"{e}-rollout") is None and api.job(f"{e}-trainer") is None
+    assert ev[0]["type"] == "Warning" and "16" in ev[0]["message"] and "largest: 8" in ev[0]["message"], ev[0]["message"]
+    ready = api.wait("a Ready message with the note", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
+                                                                     if c["type"] == "Ready" and "autoscaler" in c["message"]), None))
+    assert api.phase(e) in ("Pending", "Initializing") and ready["status"] == "False"
+
+
+def test_fixing_an_invalid_spec_starts_the_run(api: Api, experiment_name: str) -> None:
+    """B3: admission (CEL) lets this through, the models reject it (4 trainer GPUs do not split into
+    nodes of 3): phase Failed/ValidationFailed. Fixing it must create the trainer and the engines."""
+    e = experiment_name
+    m = manifest(e, allocation="vllm:d2+fsdp:d4", rollout={"accelerator": {"type": "nvidia"}}, trainer={"accelerator": {"type": "nvidia", "count": 3}})
+    del m["spec"]["rollout"]["replicas"]
+    api.call("POST", RLX, m)
+    api.wait("phase Failed (ValidationFailed)", lambda: api.phase(e) == "Failed")
+    assert "spec.trainer.accelerator.count" in next(c for c in api.experiment(e)["status"]["conditions"] if c["type"] == "Validated")["message"]
+    assert api.job(f"{e}-trainer") is None
+    api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"accelerator": {"count": 4}}}})
+    api.wait("the trainer Job once the spec is fixed", lambda: api.job(f"{e}-trainer"), timeout=30)
+    api.wait("rollout at the allocation's 2 engines", lambda: (api.sts(f"{e}-rollout") or {}).get("spec", {}).get("replicas") == 2)
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+    status = api.experiment(e)["status"]
+    assert next(c for c in status["conditions"] if c["type"] == "Validated")["status"] == "True"
+    assert status["observedGeneration"] == api.experiment(e)["metadata"]["generation"]
+
+
+def test_an_immutable_child_field_is_reported_and_the_rest_applied(api: Api, experiment_name: str) -> None:
+    """B8: bus.embedded.storage lives in the bus StatefulSet's volumeClaimTemplates (immutable). The
+    edit must not stop the other children (rollout replicas here) and must show as Reconciled=False
+    ApplyFailed naming the field, with observedGeneration left at the last generation fully applied."""
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    api.wait("bus StatefulSet", lambda: api.sts(f"{e}-bus"))
+    applied = api.wait("observedGeneration 1+", lambda: (api.experiment(e).get("status") or {}).get("observedGeneration"))
+    api.merge(f"{RLX}/{e}", {"spec": {"bus": {"embedded": {"storage": "20Gi"}}, "rollout": {"replicas": 2}}})
+    generation = api.experiment(e)["metadata"]["generation"]
+    cond = api.wait("Reconciled=False", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
+                                                        if c["type"] == "Reconciled" and c["status"] == "False"), None))
+    assert cond["reason"] == "ApplyFailed" and "volumeClaimTemplates" in cond["message"], cond
+    api.wait("the rest applied: rollout at 2", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 2)
+    assert api.experiment(e)["status"]["observedGeneration"] == applied < generation
+    ev = api.wait("an ApplyFailed event", lambda: [x for x in api.events(e) if x["reason"] == "ApplyFailed"])
+    assert "volumeClaimTemplates" in ev[0]["message"]
+    api.merge(f"{RLX}/{e}", {"spec": {"bus": {"embedded": {"storage": None}}}})  # back to the default
+    api.wait("Reconciled=True and observedGeneration caught up", lambda: (s := api.experiment(e).get("status") or {})
+             and s.get("observedGeneration") == api.experiment(e)["metadata"]["generation"]
+             and any(c["type"] == "Reconciled" and c["status"] == "True" for c in s.get("conditions", [])))

@@ -177,11 +177,17 @@ def test_kubectl_gets_printer_columns_and_scales_and_patches(emu: EmulatorServer
     assert "unchanged" in kubectl("apply", "-f", "-", stdin=manifest)
     kubectl("scale", "rlx/kc", "--replicas", "2")
     kubectl("patch", "rlx", "kc", "--subresource=status", "--type=merge", "-p",
-            json.dumps({"status": {"phase": "Running", "progress": {"steps": "3/10", "policyVersion": 3, "rewardText": "0.50"},
-                                   "rollout": {"readyText": "2/2"}}}))
+            json.dumps({"status": {"phase": "Running", "progress": {"steps": "3/10", "policyVersion": 3, "rewardText": "0.50",
+                                                                  "samplesPerSecond": 41.5, "stalenessMean": 0.8},
+                                   "conditions": [{"type": "Ready", "status": "False", "reason": "WaitingForRollout", "message": "m",
+                                                   "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+                                   "rollout": {"readyText": "2/2"}, "trainer": {"readyText": "1/1"}, "restarts": 0}}))
     lines = kubectl("get", "rlx", "kc").splitlines()
-    assert lines[0].split() == ["NAME", "PHASE", "STEP", "VERSION", "REWARD", "ROLLOUT", "AGE"]
-    assert lines[1].split()[:6] == ["kc", "Running", "3/10", "3", "0.50", "2/2"]
+    assert lines[0].split() == ["NAME", "PHASE", "REASON", "STEP", "VERSION", "REWARD", "ROLLOUT", "AGE"]
+    assert lines[1].split()[:7] == ["kc", "Running", "WaitingForRollout", "3/10", "3", "0.50", "2/2"]
+    wide = kubectl("get", "rlx", "kc", "-o", "wide").splitlines()
+    assert wide[0].split()[-4:] == ["SAMPLES/S", "STALENESS", "TRAINER", "RESTARTS"]
+    assert wide[1].split()[-4:] == ["41.5", "0.8", "1/1", "0"]
     kubectl("delete", "rlx", "kc", "--wait=true", "--timeout=20s")
 
 

@@ -202,3 +202,36 @@ class TestOperatorEnvironment:
     def test_unset_means_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv("KUBERL_OPERATOR_INTERVAL", raising=False)
         assert h.env_seconds("KUBERL_OPERATOR_INTERVAL", 5.0) == 5.0
+
+
+class TestFinishedAndReplicas:
+    """B3 (finished from the refreshed status and the trainer, never an invalid spec's Failed) and
+    B2 (the operator writes the resolved replica count, so /scale always reads it)."""
+
+    def test_an_invalid_specs_failed_phase_is_not_finished(self) -> None:
+        invalid = st.invalid_status({}, 2, ["spec.trainer.accelerator.count: bad"], T0)
+        assert not h.finished(invalid, None, None)
+        failed = {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True", "reason": "MaxRestartsExceeded"}]}
+        assert h.finished(failed, None, None)
+        assert h.finished({"phase": "Succeeded"}, None, None)
+        assert h.finished({"phase": "Running"}, {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}, None)
+        assert h.finished({"phase": "Running"}, None, {"done": True})
+        assert not h.finished({"phase": "Running"}, None, {"done": False})
+
+    def test_the_resolved_replica_count_is_written_once_with_its_allocation(self) -> None:
+        b = body(allocation="vllm:d4+fsdp:d4", trainer={"accelerator": {"type": "cpu", "count": 4}})
+        exp = handlers.parse_experiment(b)
+        replicas, patch = h.replicas_to_write(b, exp)
+        assert replicas == 4 and patch["spec"] == {"rollout": {"replicas": 4}}
+        assert patch["metadata"]["annotations"] == {h.REPLICAS_FROM_ANNOTATION: "vllm:d4+fsdp:d4"}
+        b["spec"]["rollout"] = {"replicas": 4}
+        b["metadata"]["annotations"][h.REPLICAS_FROM_ANNOTATION] = "vllm:d4+fsdp:d4"
+        assert h.replicas_to_write(b, handlers.parse_experiment(b)) is None, "written once"
+        assert h.replicas_to_write(body(), handlers.parse_experiment(body()))[0] == 1, "no allocation: the default is written too"
+
+    def test_an_allocation_edit_moves_a_count_nobody_scaled_but_not_a_scaled_one(self) -> None:
+        b = body(allocation="vllm:d8+fsdp:d4", rollout={"replicas": 4}, trainer={"accelerator": {"type": "cpu", "count": 4}})
+        b["metadata"]["annotations"][h.REPLICAS_FROM_ANNOTATION] = "vllm:d4+fsdp:d4"
+        assert h.replicas_to_write(b, handlers.parse_experiment(b))[0] == 8
+        b["spec"]["rollout"]["replicas"] = 6  # kubectl scale'd since: an explicit count wins
+        assert h.replicas_to_write(b, handlers.parse_experiment(b)) is None

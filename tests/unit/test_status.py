@@ -17,6 +17,7 @@ from kuberl.operator.builders import (
 )
 from kuberl.operator.labels import Reason
 from kuberl.operator.status import (
+    Applied,
     ConfigurationFailure,
     ObservedChildren,
     PodProblem,
@@ -118,12 +119,14 @@ class TestPhases:
         assert cond(s, "Ready") == ("True", "Training") and cond(s, "Degraded") == ("False", "AsExpected")
         assert s["startTime"] == "2026-11-21T20:00:00Z"
 
-    def test_a_running_experiment_with_a_replica_down_is_degraded_not_ready(self) -> None:
+    def test_a_running_experiment_with_a_replica_coming_up_is_progressing_not_ready_and_not_degraded(self) -> None:
+        # A scale-up or an engine loading its model is normal: Argo CD must not flip to Degraded.
         exp = make_experiment()
         running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
         s = compute_status(running, children(exp, rollout_ready=1), PROGRESS, LATER)
         assert s["phase"] == "Running"
-        assert cond(s, "Degraded") == ("True", "ReplicasNotReady") and cond(s, "Ready")[0] == "False"
+        assert cond(s, "Ready") == ("False", "ReplicasNotReady") and cond(s, "Progressing")[0] == "True"
+        assert cond(s, "Degraded") == ("False", "AsExpected")
         assert s["rollout"] == {"desired": 2, "ready": 1, "readyText": "1/2"}
         assert s["startTime"] == "2026-11-21T20:00:00Z"  # kept from the first time it ran
 
@@ -189,10 +192,26 @@ class TestPhases:
 
 class TestConditions:
     def test_every_condition_carries_the_generation_it_was_computed_for(self) -> None:
-        s = compute_status(make_experiment(generation=7), ObservedChildren(), None, NOW)
+        s = compute_status(make_experiment(generation=7), ObservedChildren(), None, NOW, applied=Applied(7))
         assert s["observedGeneration"] == 7
         assert {c["observedGeneration"] for c in s["conditions"]} == {7}
-        assert set(conditions(s)) == {"Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Validated"}
+        assert set(conditions(s)) == {"Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Validated", "Reconciled"}
+        assert cond(s, "Reconciled") == ("True", "Applied")
+
+    def test_observed_generation_moves_only_after_a_successful_apply(self) -> None:
+        # A monitor tick (nothing applied) keeps the old observedGeneration; a failed apply too, and
+        # says why in Reconciled=False/ApplyFailed naming the field (Argo CD: spec change not reconciled).
+        exp = make_experiment(status={"phase": "Running", "observedGeneration": 3}, generation=4)
+        tick = compute_status(exp, children(exp), PROGRESS, NOW)
+        assert tick["observedGeneration"] == 3 and "Reconciled" not in conditions(tick)
+        msg = "StatefulSet/exp-bus: spec.volumeClaimTemplates cannot change after creation"
+        failed = compute_status(exp, children(exp), PROGRESS, NOW, applied=Applied(4, (msg,)))
+        assert failed["observedGeneration"] == 3
+        assert cond(failed, "Reconciled") == ("False", "ApplyFailed") and msg in conditions(failed)["Reconciled"]["message"]
+        later = compute_status(with_status(exp, failed), children(exp), PROGRESS, LATER)
+        assert cond(later, "Reconciled") == ("False", "ApplyFailed"), "a tick keeps the apply's verdict"
+        ok = compute_status(with_status(exp, failed), children(exp), PROGRESS, LATER, applied=Applied(4))
+        assert ok["observedGeneration"] == 4 and cond(ok, "Reconciled") == ("True", "Applied")
 
     def test_last_transition_time_holds_while_the_status_holds(self) -> None:
         exp = make_experiment()
@@ -270,13 +289,36 @@ class TestUnrunnable:
         problems = explain_unrunnable(exp, ObservedChildren(missing_claims=frozenset({"ckpt"})))
         assert problems[0].reason == Reason.CLAIM_NOT_FOUND and "spec.checkpoint.existingClaim" in problems[0].message
 
-    def test_more_accelerators_than_any_node_has_is_explained(self) -> None:
+    def test_accelerator_capacity_is_advisory_and_reads_node_selector_and_taints(self) -> None:
+        # B1: a scale-from-zero pool has no GPU node until a pod is pending: never a blocker.
+        from kuberl.operator.capacity import capacity_advisories
+
         exp = make_experiment(trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}})
-        problems = explain_unrunnable(exp, ObservedChildren(accelerators_per_node={"nvidia.com/gpu": 4}))
-        assert [p.reason for p in problems] == [Reason.INSUFFICIENT_ACCELERATORS]
-        assert "spec.trainer.accelerator.count" in problems[0].message and "8 nvidia.com/gpu" in problems[0].message
-        assert explain_unrunnable(exp, ObservedChildren(accelerators_per_node={"nvidia.com/gpu": 8})) == []
-        assert explain_unrunnable(exp, ObservedChildren()) == []  # unknown capacity: no claim either way
+        pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"], "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
+
+        def node(gpus: int, labels: dict | None = None, taints: list | None = None) -> dict:
+            return {"metadata": {"name": "n", "labels": labels or {}}, "spec": {"taints": taints or []},
+                    "status": {"allocatable": {"nvidia.com/gpu": str(gpus)}}}
+
+        notes = capacity_advisories(exp, pods, [])
+        assert [n.reason for n in notes] == [Reason.INSUFFICIENT_ACCELERATORS] * 2
+        assert "spec.trainer.accelerator.count" in notes[1].message and "8 nvidia.com/gpu" in notes[1].message
+        assert "created anyway" in notes[1].message
+        assert capacity_advisories(exp, pods, [node(8)]) == []
+        taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+        assert len(capacity_advisories(exp, pods, [node(8, taints=taint)])) == 2, "an untolerated taint keeps the pods off"
+        tolerant = make_experiment(rollout={"replicas": 2, "accelerator": {"type": "nvidia", "count": 1}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+                                   trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}, "nodeSelector": {"pool": "gpu"}})
+        tpods = {"rollout": build_rollout_statefulset(tolerant)["spec"]["template"]["spec"], "trainer": build_trainer_job(tolerant)["spec"]["template"]["spec"]}
+        notes = capacity_advisories(tolerant, tpods, [node(8, taints=taint)])
+        assert [n.message.split(":")[0] for n in notes] == ["spec.trainer.accelerator.count"], "the trainer's nodeSelector does not match"
+        # Advisory: explain_unrunnable (which blocks nothing but sets Pending) does not list it, and
+        # the status stays on its normal path with the note in the message.
+        obs = ObservedChildren(advisories=tuple(capacity_advisories(exp, pods, [])))
+        assert explain_unrunnable(exp, obs) == []
+        s = compute_status(exp, ObservedChildren(**{**children(exp, rollout_ready=0).__dict__, "advisories": obs.advisories}), None, NOW)
+        assert s["phase"] == "Initializing" and cond(s, "Progressing")[0] == "True"
+        assert "scheduler or a cluster autoscaler" in conditions(s)["Ready"]["message"]
 
     def test_image_pull_errors_are_read_from_pods(self) -> None:
         pod = {
@@ -447,6 +489,25 @@ class TestStatusChanged:
 
 
 class TestInvalidSpec:
+    def test_a_fixed_spec_leaves_validation_failed_behind_and_starts(self) -> None:
+        # B3: the Failed phase an invalid spec left must not read as "finished" once the spec parses.
+        bad = invalid_status({}, 2, ["spec.trainer.accelerator.count: does not split"], NOW)
+        exp = make_experiment(status=bad, generation=3)
+        s = compute_status(exp, ObservedChildren(), None, LATER)
+        assert s["phase"] == "Pending" and cond(s, "Ready") == ("False", "Creating")
+        assert cond(s, "Failed")[0] == "False" and cond(s, "Validated") == ("True", "SpecValid")
+        same_generation = make_experiment(status=bad, generation=2)  # e.g. an operator restart read it
+        assert compute_status(same_generation, ObservedChildren(), None, LATER)["phase"] == "Pending"
+
+    def test_rollout_left_at_zero_while_the_spec_wants_engines_is_never_ready(self) -> None:
+        # B3: reverting a scale must restore the engines; until it does, the status must not read Ready.
+        exp = make_experiment()
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        obs = children(exp)
+        stuck = {**obs.rollout, "spec": {**obs.rollout["spec"], "replicas": 0}, "status": {"replicas": 0, "readyReplicas": 0}}
+        s = compute_status(running, ObservedChildren(bus=obs.bus, rollout=stuck, trainer=obs.trainer), PROGRESS, LATER)
+        assert cond(s, "Ready")[0] == "False" and "asks for 2" in conditions(s)["Ready"]["message"]
+
     def test_an_invalid_manifest_fails_with_the_errors_as_the_message(self) -> None:
         s = invalid_status({"phase": "Running"}, 4, ["spec.rollout.replicas: must be >= 0 (got -1)"], NOW)
         assert s["phase"] == "Failed" and s["observedGeneration"] == 4

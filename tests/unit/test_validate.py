@@ -125,12 +125,16 @@ def test_status_is_ignored_because_the_status_subresource_drops_it_on_create():
     assert validate_manifest(doc) == []
 
 
-def test_unknown_fields_inside_tolerations_and_metadata_are_allowed():
+def test_tolerations_and_affinity_follow_core_v1_and_metadata_is_free():
+    # B8: tolerations and affinity carry the core/v1 schemas, so a typo is named at admission.
     doc = minimal(rollout={"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                           "affinity": {"nodeAffinity": {"anything": True}}})
+                           "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                               {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}})
     doc["metadata"]["labels"] = {"team": "rl"}
     doc["metadata"]["annotations"] = {"note": "x"}
     assert validate_manifest(doc) == []
+    doc["spec"]["rollout"]["affinity"] = {"nodeAffinity": {"anything": True}}
+    assert [e.path for e in validate_manifest(doc)] == ["spec.rollout.affinity.nodeAffinity.anything"]
 
 
 def test_api_server_defaults_never_contradict_the_allocation_shorthand():
