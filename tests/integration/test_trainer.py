@@ -1,8 +1,9 @@
-"""The trainer against a real nats-server: real tiny model, real optimizer steps, real weight files.
+"""The trainer against a real nats-server, the real vLLM CPU engine and the real rollout agent.
 
-The test plays the rollout agent: it takes the trainer's tickets, samples responses with the tiny model
-(behaviour logprobs from the same model), scores them, and publishes trajectory groups. The trainer runs
-as `kuberl trainer` subprocesses (and under torchrun for two ranks), as it does in a pod.
+The trainer runs as `kuberl trainer` subprocesses (and under torchrun for two ranks), as it does in a pod;
+the rollout agent (RolloutAgent, what `kuberl rollout` runs) answers its tickets in this process with the
+session's vLLM server, loading each weight version the trainer publishes. So the behaviour log-probs, the
+version stamps and the staleness the tests check are the engine's own, never computed or stamped by the test.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from kuberl.runtime.bus import Bus, Sample, Ticket, TrajectoryGroup
-from kuberl.runtime.trainer.batch import response_logprobs
+from kuberl.api import load_experiment
+from kuberl.runtime.bus import Bus, TrajectoryGroup
 from kuberl.runtime.trainer.weights import load_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -43,22 +45,23 @@ def bus_url(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from kuberl.runtime.models import build_tiny_model
+def tiny_model(vllm_server) -> Path:
+    """The model the session's vLLM server serves: the trainer starts from the same weights (v0)."""
+    return vllm_server.model_dir
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
-
-def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int = 1, every: int = 1, world: int = 1, mode: str = "disk") -> Path:
+def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int = 1, every: int = 1, world: int = 1, mode: str = "disk",
+                   temperature: float = 1.0) -> Path:
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
             "model": {"path": str(model), "dtype": "float32"},
             "dataset": {"builtin": "repeat-digit", "size": 32},
+            "workflow": {"reward": "repeat-digit"},
             "algorithm": {"name": "grpo", "samplesPerPrompt": N, "batchSize": B, "maxNewTokens": 6, "learningRate": 1e-2,
-                          "ppoMinibatches": 2},
+                          "ppoMinibatches": 2, "temperature": temperature},
             "staleness": {"maxHeadOffpolicyness": eta},
-            "rollout": {"engine": "vllm", "accelerator": {"type": "cpu", "count": 0}},
+            "rollout": {"engine": "vllm", "concurrency": 4, "accelerator": {"type": "cpu", "count": 0}},
             "trainer": {"accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64},
             "weightSync": {"mode": mode},
             "checkpoint": {"everySteps": every, "keep": 2},
@@ -69,54 +72,63 @@ def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int =
     return path
 
 
-class FakeAgent:
-    """Turns tickets into trajectory groups with the tiny model (what the rollout agent and engine do)."""
+class RecordingBus:
+    """The agent's real Bus, recording every group it publishes. With `hold` > 0 it keeps that many groups
+    back until `release()`: an agent whose delivery stalls (the group was generated, its ticket acked)."""
 
-    def __init__(self, bus: Bus, model_dir: Path):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, bus: Bus):
+        self._bus = bus
+        self.published: list[TrajectoryGroup] = []
+        self.held: list[TrajectoryGroup] = []
+        self.hold = 0
 
-        self.bus = bus
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.published: list[str] = []
-        self.stale_next = 0  # publish this many groups tagged with version 0 (to be dropped) ...
-        self.stale_from = 0  # ... once the policy version is at least this (decided here, so no race with the test)
+    def __getattr__(self, name):
+        return getattr(self._bus, name)
 
-    async def version(self) -> int:
-        return ((await self.bus.get_state("policy_version")) or {}).get("version", 0)
+    async def publish_group(self, group: TrajectoryGroup) -> None:
+        if self.hold > 0:
+            self.hold -= 1
+            self.held.append(group)
+            return
+        await self._bus.publish_group(group)
+        self.published.append(group)
 
-    def sample(self, ticket: Ticket, version: int) -> TrajectoryGroup:
-        gen = torch.Generator().manual_seed(hash(ticket.ticket_id) % 2**31)
-        prompt = [int(x) for x in torch.randint(3, 200, (5,), generator=gen)]
-        samples = []
-        for k in range(N):
-            with torch.no_grad():
-                ids = self.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=True, top_k=0,
-                                          pad_token_id=0, eos_token_id=None)
-            out = ids[0, len(prompt):].tolist()
-            with torch.no_grad():
-                lp = response_logprobs(self.model, [prompt], [out], len(out))[0].tolist()
-            # A reward with in-group variance: the first sample wins.
-            samples.append(Sample(input_ids=prompt, output_ids=out, logprobs=lp, versions=[version] * len(out),
-                                  loss_mask=[1] * len(out), reward=1.0 if k == 0 else 0.0))
-        return TrajectoryGroup(group_id=ticket.ticket_id, ticket=ticket, samples=samples, agent="fake")
+    async def release(self) -> None:
+        held, self.held = self.held, []
+        for group in held:
+            await self._bus.publish_group(group)
+            self.published.append(group)
 
-    async def serve(self, limit: int | None = None, paused: asyncio.Event | None = None) -> None:
-        """Answer tickets until cancelled (or `limit` groups)."""
-        while limit is None or len(self.published) < limit:
-            if paused is not None and paused.is_set():
-                await asyncio.sleep(0.2)
-                continue
-            lease = await self.bus.pull_ticket(timeout=0.5)
-            if lease is None:
-                continue
-            version = await self.version()
-            if self.stale_next > 0 and version >= self.stale_from:
-                self.stale_next -= 1
-                version = 0
-            group = self.sample(lease.value, version)
-            await self.bus.publish_group(group)
-            await lease.ack()
-            self.published.append(group.group_id)
+    def by_id(self) -> dict[str, TrajectoryGroup]:
+        return {g.group_id: g for g in self.published + self.held}
+
+
+@asynccontextmanager
+async def rollout_agent(manifest: Path, bus: Bus, vllm_server, workdir: Path, agent_id: str = "agent"):
+    """The real rollout agent of `kuberl rollout` on the session's vLLM server: yields (agent, its RecordingBus)."""
+    from transformers import AutoTokenizer
+
+    from kuberl.runtime.data import load_items
+    from kuberl.runtime.inference.vllm import VLLMEngine
+    from kuberl.runtime.rollout.agent import RolloutAgent
+    from kuberl.runtime.rollout.workflows import make_workflow
+
+    exp = load_experiment(manifest)
+    engine = VLLMEngine(url=vllm_server.url)
+    await engine.start()
+    recorder = RecordingBus(bus)
+    workflow = make_workflow(exp.spec, AutoTokenizer.from_pretrained(vllm_server.model_dir), max_total_tokens=512)
+    agent = RolloutAgent(exp, recorder, engine, workflow, load_items(exp.spec.dataset, seed=exp.spec.seed), workdir=workdir,
+                         agent_id=agent_id, weights_cache=workdir / f"cache-{agent_id}", log_every=5)
+    try:
+        yield agent, recorder
+    finally:
+        await engine.close()
+
+
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def start_trainer(manifest: Path, bus_url: str, workdir: Path, log: Path, world: int = 1, termination_log: Path | None = None) -> subprocess.Popen:
@@ -155,9 +167,16 @@ def metrics(workdir: Path) -> list[dict]:
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-async def test_the_trainer_trains_on_groups_from_the_bus_publishes_new_weights_and_acks(tmp_path, bus_url, tiny_model):
+def trained(rows: list[dict], groups: dict[str, TrajectoryGroup]) -> list[tuple[dict, list[TrajectoryGroup]]]:
+    """Each metrics row with the groups (as the agent published them) that its step trained on."""
+    return [(r, [groups[g] for g in r["group_ids"]]) for r in rows]
+
+
+async def test_the_trainer_trains_on_the_agents_groups_publishes_new_weights_and_acks(tmp_path, bus_url, tiny_model, vllm_server):
+    """eta = 0 at temperature 0.7: every trained group was generated by the engine with the weights of the very
+    version it is trained at, so pi_prox (recomputed by the trainer) equals pi_behave (reported by vLLM)."""
     name = "tr-basic"
-    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=0)
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=0, temperature=0.7)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     proc = start_trainer(manifest, bus_url, workdir, log)
@@ -167,15 +186,15 @@ async def test_the_trainer_trains_on_groups_from_the_bus_publishes_new_weights_a
         await asyncio.sleep(1.0)
         assert (await bus.stream_info())["tickets_pending"] == B
         assert (await bus.get_state("tickets"))["issued"] == B, tickets
-        agent = FakeAgent(bus, tiny_model)
-        task = asyncio.create_task(agent.serve())
-        code = await asyncio.to_thread(finish, proc, log)
-        task.cancel()
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, recorder):
+            task = asyncio.create_task(agent.run())
+            code = await asyncio.to_thread(finish, proc, log)
+            await wait_for(lambda: _true(agent.engine.version == 2), 30, "the agent to load v2")
+            await stop(task)
         assert code == 0, log.read_text()[-4000:]
         progress = await bus.get_state("progress")
         assert progress["done"] is True and progress["step"] == 2 and progress["failed"] is None
         assert progress["policy_version"] == 2 and progress["checkpoint"]["step"] == 2
-        assert progress["reward_mean"] == 0.5, "the final report keeps the last step's numbers"
         assert 0.0 <= progress["trainer_wait_fraction"] <= 1.0 and progress["samples_per_second"] > 0
         for field in ("reward_mean", "samples_per_second", "staleness_mean", "staleness_max", "dropped_stale",
                       "trainer_wait_fraction", "groups_buffered", "epoch", "total_steps", "time"):
@@ -183,49 +202,78 @@ async def test_the_trainer_trains_on_groups_from_the_bus_publishes_new_weights_a
         weights = await bus.get_state("weights")
         assert weights["version"] == 2 and weights["mode"] == "disk" and weights["path"] == str(workdir / "weights" / "v2")
         assert (await bus.get_state("policy_version")) == {"version": 2}
+        assert agent.stats.weight_updates == 3, "the agent served v0, v1 and v2 in turn"
         v0, v2 = load_weights(workdir / "weights" / "v0"), load_weights(workdir / "weights" / "v2")
         changed = [k for k in v0 if not torch.equal(v0[k], v2[k])]
         assert len(changed) > len(v0) // 2, f"only {changed} changed"
-        from transformers import AutoModelForCausalLM
-
-        AutoModelForCausalLM.from_pretrained(workdir / "weights" / "v2")  # an engine can load it
-        # Every trained group was acknowledged once the final checkpoint covered it.
+        # Every trained (or dropped) group was acknowledged once the final checkpoint covered it.
         info = await bus.stream_info()
         assert info["groups_pending"] == 0 and info["groups_unacked"] == 0, info
+
         rows = metrics(workdir)
         assert [r["step"] for r in rows] == [1, 2] and all(r["samples"] == B * N for r in rows)
-        assert all(r["staleness_max"] == 0 for r in rows)
         assert {"train.collect", "train.prox_logp", "train.ppo_update", "train.publish_weights"} <= set(rows[0]["timings"])
+        for row, groups in trained(rows, recorder.by_id()):
+            # The engine's own version stamps: step s trains at version s - 1, generated by exactly that version.
+            assert {v for g in groups for s in g.samples for v in s.versions} == {row["step"] - 1}, row["step"]
+            assert row["staleness_max"] == 0
+            rewards = [s.reward for g in groups for s in g.samples]
+            assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+            # Same weights, same temperature: the engine's log-probs and the trainer's agree token for token
+            # (fp32 on both sides), so the behaviour weight is 1 and nothing is masked.
+            assert row["behavior_weight_mean"] == pytest.approx(1.0, abs=0.02), row
+            assert row["behavior_masked_fraction"] == 0.0
+        assert progress["reward_mean"] == rows[-1]["reward_mean"], "the final report keeps the last step's numbers"
+        # Tickets are honoured at eta = 0 when the agent loads each version before generating for it; any group
+        # generated on older weights is dropped, counted and its slot given back (issued = trained + dropped).
+        book = await bus.get_state("tickets")
+        assert book["issued"] == book["consumed"] + book["dropped"] + book["rejected"] and book["consumed"] == 2 * B
+        assert progress["dropped_stale"] == book["dropped"] == len(recorder.published) - 2 * B - book["rejected"]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         await bus.close()
 
 
-async def test_groups_older_than_the_staleness_bound_are_dropped_counted_and_replaced(tmp_path, bus_url, tiny_model):
+async def test_a_group_older_than_the_staleness_bound_is_dropped_counted_and_replaced(tmp_path, bus_url, tiny_model, vllm_server):
+    """eta = 1, three steps of B groups. One agent generates a group for the first v0 ticket on the real engine
+    and its delivery stalls until the trainer reached version 2: its head version 0 is then older than 2 - 1,
+    so the trainer drops it, counts it, and issues a ticket to replace it; the run still trains three steps."""
     name = "tr-stale"
-    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=0, every=2)
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=3, eta=1, every=3)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     proc = start_trainer(manifest, bus_url, workdir, log)
-    agent = FakeAgent(bus, tiny_model)
-    # At version 1 with eta 0, a group generated by version 0 is too stale to train on: the first group
-    # the agent answers at version >= 1 claims version 0.
-    agent.stale_next, agent.stale_from = 1, 1
     try:
-        task = asyncio.create_task(agent.serve())
-        await wait_for(lambda: _at_step(bus, 1), 90, "step 1", proc, log)
-        code = await asyncio.to_thread(finish, proc, log)
-        task.cancel()
+        await wait_for(lambda: bus.get_state("tickets"), 90, "the ticket book", proc, log)
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "slow-agent") as (slow, stalled):
+            stalled.hold = 1
+            await asyncio.wait_for(slow.run(max_tickets=1), 120)
+        [late] = stalled.held
+        assert late.head_version == 0 and {v for s in late.samples for v in s.versions} == {0}
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, recorder):
+            task = asyncio.create_task(agent.run())
+            await wait_for(lambda: _at_step(bus, 2), 120, "step 2", proc, log)
+            await stalled.release()
+            code = await asyncio.to_thread(finish, proc, log)
+            await stop(task)
         assert code == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert f"dropped group {late.group_id}: head version 0 < " in text, text[-3000:]
         progress = await bus.get_state("progress")
-        assert progress["done"] and progress["step"] == 2 and progress["dropped_stale"] == 1
+        assert progress["done"] and progress["step"] == 3 and progress["dropped_stale"] >= 1
         book = await bus.get_state("tickets")
-        # The dropped group gave its slot back: one extra ticket was issued to replace it.
-        assert book["dropped"] == 1 and book["issued"] == 2 * B + 1 and book["consumed"] == 2 * B
-        assert len(agent.published) == 2 * B + 1
+        # Every dropped group gave its slot back: a ticket was issued in its place (3 B trained in the end).
+        assert book["dropped"] == progress["dropped_stale"] and book["consumed"] == 3 * B
+        assert book["issued"] == 3 * B + book["dropped"] + book["rejected"]
         rows = metrics(workdir)
-        assert rows[-1]["dropped_stale"] == 1 and rows[-1]["staleness_max"] == 0
+        groups = {**recorder.by_id(), late.group_id: late}
+        assert all(late.group_id not in r["group_ids"] for r in rows)
+        for row, used in trained(rows, groups):
+            heads = [g.head_version for g in used]
+            trained_at = row["policy_version"] - 1
+            assert all(trained_at - 1 <= h <= trained_at for h in heads), (row["step"], heads)  # within eta = 1
+            assert row["staleness_max"] == max(trained_at - h for h in heads)
         info = await bus.stream_info()
         assert info["groups_pending"] == 0, "the dropped group is acknowledged with the checkpoint too"
     finally:
@@ -234,22 +282,26 @@ async def test_groups_older_than_the_staleness_bound_are_dropped_counted_and_rep
         await bus.close()
 
 
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def _at_step(bus: Bus, step: int) -> bool:
     p = await bus.get_state("progress")
     return bool(p and p["step"] >= step)
 
 
-async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tmp_path, bus_url, tiny_model):
+async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tmp_path, bus_url, tiny_model, vllm_server):
     name = "tr-two-ranks"
     manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=1, every=2, world=2)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     proc = start_trainer(manifest, bus_url, workdir, log, world=2)
-    agent = FakeAgent(bus, tiny_model)
     try:
-        task = asyncio.create_task(agent.serve())
-        code = await asyncio.to_thread(finish, proc, log, 180)
-        task.cancel()
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, _):
+            task = asyncio.create_task(agent.run())
+            code = await asyncio.to_thread(finish, proc, log, 180)
+            await stop(task)
         text = log.read_text()
         assert code == 0, text[-4000:]
         digests = {line.split("[trainer rank ")[1][0]: line.rsplit(" ", 1)[1] for line in text.splitlines() if "final weights sha256" in line}
@@ -268,30 +320,31 @@ async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tm
         await bus.close()
 
 
-async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_path, bus_url, tiny_model):
+async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_path, bus_url, tiny_model, vllm_server):
     name = "tr-restart"
     manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=4, eta=1, every=2, mode="bus")
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
-    agent = FakeAgent(bus, tiny_model)
     proc = start_trainer(manifest, bus_url, workdir, log)
     try:
         # The agent answers exactly three steps' worth of tickets, so the trainer waits at step 4 (it
         # cannot run ahead to its final checkpoint before the kill); step 3 is trained but not
         # checkpointed (every 2 steps) when the trainer dies.
-        first = asyncio.create_task(agent.serve(limit=3 * B))
-        await wait_for(lambda: _at_step(bus, 3), 120, "step 3", proc, log)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        await first
-        task = asyncio.create_task(agent.serve())
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "agent-1") as (agent, before):
+            first = asyncio.create_task(agent.run(max_tickets=3 * B))
+            await wait_for(lambda: _at_step(bus, 3), 120, "step 3", proc, log)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            await asyncio.wait_for(first, 60)
         assert (await bus.get_state("progress"))["checkpoint"]["step"] == 2
         unacked = (await bus.stream_info())["groups_pending"]
         assert unacked >= B, "the groups of step 3 were not acknowledged: no checkpoint covers them"
 
         proc = start_trainer(manifest, bus_url, workdir, log)
-        code = await asyncio.to_thread(finish, proc, log, 180)
-        task.cancel()
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "agent-2") as (agent, after):
+            task = asyncio.create_task(agent.run())
+            code = await asyncio.to_thread(finish, proc, log, 180)
+            await stop(task)
         text = log.read_text()
         assert code == 0, text[-4000:]
         assert "resumed from" in text and "step 2, policy version 2" in text
@@ -308,7 +361,8 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         book = await bus.get_state("tickets")
         assert book["consumed"] == 4 * B
         # Tickets issued before the crash were not issued again (catch-up): no group was rolled out twice.
-        assert len(agent.published) == len(set(agent.published))
+        published = [g.group_id for g in before.published + after.published]
+        assert len(published) == len(set(published))
         assert (await bus.stream_info())["groups_pending"] == 0
     finally:
         if proc.poll() is None:
@@ -340,15 +394,16 @@ async def test_a_model_path_that_is_no_model_is_a_configuration_error_reported_i
 
 
 @pytest.mark.parametrize("world", [1, 2])
-async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkpoints_and_exits(tmp_path, bus_url, tiny_model, world):
+async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkpoints_and_exits(tmp_path, bus_url, tiny_model, vllm_server,
+                                                                                               world):
     name = f"tr-control-{world}"
     manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=50, eta=0, every=100, world=world)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
-    agent = FakeAgent(bus, tiny_model)
     proc = start_trainer(manifest, bus_url, workdir, log, world=world)
     try:
-        task = asyncio.create_task(agent.serve(limit=B))  # one step's worth, then the trainer waits
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, _):
+            await asyncio.wait_for(agent.run(max_tickets=B), 120)  # one step's worth, then the trainer waits
         await wait_for(lambda: _at_step(bus, 1), 90, "step 1", proc, log)
         assert (await bus.get_state("progress"))["checkpoint"] is None
         # The operator asks for a checkpoint (before suspending): it comes without waiting for a full batch.
@@ -364,7 +419,6 @@ async def test_a_checkpoint_request_is_answered_between_steps_and_sigterm_checkp
 
         os.killpg(proc.pid, signal.SIGTERM)  # what Kubernetes and `kuberl run` send
         code = await asyncio.to_thread(finish, proc, log, 60)
-        task.cancel()
         # torchrun reports its own code for a signalled run; the ranks' own exit is what the log shows.
         assert code == 143 if world == 1 else code != 0, log.read_text()[-3000:]
         progress = await bus.get_state("progress")
