@@ -93,3 +93,21 @@ async def test_a_ticket_whose_reward_always_raises_becomes_a_failed_group_and_th
     assert not groups["e0-i1-1"].rejected and groups["e0-i1-1"].failure is None
     info = await bus.stream_info()
     assert info["tickets_pending"] == 0 and info["tickets_in_flight"] == 0  # the poison ticket is acked, not nak'd again
+
+
+async def test_a_multi_turn_episode_shares_max_new_tokens_across_its_turns(engine, tokenizer):
+    # The overlong penalty and Dr.GRPO's normaliser measure all turns' generated tokens against maxNewTokens:
+    # a turn may only use what the earlier turns left.
+    from kuberl.runtime.data import Item
+    from kuberl.runtime.rollout.workflows import EpisodeContext, MultiTurnWorkflow
+
+    never = lambda p, c, a: 0.0  # never correct: the episode goes on while turns and budget last
+    wf = MultiTurnWorkflow(tokenizer, never, SamplingConfig(n=4, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id]),
+                           max_turns=3, turn_discount=0.9)
+    samples = await wf.arun_episode(engine, Item(0, "Repeat the digit 4.", "44444444"), EpisodeContext())
+    for s in samples:
+        assert sum(s.loss_mask) <= 6, f"{sum(s.loss_mask)} generated tokens over {s.num_turns} turns for a 6-token budget"
+        runs = "".join(map(str, s.loss_mask)).split("0")
+        turns = [len(r) for r in runs if r]
+        assert len(turns) == s.num_turns and s.reward == 0.0
+        assert s.loss_mask[-1] == 1, "feedback appended for a turn that never came"

@@ -194,7 +194,8 @@ async def test_a_stopped_agent_gives_its_tickets_back_at_once(bus, engine, token
 
 async def test_multi_turn_feedback_tokens_are_masked_and_the_reward_is_discounted_per_extra_turn(engine, tokenizer):
     half = lambda p, c, a: 0.5  # never "correct", so every episode uses all turns
-    wf = MultiTurnWorkflow(tokenizer, half, SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id]),
+    # Every token id stops a turn: each turn is one token, so three turns fit the episode's 6-token budget.
+    wf = MultiTurnWorkflow(tokenizer, half, SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=list(range(len(tokenizer)))),
                            max_turns=3, turn_discount=0.5)
     from kuberl.runtime.data import Item
     from kuberl.runtime.rollout.workflows import EpisodeContext

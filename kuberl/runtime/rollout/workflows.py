@@ -168,6 +168,9 @@ class MultiTurnWorkflow(RLVRWorkflow):
     """Retry with feedback until correct (reward 1) or max_turns; reward *= turn_discount per extra turn.
 
     The feedback turn's tokens are part of output_ids with loss_mask 0 and version -1 (not generated).
+    maxNewTokens is the budget of generated tokens of the whole episode: each turn gets what the earlier
+    turns left, so the generated length the trainer measures (loss tokens, for DAPO's overlong penalty
+    and Dr.GRPO's constant normaliser sequences * maxNewTokens) never exceeds maxNewTokens.
     """
 
     def __init__(self, tokenizer: Any, reward_fn: RewardFn, sampling: SamplingConfig, *, max_turns: int,
@@ -198,15 +201,16 @@ class MultiTurnWorkflow(RLVRWorkflow):
         lps: list[float] = []
         vers: list[int] = []
         mask: list[int] = []
-        reward, turns, finish = 0.0, 0, "stop"
+        reward, turns, finish = 0.0, 1, "stop"  # turns that were generated (at least the first)
         eos_ids = set(self.sampling.stop_token_ids) | {self.tokenizer.eos_token_id}
         for turn in range(1, self.max_turns + 1):
-            turns = turn
             context = prompt_ids + out
+            left = self.sampling.max_new_tokens - sum(mask)  # the episode's budget, shared by its turns
             try:
-                req = self._request(context, self.sampling.max_new_tokens, None if seed is None else seed + turn)
+                req = self._request(context, left, None if seed is None else seed + turn)
             except ValueError:
                 break  # no room left for another turn: keep what we have
+            turns = turn
             gen = await generate_continuing(engine, context, req)
             out += gen.output_ids
             lps += gen.logprobs
@@ -214,8 +218,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
             mask += [1] * len(gen.output_ids)
             finish = gen.finish_reason or "stop"
             reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
-            if reward >= 1.0 or turn == self.max_turns:
-                break
+            if reward >= 1.0 or turn == self.max_turns or sum(mask) >= self.sampling.max_new_tokens:
+                break  # correct, out of turns, or out of budget (no feedback for a turn that cannot come)
             fb = self.feedback_ids(bool(gen.output_ids) and gen.output_ids[-1] in eos_ids)
             out += fb
             lps += [0.0] * len(fb)

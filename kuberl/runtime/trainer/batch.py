@@ -48,7 +48,8 @@ class RolloutBatch:
         return [len(p) + len(o) for p, o in zip(self.prompts, self.outputs)]
 
     def response_lengths(self) -> torch.Tensor:
-        """Generated tokens per sample, [G, n] (what the overlong penalty measures)."""
+        """Generated tokens per sample, [G, n], over all turns (what the overlong penalty and Dr.GRPO measure
+        against maxNewTokens, which a multi-turn episode shares across its turns)."""
         return self.loss_mask.sum(dim=1).reshape(self.rewards.shape)
 
 
