@@ -2,7 +2,8 @@
 -- operator writes:
 --   Healthy     Succeeded, or Running with condition Ready=True
 --   Progressing Pending/Initializing, Running not yet Ready, or a spec change not yet reconciled
---   Degraded    Failed, condition Failed=True, condition Degraded=True, or Validated=False
+--   Degraded    Failed, condition Failed=True, condition Degraded=True, Validated=False, or
+--               Reconciled=False (a child cannot take the spec, e.g. an immutable field; never heals)
 --   Suspended   phase Suspended
 -- Lua 5.1 for gopher-lua using only the base and table libraries (no string, math or os), so it also
 -- runs from argocd-cm without resource.customizations.useOpenLibs.
@@ -75,6 +76,12 @@ end
 if validated ~= nil and validated.status == "False" then
   hs.status = "Degraded"
   hs.message = explain(validated, "The spec cannot run")
+  return hs
+end
+local reconciled = condition(status, "Reconciled")
+if reconciled ~= nil and reconciled.status == "False" then
+  hs.status = "Degraded"
+  hs.message = explain(reconciled, "A child could not take the spec")
   return hs
 end
 if phase == "Succeeded" then
