@@ -159,16 +159,20 @@ def response_logprobs(
     temperature: float = 1.0,
     device: torch.device | str = "cpu",
     pad_id: int = 0,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(output token t | prefix) for each row, [rows, width] (0 beyond each response).
 
     Logits are divided by the sampling temperature, as the engine did when it reported its logprobs.
-    Right padding with an attention mask; positions count from 0 in every row.
+    Right padding with an attention mask; positions count from 0 in every row. With `entropy`, also the
+    entropy of softmax(logits / T) at each output position, [rows, width], from the same forward pass
+    (no grad: it is a statistic, not a loss term): H = logsumexp(z) - sum softmax(z) * z.
     """
     lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
     L = max(lens)
     if L < 2:  # nothing was generated in any row: no token to score
-        return torch.zeros((len(lens), width), device=device)
+        zeros = torch.zeros((len(lens), width), device=device)
+        return (zeros, zeros.clone()) if entropy else zeros
     ids = torch.full((len(lens), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(lens), L), dtype=torch.long)
     for i, (p, o) in enumerate(zip(prompts, outputs)):
@@ -180,10 +184,17 @@ def response_logprobs(
         logits = logits / temperature
     # log softmax at the target only: gather minus logsumexp (never materialises [rows, L, V] twice).
     targets = ids[:, 1:]
-    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     # Output token t of row i is predicted at position len(prompt_i) - 1 + t.
     starts = torch.tensor([len(p) - 1 for p in prompts], device=token_logp.device)
     t = torch.arange(width, device=token_logp.device)
     idx = (starts[:, None] + t[None, :]).clamp(max=L - 2)
     valid = t[None, :] < torch.tensor([len(o) for o in outputs], device=token_logp.device)[:, None]
-    return torch.where(valid, token_logp.gather(1, idx), torch.zeros((), device=token_logp.device))
+    out = torch.where(valid, token_logp.gather(1, idx), torch.zeros((), device=token_logp.device))
+    if not entropy:
+        return out
+    with torch.no_grad():  # only at the output positions: [rows, width, V], not [rows, L, V]
+        z = logits.detach().gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
+        ent = lse.detach().gather(1, idx) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return out, torch.where(valid, ent, torch.zeros((), device=ent.device))

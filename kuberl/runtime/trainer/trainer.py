@@ -440,8 +440,8 @@ class Trainer:
             mb_loss = 0.0
             for mb in mbs:
                 idx = mb if mb is not None else rows[:1]
-                logp = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
-                                         temperature=self.cfg_temperature, device=self.info.device)
+                logp, ent = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
+                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True)
                 prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
                                                 (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
                 if fused_prox is not None:  # pre-update weights (one minibatch): pi_prox is this forward, detached
@@ -456,8 +456,10 @@ class Trainer:
                     mb_loss += st["loss"]
                     tok = st["tokens"]
                     token_total += tok
+                    # Policy entropy from this forward (no extra pass): token mean over loss tokens, below.
+                    sums["entropy"] = sums.get("entropy", 0.0) + float((ent * mask).sum())
                     for k, v in st.items():
-                        if k not in ("loss", "tokens", "sequences") and not k.endswith("_max"):
+                        if k not in ("loss", "tokens", "sequences", "entropy") and not k.endswith("_max"):
                             sums[k] = sums.get(k, 0.0) + v * tok
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.optimizer.grad_clip)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -547,16 +549,18 @@ class Trainer:
             sps = sum(n for n, _ in self.recent) / secs if secs > 0 else 0.0
             # Kept for every later report (checkpoints, done): the last step's numbers stay visible.
             self.last_numbers = {"reward_mean": stats["reward_mean"], "samples_per_second": sps, "staleness_mean": stats["staleness_mean"],
-                                 "staleness_max": stats["staleness_max"], "trainer_wait_fraction": stats["wait_seconds"] / max(stats["step_seconds"], 1e-9)}
+                                 "staleness_max": stats["staleness_max"], "trainer_wait_fraction": stats["wait_seconds"] / max(stats["step_seconds"], 1e-9),
+                                 "entropy": stats.get("entropy")}
             progress.update(self.last_numbers)
             row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
                    "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
-            log.info("step %d/%d v%d reward %.3f loss %.4f samples/s %.1f staleness %.2f (max %d) dropped %d wait %.0f%% ETA %s",
-                     self.step, self.total_steps, self.version, stats["reward_mean"], stats["loss"], sps, stats["staleness_mean"],
-                     stats["staleness_max"], self.dropped_stale, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
+            log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
+                     "wait %.0f%% ETA %s", self.step, self.total_steps, self.version, stats["reward_mean"], stats["loss"],
+                     stats.get("entropy", float("nan")), sps, stats["staleness_mean"], stats["staleness_max"], self.dropped_stale,
+                     self.failed_groups, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
         await self.bus.put_progress(progress)
 
     # ------------------------------------------------------------------------------------------
