@@ -147,8 +147,11 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
 
 
 def first_failure(output: str) -> str:
+    """The first failing test and how it failed (AssertionError = a check caught it; anything else = a crash)."""
     m = re.search(r"^FAILED (\S+)", output, re.M) or re.search(r"^(\S+::\S+) FAILED", output, re.M)
-    return m.group(1) if m else "?"
+    error = re.search(r"^E\s+(\w+(?:Error|Exception|Exit))\b", output, re.M)
+    kind = error.group(1) if error else ("AssertionError" if re.search(r"^E\s+assert ", output, re.M) else "?")
+    return f"{m.group(1) if m else '?'} [{kind}]"
 
 
 def run_one(copy: Path, m: Mutant, timeout: float) -> Result:
@@ -174,7 +177,9 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         # The failing test's own name (its file and class are in "tests run"), shortened.
         detail = r.detail.rsplit("::", 1)[-1] if r.outcome == "killed" else r.detail.splitlines()[0]
-        detail = detail if len(detail) <= 72 else detail[:69] + "..."
+        if len(detail) > 80:
+            name, _, kind = detail.rpartition(" ")
+            detail = name[: 76 - len(kind)] + "... " + kind
         rows.append((r.mutant.id, r.mutant.file.removeprefix("kuberl/runtime/"), " ".join(t.removeprefix("tests/unit/") for t in r.mutant.tests),
                      r.outcome, detail, f"{r.seconds:.0f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -1,0 +1,54 @@
+"""scripts/mutation-check.py's table stays in step with the code: every mutant's old text is in its file exactly
+once (a refactor that moves it fails here, in seconds, not only in the mutation tier), and a vanished text
+is reported by name instead of the mutant silently disappearing."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "mutation-check.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("mutation_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_mutant_names_text_found_once_in_its_file_and_existing_tests():
+    mc = load_script()
+    assert mc.check_mutants(ROOT, mc.MUTANTS) == []
+    assert len({m.id for m in mc.MUTANTS}) == len(mc.MUTANTS)
+    assert all(m.old != m.new and m.tests for m in mc.MUTANTS)
+
+
+def test_the_mutants_the_issue_lists_are_all_in_the_table():
+    ids = {m.id for m in load_script().MUTANTS}
+    assert {"weight-dropped", "weight-inverted", "ratio-vs-behave", "clip-removed", "baseline-removed",
+            "trainer-temperature-ignored", "loss-gets-behave-as-prox", "stale-filter-removed",
+            "capacity-one-batch-more", "weight-cap-boundary"} <= ids
+
+
+def test_a_mutant_whose_text_is_gone_is_reported_by_name(tmp_path):
+    mc = load_script()
+    (tmp_path / "kuberl").mkdir()
+    (tmp_path / "kuberl" / "x.py").write_text("a = 1\na = 1\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("")
+    gone = mc.Mutant("gone", "", "kuberl/x.py", "b = 2", "b = 3", ("tests/test_x.py",))
+    twice = mc.Mutant("twice", "", "kuberl/x.py", "a = 1", "a = 2", ("tests/test_nope.py::TestX",))
+    problems = mc.check_mutants(tmp_path, (gone, twice))
+    assert problems[0].startswith("gone: kuberl/x.py contains the old text 0 times")
+    assert problems[1].startswith("twice: kuberl/x.py contains the old text 2 times")
+    assert problems[2] == "twice: test file tests/test_nope.py does not exist"
+
+
+def test_list_prints_every_mutant_without_running_tests():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
+    assert out.count("\n    tests: ") == len(load_script().MUTANTS)
