@@ -12,6 +12,7 @@ after pytest; `python3 scripts/mutation-check.py --list` shows the table, `--onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -196,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, each in its own copy (default 1)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per mutant's test run (default 300)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the check that the selected tests pass unmutated")
+    ap.add_argument("--tests", nargs="+", metavar="NODE", help="run these tests for every mutant instead of its own selection "
+                    "(e.g. an integration test; wrap heavy ones in the shared lock)")
     args = ap.parse_args(argv)
 
     unknown = set(args.only) - {m.id for m in MUTANTS}
     if unknown:
         ap.error(f"unknown mutant(s) {sorted(unknown)}; known: {[m.id for m in MUTANTS]}")
     mutants = tuple(m for m in MUTANTS if not args.only or m.id in args.only)
+    if args.tests:
+        mutants = tuple(dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants)
     if args.list:
         for m in mutants:
             print(f"{m.id}: {m.what}\n    {m.file}: {m.old!r} -> {m.new!r}\n    tests: {' '.join(m.tests)}")

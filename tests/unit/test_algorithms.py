@@ -172,7 +172,9 @@ def expected_reward(logits: torch.Tensor) -> float:
 
 def train_bandit(cfg: AlgorithmConfig, steps=60, groups=8, seed=0) -> tuple[float, float]:
     """One-token episodes: sample from a one-step-stale behaviour policy, recompute proximal logp,
-    compute advantages and take 2 minibatch steps of the decoupled loss, as the async trainer does."""
+    compute advantages and take 2 minibatch steps of the decoupled loss, as the async trainer does.
+    A smoke test of every preset: it still learns with the behaviour weight, the clip or the baseline
+    broken (the bandit is too easy); the classes after TestItLearns are the ones that catch those."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.zeros(5, requires_grad=True)
     opt = torch.optim.Adam([logits], lr=0.05)
