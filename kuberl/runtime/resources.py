@@ -107,6 +107,13 @@ def thread_count(cores: int, limit: float | None) -> int:
     return n
 
 
+def engine_omp_threads(threads: int, ranks: int = 1) -> int:
+    """OpenMP threads of each engine worker: like vLLM's own binding, one thread per rank is left to the
+    server and scheduler processes when there are more threads than ranks (4 -> 3; 2 -> 1; 1 -> 1)."""
+    ranks = max(1, ranks)
+    return max(1, (threads - ranks) // ranks) if threads > ranks else 1
+
+
 @dataclass(frozen=True)
 class RoleCPUs:
     """The cores a local role runs on and the compute threads of each of its processes."""
@@ -199,14 +206,13 @@ def process_settings(command: str, environ: dict[str, str], affinity: list[int],
     else:
         threads = thread_count(len(cpus), limit)
     tp = max(1, tensor_parallel)
-    per_proc = max(1, threads // tp) if command == "engine" else threads
+    per_proc = engine_omp_threads(threads, tp) if command == "engine" else threads
     env = {k: str(per_proc) for k in THREAD_VARS}
     env["TOKENIZERS_PARALLELISM"] = "false" if threads == 1 else "true"
     if command == "engine":
-        if given:
-            used = cpus[: max(tp, min(len(cpus), threads))]
-            size = max(1, len(used) // tp)
-            blocks = [used[k * size:(k + 1) * size] or used[-1:] for k in range(tp)]
+        if given:  # one block of per_proc cores per rank; what is left runs the API server and the scheduler
+            used = cpus[: per_proc * tp]
+            blocks = [used[k * per_proc:(k + 1) * per_proc] or used[-1:] for k in range(tp)]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(format_cpu_list(b) for b in blocks)
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"

@@ -87,19 +87,23 @@ class TestThreads:
     def test_a_pod_gets_its_limit_as_thread_counts_and_an_unbound_engine(self):
         cpus, env = process_settings("engine", {}, list(range(64)), 4.0)
         assert cpus == list(range(64))  # no cores named: the pod's own affinity, left alone
-        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "4"
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"  # one of the 4 left to the server and scheduler
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # the node's cores are shared: bind none of them
+        _, trainer = process_settings("trainer", {}, list(range(64)), 4.0)
+        assert trainer["OMP_NUM_THREADS"] == "4"
 
     def test_a_user_setting_is_kept(self):
         _, env = process_settings("trainer", {"OMP_NUM_THREADS": "3"}, list(range(8)), None)
         assert "OMP_NUM_THREADS" not in env and env["MKL_NUM_THREADS"] == "8"
 
     def test_kuberl_run_names_the_cores_and_threads(self):
-        cpus, env = process_settings("engine", {"KUBERL_CPUS": "2-3", "KUBERL_THREADS": "2"}, [0, 1, 2, 3], None)
-        assert cpus == [2, 3] and env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+        cpus, env = process_settings("engine", {"KUBERL_CPUS": "2-4", "KUBERL_THREADS": "3"}, list(range(8)), None)
+        assert cpus == [2, 3, 4] and env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+        _, one = process_settings("engine", {"KUBERL_CPUS": "0", "KUBERL_THREADS": "1"}, [0, 1], None)
+        assert one["OMP_NUM_THREADS"] == "1" and one["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
     def test_a_tensor_parallel_engine_binds_one_block_per_rank(self):
-        _, env = process_settings("engine", {"KUBERL_CPUS": "0-3", "KUBERL_THREADS": "4"}, [0, 1, 2, 3], None, tensor_parallel=2)
+        _, env = process_settings("engine", {"KUBERL_CPUS": "0-5", "KUBERL_THREADS": "6"}, list(range(6)), None, tensor_parallel=2)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and env["OMP_NUM_THREADS"] == "2"
 
     @pytest.mark.parametrize("bad", ["0", "x"])
