@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from kuberl.runtime.data import Item
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
-from kuberl.runtime.rollout.registry import WORKFLOWS, RolloutWorkflow, WorkflowError
+from kuberl.runtime.rollout.registry import WORKFLOWS, EpisodeTimeout, RolloutWorkflow, WorkflowError
 from kuberl.runtime.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, make_workflow
 
 from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
@@ -36,6 +36,12 @@ class EchoWorkflow:
 class NoArgs:
     async def arun_episode(self, engine, item, ctx):
         return None
+
+
+class Sleeper:
+    async def arun_episode(self, engine, item, ctx):
+        import asyncio
+        await asyncio.sleep(3600)
 
 
 class SyncMethod:
@@ -97,7 +103,7 @@ def test_a_custom_class_gets_the_setup_and_runs_its_episode(tokenizer):
     from kuberl.runtime.inference.base import GenerateResult
 
     wf = make_workflow(spec(type="custom", **{"class": f"{MODULE}:EchoWorkflow"}), tokenizer)
-    assert isinstance(wf, RolloutWorkflow) and wf.setup.tokenizer is tokenizer and wf.setup.sampling.n == 3
+    assert isinstance(wf, RolloutWorkflow) and wf.inner.setup.tokenizer is tokenizer and wf.inner.setup.sampling.n == 3
 
     class Engine:
         version = 4
@@ -110,7 +116,13 @@ def test_a_custom_class_gets_the_setup_and_runs_its_episode(tokenizer):
 
 
 def test_a_custom_class_without_arguments_is_constructed_plainly(tokenizer):
-    assert make_workflow(spec(type="custom", **{"class": f"{MODULE}:NoArgs"}), tokenizer).__class__.__name__ == "NoArgs"
+    assert make_workflow(spec(type="custom", **{"class": f"{MODULE}:NoArgs"}), tokenizer).inner.__class__.__name__ == "NoArgs"
+
+
+def test_a_custom_episode_past_the_timeout_is_cancelled_with_a_clear_reason(tokenizer):
+    wf = make_workflow(spec(type="custom", episodeTimeoutSeconds=0.2, **{"class": f"{MODULE}:Sleeper"}), tokenizer)
+    with pytest.raises(EpisodeTimeout, match=r"ran past workflow.episodeTimeoutSeconds \(0.2 s\)"):
+        asyncio.run(wf.arun_episode(None, Item(0, "q", "a"), None))
 
 
 @pytest.mark.parametrize("path, message", [

@@ -7,6 +7,7 @@ imports the user's class named by `workflow.class`. See docs/agents.md for a one
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 from collections.abc import Callable
@@ -23,6 +24,10 @@ from kuberl.api.v1alpha1 import RLExperimentSpec
 
 class WorkflowError(ValueError):
     """workflow.class / workflow.agent names nothing usable (a configuration error: the agent exits 2)."""
+
+
+class EpisodeTimeout(RuntimeError):
+    """A custom workflow's episode ran past workflow.episodeTimeoutSeconds (the ticket fails; the run goes on)."""
 
 
 @runtime_checkable
@@ -89,6 +94,20 @@ def _agent(setup: WorkflowSetup) -> RolloutWorkflow:
     return AgentWorkflow.from_setup(setup)
 
 
+class TimedWorkflow:
+    """A custom workflow whose episodes are cancelled past workflow.episodeTimeoutSeconds; `inner` is the user's object."""
+
+    def __init__(self, inner: RolloutWorkflow, timeout_seconds: float) -> None:
+        self.inner = inner
+        self.timeout = timeout_seconds
+
+    async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: Any) -> list[Sample] | None:
+        try:
+            return await asyncio.wait_for(self.inner.arun_episode(engine, item, ctx), self.timeout)
+        except TimeoutError:
+            raise EpisodeTimeout(f"workflow.class episode ran past workflow.episodeTimeoutSeconds ({self.timeout:g} s)") from None
+
+
 def _custom(setup: WorkflowSetup) -> RolloutWorkflow:
     path = setup.spec.workflow.workflow_class or ""
     cls = import_path(path, "workflow.class")
@@ -98,9 +117,10 @@ def _custom(setup: WorkflowSetup) -> RolloutWorkflow:
         raise WorkflowError(f"workflow.class: {path!r} has no `async def arun_episode(self, engine, item, ctx)`")
     takes = [p for p in inspect.signature(cls).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     try:
-        return cls(setup) if takes else cls()
+        inner = cls(setup) if takes else cls()
     except Exception as exc:  # noqa: BLE001  the user's constructor: name it in the configuration error
         raise WorkflowError(f"workflow.class: constructing {path} failed: {type(exc).__name__}: {exc}") from exc
+    return TimedWorkflow(inner, setup.spec.workflow.episode_timeout_seconds)
 
 
 # workflow.type -> factory(setup). Add a built-in workflow: one module plus one line here.
