@@ -221,7 +221,14 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
 
     from kuberl.runtime.bus import Bus, BusError
 
-    bus = await Bus.connect(run.bus_url, run.exp.name)
+    bus = None
+    while bus is None:  # the bus may be restarting: the supervisor brings it back, or stops the run
+        try:
+            bus = await Bus.connect(run.bus_url, run.exp.name, connect_timeout=5.0)
+        except BusError as exc:
+            log.debug("progress: %s", exc)
+            if stop.is_set():
+                return None
     last: dict | None = None
     total = run.exp.spec.training.total_steps
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -377,6 +384,9 @@ def main(args) -> int:
         print("\nkuberl run: interrupted; stopping every role", file=sys.stderr)
     except subprocess.TimeoutExpired:
         pass
+    except Exception as exc:  # unexpected: one line on the terminal, the traceback in the launcher's log
+        log.exception("kuberl run failed")
+        failure = failure or f"{type(exc).__name__}: {exc} (traceback in {workdir / 'logs' / 'launcher.log'})"
     finally:
         run.stop_all()
         if bus_proc is not None:

@@ -1,9 +1,13 @@
-"""Faults in a live `kuberl run`: kill -9 the trainer or a rollout agent mid-run; the run completes.
+"""Faults in a live `kuberl run`: kill -9 the trainer, a rollout agent, the engine or the nats-server mid-run; the run completes.
 
 - Trainer: the launcher restarts it (failure policy), it resumes from the latest checkpoint, the
   groups it trained after that checkpoint (never acknowledged) come back and are trained again, and
   no step is repeated beyond what the checkpoint implies.
 - Agent: the tickets it held are redelivered by the work queue and the run completes.
+- nats-server (the run's own): the launcher restarts it on the same port and store; every role rides
+  out the outage (no role restarts), no group is lost or trained twice, nothing traces on the terminal.
+- Engine: the launcher restarts it; the agent gives its tickets back, waits, loads the current weights
+  into the new engine, and the run completes with no group trained twice.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +145,121 @@ def test_an_agent_killed_while_holding_tickets_has_them_reissued(tmp_path, nats_
     redelivered = [line for line in log.splitlines() if "redelivered (delivery" in line]
     # (>= 1, not == held: a ticket may be acked in the instant between the count and the kill)
     assert redelivered, f"{held} tickets were held just before the kill; none came back"
+
+
+def launcher_child(launcher_pid: int, needle: str) -> psutil.Process:
+    """The launcher's (grand)child whose command line contains `needle` (nats-server, the vLLM server)."""
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if needle in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process running {needle} under the launcher")
+
+
+def assert_each_group_trained_once(rows: list[dict], steps: int, batch: int) -> None:
+    final = {r["step"]: r for r in rows}
+    assert sorted(final) == list(range(1, steps + 1)), sorted(final)
+    kept = [g for r in final.values() for g in r["group_ids"]]
+    assert len(kept) == steps * batch and len(set(kept)) == len(kept), "a group was lost or trained twice"
+
+
+def starts(log: Path) -> int:
+    """How many times the launcher started the role that writes `log` (one '==>' line per start)."""
+    return sum(line.startswith("==> ") for line in log.read_text().splitlines())
+
+
+def test_the_runs_own_nats_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, experiment_name):
+    steps = 8
+    manifest = quickstart_manifest(tmp_path, experiment_name, **{"training.totalSteps": steps})
+    workdir = tmp_path / "work"
+    launcher_log = tmp_path / "launcher.out"
+    with open(launcher_log, "w") as out:  # the terminal: what a user sees
+        run = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(read_metrics(workdir)) >= 3, 420, "step 3", run)
+        server = launcher_child(run.pid, "nats-server")
+        port = {c.laddr.port for c in server.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        server.kill()  # SIGKILL, mid-run: roles are pulling, publishing and acking
+        code = run.wait(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    terminal = launcher_log.read_text()
+    assert code == 0, terminal[-4000:]
+    assert "nats-server (the bus) killed by SIGKILL; restarting it" in terminal and "nats-server is back" in terminal
+    assert "Traceback" not in terminal and "Task was destroyed" not in terminal, terminal[-4000:]
+    batch = yaml.safe_load(manifest.read_text())["spec"]["algorithm"]["batchSize"]
+    assert_each_group_trained_once(read_metrics(workdir), steps, batch)
+    # The roles rode the outage out: none of them was restarted.
+    for role in ("trainer", "rollout-0", "engine-0"):
+        assert starts(workdir / "logs" / f"{role}.log") == 1, f"{role} was restarted"
+    assert processes_mentioning(str(workdir)) == []
+    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert not port & listening, "the restarted nats-server was left running"
+
+
+def test_the_engine_killed_mid_generation_is_restarted_and_the_agent_reloads_the_current_weights(tmp_path, nats_server, experiment_name):
+    steps = 8
+    manifest = quickstart_manifest(tmp_path, experiment_name, **{"training.totalSteps": steps})
+    workdir = tmp_path / "work"
+    run = start_run(manifest, workdir, nats_server.url)
+    try:
+        wait_for(lambda: len(read_metrics(workdir)) >= 3, 420, "step 3", run)
+        held = 0
+        for _ in range(40):  # mid-generation: the agent holds tickets
+            held = asyncio.run(tickets_info(nats_server.url, manifest))["tickets_in_flight"]
+            if held:
+                break
+            time.sleep(0.25)
+        assert held > 0
+        version_at_kill = read_metrics(workdir)[-1]["step"]
+        launcher_child(run.pid, "vllm.entrypoints.openai.api_server").kill()
+        finish(run, workdir)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    batch = yaml.safe_load(manifest.read_text())["spec"]["algorithm"]["batchSize"]
+    assert_each_group_trained_once(read_metrics(workdir), steps, batch)
+    assert starts(workdir / "logs" / "engine-0.log") == 2 and starts(workdir / "logs" / "rollout-0.log") == 1
+    agent_log = (workdir / "logs" / "rollout-0.log").read_text()
+    assert "is not answering" in agent_log
+    # The new engine started with the initial model: the agent loaded the trainer's current weights into it.
+    back = [line for line in agent_log.splitlines() if "engine back after" in line]
+    assert back and int(back[0].rsplit("serving v", 1)[1]) >= version_at_kill, back
+
+
+def test_a_bus_that_cannot_come_back_stops_the_run_with_one_clear_line_and_exit_1(tmp_path, experiment_name):
+    manifest = quickstart_manifest(tmp_path, experiment_name, **{"training.totalSteps": 500})
+    workdir = tmp_path / "work"
+    terminal_log = tmp_path / "launcher.out"
+    with open(terminal_log, "w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    blocker = socket.socket()
+    try:
+        wait_for(lambda: "nats-server (JetStream) at" in terminal_log.read_text(), 120, "the bus", run)
+        server = launcher_child(run.pid, "nats-server")
+        port = next(c.laddr.port for c in server.net_connections("inet") if c.status == psutil.CONN_LISTEN)
+        server.kill()
+        server.wait(10)
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("127.0.0.1", port))  # something else took its port: it cannot come back there
+        blocker.listen()
+        code = run.wait(timeout=300)
+    finally:
+        blocker.close()
+        if run.poll() is None:
+            run.kill()
+    terminal = terminal_log.read_text()
+    assert code == 1, terminal[-3000:]
+    failed = [line for line in terminal.splitlines() if line.startswith("kuberl run: failed:")]
+    assert len(failed) == 1 and "nats-server (the bus) would not start again" in failed[0], terminal[-3000:]
+    assert f"kuberl run --resume {workdir / 'experiment.yaml'} --workdir {workdir}" in failed[0]
+    assert "Traceback" not in terminal and "Task was destroyed" not in terminal and "Event loop is closed" not in terminal
+    assert processes_mentioning(str(workdir)) == []
 
 
 async def tickets_info(bus_url: str, manifest: Path) -> dict[str, int]:
