@@ -160,7 +160,10 @@ async def event(body: Any, type_: str, reason: str, message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True) -> bool:
+_UNREAD: Any = object()
+
+
+async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True, live: Any = _UNREAD) -> bool:
     """Adopt and server-side-apply one child; a Job whose immutable template changed is re-created.
     `own=False` leaves out the ownerReference (a retained checkpoint PVC outlives the experiment).
     Returns True when the child did not exist before; raises KubeError when the cluster refuses it."""
@@ -170,7 +173,8 @@ async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True) -> 
     if not own:
         child["metadata"].pop("ownerReferences", None)
     kind, name, ns = child["kind"], child["metadata"]["name"], child["metadata"]["namespace"]
-    live = await kube().get(kind, ns, name)
+    if live is _UNREAD:
+        live = await kube().get(kind, ns, name)
     child = keep_pinned(child, live)  # an operator upgrade alone rolls nothing (builders.pinning)
     try:
         await kube().apply(child)
@@ -195,7 +199,7 @@ async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> t
     live = await kube().get(kind, child["metadata"].get("namespace"), name)
     kept, notes = keep_immutable_fields(child, live)
     try:
-        created = await apply_child(body, kept, own=own)
+        created = await apply_child(body, kept, own=own, live=live)
     except KubeError as exc:
         if exc.status not in (400, 403, 422):
             raise

@@ -250,6 +250,8 @@ class CrdAdmission:
     def _cel(self, value: Any, schema: Obj, path: str) -> list[tuple[str, str]]:
         import celpy
 
+        from kuberl.api.validation import to_cel
+
         errors: list[tuple[str, str]] = []
         if not isinstance(schema, dict) or value is None:
             return errors
@@ -261,7 +263,9 @@ class CrdAdmission:
                 env = celpy.Environment()
                 prog = self._cel_cache[rule["rule"]] = env.program(env.compile(rule["rule"]))
             try:
-                ok = bool(prog.evaluate({"self": celpy.json_to_cel(value)}))
+                # Typed by the schema, as the API server does (`type: number` is a double even when
+                # the JSON says 1): json_to_cel would make 1 an int and `self.topP == 1.0` fail to evaluate.
+                ok = bool(prog.evaluate({"self": to_cel(schema, value)}))
             except Exception as exc:  # noqa: BLE001 - any evaluation error rejects, as in the API server
                 errors.append((path.lstrip(".") or "<root>", f"CEL rule {rule['rule']!r} failed to evaluate: {exc}"))
                 continue

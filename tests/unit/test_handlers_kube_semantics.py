@@ -100,6 +100,12 @@ class TestCrdAdmission:
         _, errors, _ = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"max": 3, "size": 5}}, strict_fields=False)
         assert errors == []
 
+    def test_cel_sees_a_number_field_as_a_double_even_when_the_json_says_1(self) -> None:
+        schema = {"type": "object", "properties": {"spec": {"type": "object", "properties": {"p": {"type": "number"}},
+                  "x-kubernetes-validations": [{"rule": "!has(self.p) || self.p == 1.0", "message": "p must be 1"}]}}}
+        assert kw.CrdAdmission(schema).admit({"spec": {"p": 1}}, strict_fields=True)[1] == []
+        assert kw.CrdAdmission(schema).admit({"spec": {"p": 0.5}}, strict_fields=True)[1] == [("spec", "p must be 1")]
+
     def test_cel_rules_report_their_message_at_their_path(self) -> None:
         _, errors, _ = kw.CrdAdmission(self.SCHEMA).admit({"spec": {"min": 5, "max": 2}}, strict_fields=True)
         assert errors == [("spec", "min must be <= max")]
