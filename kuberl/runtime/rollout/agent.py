@@ -283,11 +283,19 @@ class RolloutAgent:
             if time.monotonic() - started > ENGINE_WAIT_SECONDS:
                 raise EngineError(f"engine at {getattr(self.engine, 'url', '?')} not back after {ENGINE_WAIT_SECONDS:.0f}s")
             await asyncio.sleep(1.0)
-        w = await self.bus.get_state(KEY_WEIGHTS)
-        if w is not None:
-            await self.apply_weights(w)
-        else:
-            self.engine.set_version(0)
+        while True:
+            w = await self.bus.get_state(KEY_WEIGHTS)
+            try:
+                if w is not None:
+                    await self.apply_weights(w)
+                else:
+                    self.engine.set_version(0)
+                break
+            except EngineError as exc:  # answering health checks, not yet reloads: try again
+                if time.monotonic() - started > ENGINE_WAIT_SECONDS:
+                    raise
+                log.warning("agent %s: loading weights into the restarted engine failed (%s); retrying", self.agent_id, exc)
+                await asyncio.sleep(2.0)
         self._engine_down = False
         log.info("agent %s: engine back after %.0f s, serving v%d", self.agent_id, time.monotonic() - started, self.engine.version)
 
