@@ -1,0 +1,87 @@
+"""`kuberl run` with `workflow.type: agent`: an OpenAI-client agent learns on the tiny model, and bad episodes
+never stop the run.
+
+The agent is kuberl/runtime/agents/repeat.py (two calls; only the second answer is scored) wrapped so
+that some items misbehave: the agent raises, hangs past workflow.episodeTimeoutSeconds, or returns a
+string. Those tickets fail (retried up to rollout.maxTicketAttempts, then published as failed groups
+with their reasons); the run finishes every step and the reward rises.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_run import ROOT, processes_mentioning, quickstart_manifest, read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+STEPS = 80
+AGENT_MODULE = "kuberl_test_flaky_agent"
+AGENT_SOURCE = '''
+import asyncio
+
+from kuberl.runtime.agents.repeat import two_call_agent
+
+
+async def flaky_agent(client, item):
+    """two_call_agent, except on a few items: raise, hang, or return a string."""
+    kind = item.index % 40
+    if kind == 3:
+        raise RuntimeError(f"agent bug on item {item.index}")
+    if kind == 7:
+        await asyncio.sleep(3600)
+    if kind == 11:
+        await two_call_agent(client, item)
+        return "bad"
+    return await two_call_agent(client, item)
+'''
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("agent-run")
+    (tmp / f"{AGENT_MODULE}.py").write_text(textwrap.dedent(AGENT_SOURCE))
+    manifest = quickstart_manifest(tmp, "agent-learns", **{
+        "training.totalSteps": STEPS,
+        "workflow": {"type": "agent", "agent": f"{AGENT_MODULE}:flaky_agent", "episodeTimeoutSeconds": 5, "reward": "repeat-digit"},
+    })
+    workdir = tmp / "work"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=840, env=env)
+    return proc, workdir
+
+
+def test_the_agent_run_finishes_every_step(agent_run):
+    proc, workdir = agent_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, STEPS + 1))
+
+
+def test_the_agents_reward_rises(agent_run):
+    _, workdir = agent_run
+    rewards = [m["reward_mean"] for m in read_metrics(workdir)]
+    # Measured here (examples/agent-cpu.yaml, no failing items): 0.003 over steps 1-10, 0.196 over 71-80, 0.295 over 91-100.
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.1 and last > first + 0.1, f"mean reward went from {first:.3f} to {last:.3f}"
+
+
+def test_failing_episodes_are_failed_groups_with_their_reasons_and_free_their_slots(agent_run):
+    _, workdir = agent_run
+    assert read_metrics(workdir)[-1]["failed_groups"] >= 1
+    log = (workdir / "logs" / "rollout-0.log").read_text()
+    assert "the agent raised RuntimeError: agent bug on item" in log
+    assert "the agent ran past workflow.episodeTimeoutSeconds (5 s)" in log
+    assert "the agent returned 'bad' (str); expected a finite number (the reward) or None" in log
+    assert "giving up on it" in log  # the poison-ticket rule published them as failed groups
+
+
+def test_no_process_of_the_agent_run_survives_it(agent_run):
+    _, workdir = agent_run
+    assert processes_mentioning(str(workdir)) == []
