@@ -175,6 +175,7 @@ from kuberl.api.v1alpha1 import ASCEND_IMAGE_MESSAGE, PPO_UNSUPPORTED  # noqa: E
 from kuberl.api.v1alpha1 import OVERRIDE_ENV_MESSAGE, OVERRIDE_LABEL_MESSAGE, OVERRIDE_VOLUME_MESSAGE  # noqa: E402
 
 from kuberl.api.v1alpha1 import TOP_P_UNSUPPORTED  # noqa: E402
+from kuberl.api.v1alpha1 import AGENT_INDIVIDUAL_UNSUPPORTED  # noqa: E402
 
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
@@ -222,6 +223,14 @@ AGREEMENT_CASES = [
      "checkpoint.storageClassName has no effect with checkpoint.existingClaim"),
     ("no training length", {"training": {}}, "set training.totalSteps or training.epochs"),
     ("steps only", {"training": {"totalSteps": 10}}, None),
+    ("custom workflow without a class", {"workflow": {"type": "custom"}}, "workflow.type custom needs workflow.class (package.module:Class)"),
+    ("a class without the custom workflow", {"workflow": {"class": "my.wf:W"}}, "workflow.class needs workflow.type custom"),
+    ("custom workflow with its class", {"workflow": {"type": "custom", "class": "my.wf:W"}}, None),
+    ("agent workflow without an agent", {"workflow": {"type": "agent"}}, "workflow.type agent needs workflow.agent (package.module:function)"),
+    ("an agent without the agent workflow", {"workflow": {"type": "rlvr", "agent": "my.agent:run"}}, "workflow.agent needs workflow.type agent"),
+    ("agent workflow with concat samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "concat"}}, None),
+    ("agent workflow with individual samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "individual"}},
+     AGENT_INDIVIDUAL_UNSUPPORTED),
     ("ascend rollout without an image", {"rollout": {"accelerator": {"type": "ascend"}}}, ASCEND_IMAGE_MESSAGE),
     ("ascend rollout with an image", {"rollout": {"image": "r/vllm-ascend:1", "accelerator": {"type": "ascend"}}}, None),
     ("pod template overrides", {"trainer": {"podTemplate": {"labels": {"team": "a"}, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
