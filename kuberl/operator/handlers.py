@@ -22,6 +22,7 @@ from kuberl.operator import kueue, metrics
 from kuberl.operator import status as st
 from kuberl.operator.kube import KubeError
 from kuberl.operator.labels import EventReason, managed_elsewhere
+from kuberl.operator.pins import ensure_pins
 from kuberl.operator.lifecycle import CONFIG, apply_children, event, kube, now, refresh
 from kuberl.operator.rules import replicas_to_write
 from pydantic import ValidationError
@@ -100,7 +101,8 @@ async def on_reconcile(body: Any, status: Any, memo: Any, logger: logging.Logger
         logger.info("spec.managedBy is %r: left alone", managed_elsewhere(body))
         return
     status = dict(status or {})
-    exp = await kueue.gate(body, await validated(body, status), status, memo)  # queued: suspended until admitted
+    exp = await ensure_pins(body, await validated(body, status))  # before the first bus read: the run it uses
+    exp = await kueue.gate(body, exp, status, memo)  # queued: suspended until admitted
     meta = body["metadata"]
     write = replicas_to_write(body, exp)
     if write is not None:  # /scale (kubectl scale, an HPA) reads spec.rollout.replicas: never leave it unset
