@@ -109,16 +109,18 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name, "namespace": NS}, "spec": base}
 
 
-def kv(url: str, exp: str, key: str, value: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Read (value None) or write a key of the experiment's bus KV on the real nats-server."""
+def kv(url: str, exp: str, key: str, value: dict[str, Any] | None = None, *, run: str) -> dict[str, Any] | None:
+    """Read (value None) or write a key of the experiment's bus KV on the real nats-server; `run` scopes
+    the names as in the experiment's pods (the kuberl.io/bus-run the operator pinned: `run_of`)."""
     import nats
+    from kuberl.operator.progress import kv_bucket
     from nats.js.errors import KeyNotFoundError
 
     async def go() -> dict[str, Any] | None:
         nc = await nats.connect(url)
         try:
             js = nc.jetstream()
-            store = await js.create_key_value(bucket=f"kuberl_{exp.upper().replace('-', '_')}")
+            store = await js.create_key_value(bucket=kv_bucket(exp, run))
             if value is not None:
                 await store.put(key, json.dumps(value).encode())
                 return value
@@ -217,21 +219,29 @@ def test_scaling_through_the_scale_subresource_changes_the_rollout_statefulset(a
     assert api.get(f"{RLX}/{e}/scale")["status"]["selector"]
 
 
+def run_of(api: Api, name: str) -> str:
+    """The bus run of an experiment: its namespace and uid (what the operator pins as kuberl.io/bus-run)."""
+    meta = api.experiment(name)["metadata"]
+    return f"{meta['namespace']}.{meta['uid'].replace('-', '')[:12]}"
+
+
 def test_suspend_checkpoints_then_suspends_the_job_and_scales_rollout_to_zero_and_resume_restores_them(
         api: Api, experiment_name: str, nats_server: Any) -> None:
     e = experiment_name
-    kv(nats_server.url, e, "progress", {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None,
-                                        "checkpoint": None, "time": time.time()})
     api.call("POST", RLX, manifest(e, bus={"external": {"url": nats_server.url}}))
+    run = run_of(api, e)
+    kv(nats_server.url, e, "progress", {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None,
+                                        "checkpoint": None, "time": time.time()}, run=run)
     api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))
     api.make_ready(e)
     api.wait("phase Running", lambda: api.phase(e) == "Running")
     api.merge(f"{RLX}/{e}", {"spec": {"suspend": True}})
     # Play the trainer: answer the checkpoint request on the real bus.
-    request = api.wait("control.checkpoint_request on the bus", lambda: (kv(nats_server.url, e, "control") or {}).get("checkpoint_request"))
+    request = api.wait("control.checkpoint_request on the bus", lambda: (kv(nats_server.url, e, "control", run=run) or {}).get("checkpoint_request"))
     assert not api.job(f"{e}-trainer")["spec"].get("suspend"), "the Job must keep running until the checkpoint is written"
     kv(nats_server.url, e, "progress", {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None, "time": time.time(),
-                                        "checkpoint": {"step": 3, "policy_version": 3, "path": "/checkpoints/step-00000003", "time": time.time()}})
+                                        "checkpoint": {"step": 3, "policy_version": 3, "path": "/checkpoints/step-00000003", "time": time.time()}},
+       run=run)
     api.wait("Job suspended", lambda: api.job(f"{e}-trainer")["spec"].get("suspend") is True)
     api.wait("rollout at 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
     api.merge(f"/apis/batch/v1/namespaces/default/jobs/{e}-trainer/status", {"status": {"active": 0, "ready": 0, "conditions": [
@@ -252,9 +262,9 @@ def test_the_autoscaler_scales_rollout_from_real_bus_progress_and_explains_why(a
     e = experiment_name
     progress = {"step": 5, "total_steps": 100, "policy_version": 5, "trainer_wait_fraction": 0.9, "groups_buffered": 0,
                 "samples_per_second": 1.0, "done": False, "failed": None, "checkpoint": None, "time": time.time()}
-    kv(nats_server.url, e, "progress", progress)
     api.call("POST", RLX, manifest(e, bus={"external": {"url": nats_server.url}},
                                    rollout={"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "cooldownSeconds": 0}}))
+    kv(nats_server.url, e, "progress", progress, run=run_of(api, e))
     api.wait("rollout StatefulSet", lambda: api.sts(f"{e}-rollout"))
     api.make_ready(e)
     api.wait("phase Running", lambda: api.phase(e) == "Running")
