@@ -7,6 +7,7 @@ so this runs unchanged against the emulator and against kind or any real cluster
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def sts_replicas(c: Cluster) -> str:
 def scale_replicas(c: Cluster) -> int:
     """What an HPA or `kubectl scale` reads: the /scale subresource of the experiment."""
     path = f"/apis/kuberl.io/v1alpha1/namespaces/{c.namespace}/rlexperiments/{NAME}/scale"
-    return int(c.json("get", "--raw", path)["spec"].get("replicas") or 0)
+    return int(json.loads(c.kubectl("get", "--raw", path).stdout)["spec"].get("replicas") or 0)
 
 
 def validated(c: Cluster) -> tuple[str, str]:

@@ -10,7 +10,6 @@ at the top (tests/unit/test_handlers.py); per-experiment state lives in kopf's p
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime as dt
 import logging
 import secrets
@@ -55,7 +54,7 @@ from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers an
     ttl_expired,
 )
 
-from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
+from kuberl.api.v1alpha1 import Phase, RLExperiment
 
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node
