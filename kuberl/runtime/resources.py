@@ -188,7 +188,8 @@ def process_settings(command: str, environ: dict[str, str], affinity: list[int],
     """(cores to pin this process to, environment to set) for a role process, before any library starts threads.
 
     Cores: $KUBERL_CPUS (from `kuberl run`), else the current affinity (a pod's cpuset). Threads:
-    $KUBERL_THREADS, else the whole cores of the cgroup limit, else the cores. A variable the user set
+    $KUBERL_THREADS, else the whole cores of the cgroup limit (else the cores), shared by torchrun's
+    $LOCAL_WORLD_SIZE trainer ranks. A variable the user set
     already (OMP_NUM_THREADS...) is kept. The engine's OpenMP threads are bound to its cores
     (VLLM_CPU_OMP_THREADS_BIND, one block per tensor-parallel rank) when `kuberl run` gave it cores,
     and left unbound with OMP_NUM_THREADS per rank in a pod, where the node's cores are shared.
@@ -205,6 +206,11 @@ def process_settings(command: str, environ: dict[str, str], affinity: list[int],
             raise ResourceError(f"${THREADS_ENV}={raw!r}: a process needs at least one thread")
     else:
         threads = thread_count(len(cpus), limit)
+        if command == "trainer":  # torchrun's ranks in one container share its cores
+            try:
+                threads = max(1, threads // max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1)))
+            except ValueError:
+                raise ResourceError(f"$LOCAL_WORLD_SIZE={environ['LOCAL_WORLD_SIZE']!r} is not a number of processes") from None
     tp = max(1, tensor_parallel)
     per_proc = engine_omp_threads(threads, tp) if command == "engine" else threads
     env = {k: str(per_proc) for k in THREAD_VARS}

@@ -92,6 +92,10 @@ class TestThreads:
         _, trainer = process_settings("trainer", {}, list(range(64)), 4.0)
         assert trainer["OMP_NUM_THREADS"] == "4"
 
+    def test_torchrun_ranks_in_a_pod_share_its_limit(self):
+        _, env = process_settings("trainer", {"LOCAL_WORLD_SIZE": "4"}, list(range(64)), 8.0)
+        assert env["OMP_NUM_THREADS"] == "2"
+
     def test_a_user_setting_is_kept(self):
         _, env = process_settings("trainer", {"OMP_NUM_THREADS": "3"}, list(range(8)), None)
         assert "OMP_NUM_THREADS" not in env and env["MKL_NUM_THREADS"] == "8"
