@@ -67,7 +67,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("trainer-temperature-ignored", "trainer recomputes log-probs at temperature 1", TRAINER,
            "return self.spec.algorithm.temperature", "return 1.0", (WIRING,)),
     Mutant("logprobs-temperature-ignored", "response_logprobs never divides by the temperature", BATCH,
-           "logits = logits / temperature", "logits = logits", (WIRING,)),
+           "z = z / temperature", "z = z", (WIRING,)),
     Mutant("loss-gets-behave-as-prox", "the PPO update passes pi_behave as pi_prox (plain PPO)", TRAINER,
            "loss, st = ppo_actor_loss(logp, prox, behave,", "loss, st = ppo_actor_loss(logp, behave, behave,", (WIRING,)),
     Mutant("prox-is-behave", "stage_prox_logp copies pi_behave instead of recomputing pi_prox", TRAINER,
