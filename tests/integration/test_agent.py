@@ -162,3 +162,42 @@ async def test_a_weight_update_between_two_calls_of_an_episode_is_recorded_with_
     assert [s.logprobs[i] for i in first] == pytest.approx([lp_old[i] for i in first], abs=2e-3)
     assert [s.logprobs[i] for i in second] == pytest.approx([lp_new[i] for i in second], abs=2e-3)
     assert max(abs(s.logprobs[i] - lp_old[i]) for i in second) > 0.05  # the second call really ran on other weights
+
+
+async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_token_keeps_its_version(engine, vllm_server):
+    tok, old = hf(vllm_server.model_dir)
+    _, new = hf(vllm_server.other_weights)
+
+    async def agent(client, item):
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item.prompt}], max_tokens=460)
+        return float(r.choices[0].finish_reason == "length")
+
+    # No stop token: the call runs the whole budget, so the update can land mid-generation.
+    sampling = SamplingConfig(n=1, max_new_tokens=460, temperature=1.0, top_p=1.0, stop_token_ids=[], max_total_tokens=512)
+    # How long ~460 tokens take depends on the machine's load: try shorter waits until the update lands mid-call.
+    for delay in (0.2, 0.1, 0.05, 0.02, 0.01):
+        await load(engine, vllm_server.model_dir, 0)
+        wf = AgentWorkflow(agent, tok, sampling, exact_match_reward, timeout_seconds=300, name="test")
+        try:
+            task = asyncio.create_task(wf.arun_episode(engine, Item(0, "Repeat the digit 7.", ""), EpisodeContext(ticket_id="m")))
+            for _ in range(3000):
+                if engine._in_flight or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(delay)
+            if task.done():
+                continue
+            await load(engine, vllm_server.other_weights, 1)
+            (s,) = await asyncio.wait_for(task, 300)
+        finally:
+            await wf.aclose()
+        if set(s.versions) == {0, 1}:
+            break
+    else:
+        pytest.fail("no attempt caught the call mid-generation")
+    assert s.num_turns == 1 and len(s.output_ids) == 460 and s.reward == 1.0 and all(s.loss_mask)
+    switch = s.versions.index(1)
+    assert set(s.versions[:switch]) == {0} and set(s.versions[switch:]) == {1}
+    lp_old, lp_new = teacher_logprobs(old, s.input_ids, s.output_ids), teacher_logprobs(new, s.input_ids, s.output_ids)
+    assert s.logprobs[:switch] == pytest.approx(lp_old[:switch], abs=2e-3)
+    assert s.logprobs[switch:] == pytest.approx(lp_new[switch:], abs=2e-3)
