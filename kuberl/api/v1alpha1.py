@@ -568,13 +568,25 @@ class RolloutSpec(SchedulingSpec):
         return self
 
 
+# Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
+# the trainer's own exit-2 refusal (kuberl/runtime/trainer/trainer.py) stays as a second line of defence.
+MEGATRON_UNSUPPORTED = ("trainer.backend megatron is not implemented yet: use trainer.backend fsdp (FSDP2, data parallel); "
+                        "tensor, pipeline and expert parallel come with the megatron backend (README: support table)")
+CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "
+                       "FSDP2 trains data parallel over nodes * accelerator.count")
+ALLOCATION_MEGATRON_UNSUPPORTED = "allocation: the megatron backend is not implemented yet: use fsdp:d<N> (e.g. vllm:d2+fsdp:d4)"
+ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: use fsdp:d<N> without c (e.g. vllm:d2+fsdp:d4)"
+TPE_NEED_MEGATRON = ("tensor, pipeline and expert parallelism need trainer.backend megatron, which is not implemented yet: "
+                     "use trainer.parallelism.data only")
+
+
 class ParallelismSpec(KubeModel):
     """Trainer parallel dims; each defaults to `allocation` when set, else 1."""
 
     data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
     tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (megatron).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (megatron).")
-    context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size.")
+    context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size; above 1 is refused (not implemented yet).")
     expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE, megatron).")
 
 
@@ -582,7 +594,7 @@ class TrainerSpec(SchedulingSpec):
     """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
 
     # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
-    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2) or megatron (megatron-core). Default: from `allocation` when set, else fsdp.")
+    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2). megatron (megatron-core) is refused: not implemented yet. Default: from `allocation` when set, else fsdp.")
     nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
@@ -599,7 +611,11 @@ class TrainerSpec(SchedulingSpec):
         if p.data is not None and p.data * p.tensor * p.pipeline * p.context != self.world_size:
             raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
         if self.backend != "megatron" and (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
-            raise ValueError("tensor, pipeline and expert parallelism need trainer.backend megatron")
+            raise ValueError(TPE_NEED_MEGATRON)
+        if self.backend == "megatron":
+            raise FieldError("spec.trainer.backend", self.backend, MEGATRON_UNSUPPORTED)
+        if p.context != 1:
+            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_UNSUPPORTED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +717,12 @@ class RLExperimentSpec(KubeModel):
          "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count", ".trainer.parallelism"),
         ((f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
           f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1 && {_or(_TP + '.expert', 1)} == 1)"),
-         "tensor, pipeline and expert parallelism need trainer.backend megatron", ".trainer.backend"),
+         TPE_NEED_MEGATRON, ".trainer.backend"),
+        (f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} != 'megatron'", MEGATRON_UNSUPPORTED, ".trainer.backend"),
+        (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1", CONTEXT_UNSUPPORTED, ".trainer.parallelism.context"),
+        # The shorthand itself: CEL cannot expand it, but can see a megatron backend or a context dim above 1.
+        ("!has(self.allocation) || !self.allocation.contains('+megatron:')", ALLOCATION_MEGATRON_UNSUPPORTED, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)')", ALLOCATION_CONTEXT_UNSUPPORTED, ".allocation"),
     )
 
     model: ModelSpec = Field(description="The policy model.")

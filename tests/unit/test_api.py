@@ -100,15 +100,18 @@ class TestAllocation:
         assert (s.trainer.backend, s.trainer.nodes, s.trainer.accelerator.count) == ("fsdp", 1, 4)
         assert (s.trainer.parallelism.data, s.trainer.parallelism.tensor) == (4, 1)
 
-    def test_vllm_d2t2_megatron_d2p2t2_uses_tensor_and_pipeline_parallelism(self):
-        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d2t2+megatron:d2p2t2"))
-        assert (s.rollout.engine, s.rollout.replicas, s.rollout.tensor_parallel_size, s.rollout.accelerator.count) == ("vllm", 2, 2, 2)
-        p = s.trainer.parallelism
-        assert (s.trainer.backend, s.trainer.nodes, s.trainer.accelerator.count) == ("megatron", 1, 8)
-        assert (p.data, p.tensor, p.pipeline, p.context, p.expert) == (2, 2, 2, 1, 1)
+    def test_megatron_and_context_parallel_parse_but_are_refused_naming_the_allocation(self):
+        # AReaL's grammar parses (parse_allocation); no trainer implements megatron or c > 1 yet (issue #13).
+        a = parse_allocation("vllm:d2t2+megatron:d2p2t2")
+        assert (a.backend, a.trainer_world_size, a.rollout_accelerators) == ("megatron", 8, 2)
+        for text, message in (("vllm:d2t2+megatron:d2p2t2", ALLOCATION_MEGATRON_UNSUPPORTED), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED)):
+            with pytest.raises(pydantic.ValidationError) as info:
+                RLExperimentSpec.model_validate(make_spec(allocation=text))
+            cause = info.value.errors()[0]["ctx"]["error"]
+            assert isinstance(cause, FieldError) and cause.path == "spec.allocation" and str(cause) == message
 
     def test_a_trainer_larger_than_a_node_splits_into_nodes_of_eight(self):
-        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d4t2+megatron:d2p2t4"))
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d4t2+fsdp:d16"))
         assert (s.trainer.nodes, s.trainer.accelerator.count, s.trainer.world_size) == (2, 8, 16)
 
     def test_an_explicit_node_size_decides_the_split(self):
@@ -137,7 +140,7 @@ class TestAllocation:
     @pytest.mark.parametrize("overrides, path, ours, theirs", [
         ({"rollout": {"engine": "vllm"}}, "rollout.engine", "sglang", "vllm"),
         ({"rollout": {"tensorParallelSize": 2}}, "rollout.tensorParallelSize", "1", "2"),
-        ({"trainer": {"backend": "megatron"}}, "trainer.backend", "fsdp", "megatron"),
+        ({"trainer": {"backend": "megatron"}}, "trainer.backend", "fsdp", "megatron"),  # refused for the contradiction first
         ({"trainer": {"nodes": 2}}, "trainer.nodes", "1", "2"),
         ({"trainer": {"parallelism": {"data": 2}}}, "trainer.parallelism.data", "4", "2"),
     ])
@@ -151,7 +154,7 @@ class TestAllocation:
     @pytest.mark.parametrize("text, fragment", [
         ("sglang:d4", "is not of the form"),
         ("tgi:d4+fsdp:d4", "is not of the form"),
-        ("sglang:d4+fsdp:d4p2", "fsdp supports only d and c"),
+        ("sglang:d4+fsdp:d4p2", "fsdp takes only d"),
         ("vllm:d2x2+fsdp:d4", "'x' is not allowed"),
         ("vllm:d2t+fsdp:d4", "is not a list of dimensions"),
         ("vllm:d0+fsdp:d4", "must be at least 1"),
@@ -176,6 +179,8 @@ from kuberl.api.v1alpha1 import OVERRIDE_ENV_MESSAGE, OVERRIDE_LABEL_MESSAGE, OV
 
 from kuberl.api.v1alpha1 import TOP_P_UNSUPPORTED  # noqa: E402
 from kuberl.api.v1alpha1 import AGENT_INDIVIDUAL_UNSUPPORTED  # noqa: E402
+from kuberl.api.v1alpha1 import ALLOCATION_CONTEXT_UNSUPPORTED, ALLOCATION_MEGATRON_UNSUPPORTED  # noqa: E402
+from kuberl.api.v1alpha1 import CONTEXT_UNSUPPORTED, MEGATRON_UNSUPPORTED, TPE_NEED_MEGATRON  # noqa: E402
 
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
@@ -214,9 +219,17 @@ AGREEMENT_CASES = [
     ("data parallel that does not", {"trainer": {"nodes": 2, "accelerator": {"count": 4}, "parallelism": {"data": 4}}},
      "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
     ("cpu trainer process counts", {"trainer": {"accelerator": {"type": "cpu", "count": 0}, "parallelism": {"data": 1}}}, None),
-    ("megatron tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"tensor": 2}}}, None),
-    ("fsdp tensor parallel", {"trainer": {"backend": "fsdp", "parallelism": {"tensor": 2}}}, "tensor, pipeline and expert parallelism need trainer.backend megatron"),
-    ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, "tensor, pipeline and expert parallelism need trainer.backend megatron"),
+    ("megatron tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"tensor": 2}}}, MEGATRON_UNSUPPORTED),
+    ("megatron backend", {"trainer": {"backend": "megatron"}}, MEGATRON_UNSUPPORTED),
+    ("fsdp tensor parallel", {"trainer": {"backend": "fsdp", "parallelism": {"tensor": 2}}}, TPE_NEED_MEGATRON),
+    ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, TPE_NEED_MEGATRON),
+    ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, CONTEXT_UNSUPPORTED),
+    ("context 1", {"trainer": {"parallelism": {"context": 1}}}, None),
+    ("allocation with megatron", {"allocation": "vllm:d2+megatron:d2t2"}, ALLOCATION_MEGATRON_UNSUPPORTED),
+    ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, ALLOCATION_CONTEXT_UNSUPPORTED),
+    ("allocation with context 12", {"allocation": "vllm:d1+fsdp:d1c12"}, ALLOCATION_CONTEXT_UNSUPPORTED),
+    ("allocation with c1 and d16", {"allocation": "vllm:d1+fsdp:d16c1"}, None),
+    ("allocation with c01", {"allocation": "vllm:d1+fsdp:d2c01"}, None),
     ("both buses", {"bus": {"embedded": {}, "external": {"url": "nats://n:4222"}}}, "set bus.embedded or bus.external, not both"),
     ("external bus", {"bus": {"external": {"url": "nats://n:4222"}}}, None),
     ("existing claim with a class", {"checkpoint": {"existingClaim": "c", "storageClassName": "s"}},

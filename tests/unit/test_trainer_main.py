@@ -88,6 +88,22 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
                            "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = log.read_text()
-    assert message.strip() == "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
+    # Admission refuses megatron (issue #13); a trainer handed such a file refuses it the same way on load.
+    from kuberl.api.v1alpha1 import MEGATRON_UNSUPPORTED
+
+    assert MEGATRON_UNSUPPORTED in message
     assert message.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "configuration error: trainer.backend 'megatron'" in proc.stderr
+    assert "configuration error: " in proc.stderr and MEGATRON_UNSUPPORTED in proc.stderr
+
+
+def test_the_trainer_still_refuses_a_backend_it_cannot_run_that_slipped_past_validation(tmp_path):
+    """Second line of defence behind admission: a spec changed after validation (or an older model
+    that accepted megatron) still gets the trainer's own refusal, not an FSDP run."""
+    from kuberl.api import load_experiment
+    from kuberl.runtime.errors import ConfigError
+    from kuberl.runtime.trainer.trainer import Trainer
+
+    exp = load_experiment(manifest(tmp_path))
+    exp.spec.trainer.backend = "megatron"  # no validation on assignment: what admission would have refused
+    with pytest.raises(ConfigError, match=r"^trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp$"):
+        Trainer(exp, bus_url="nats://127.0.0.1:1", workdir=tmp_path / "work")

@@ -140,7 +140,7 @@ def test_tolerations_and_affinity_follow_core_v1_and_metadata_is_free():
 def test_api_server_defaults_never_contradict_the_allocation_shorthand():
     # The operator sees the object after defaulting: a defaulted replicas=1 would contradict d4.
     assert validate_manifest(minimal(allocation="sglang:d4+fsdp:d4")) == []
-    assert validate_manifest(minimal(allocation="vllm:d2t2+megatron:d2p2t2")) == []
+    assert validate_manifest(minimal(allocation="vllm:d2t2+fsdp:d16")) == []
 
 
 def test_integers_in_number_fields_are_fine():

@@ -1,7 +1,8 @@
 """torch.distributed plumbing of the trainer: process group, FSDP2 wrapping, broadcasts, full state dicts.
 
 Called by `Trainer`. Works with world size 1 (no torchrun: a one-process gloo group on a free port) as
-well as under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT). gloo on CPU, NCCL on GPU.
+well as under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT). gloo on CPU, NCCL on GPU,
+HCCL on Ascend NPU (when torch_npu imports and sees an NPU: the runtime-npu image).
 """
 
 from __future__ import annotations
@@ -48,22 +49,43 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"${name}: {raw!r} is not an integer (torchrun sets it)") from None
 
 
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}  # process-group backend per device type
+
+
+def npu_available() -> bool:
+    """True when torch_npu imports (it registers torch.npu) and sees at least one Ascend NPU."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def choose_device(requested: str | None, *, npu: bool, cuda: bool) -> tuple[str, str]:
+    """(device type, process-group backend): `requested` if given, else npu/hccl, cuda/nccl, cpu/gloo, first available."""
+    kind = requested or ("npu" if npu else "cuda" if cuda else "cpu")
+    if kind not in BACKENDS:
+        raise ValueError(f"device {kind!r}: expected one of {', '.join(BACKENDS)}")
+    return kind, BACKENDS[kind]
+
+
 def init_distributed(device: str | None = None) -> DistInfo:
     """Join (or create) the default process group from torchrun's environment; idempotent."""
     rank, world, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"$RANK={rank} and $WORLD_SIZE={world} do not describe a process group")
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
+    kind, backend = choose_device(device, npu=device is None and npu_available(), cuda=device is None and torch.cuda.is_available())
+    dev = torch.device(kind, local) if kind != "cpu" else torch.device("cpu")
+    if kind != "cpu":
+        getattr(torch, kind).set_device(dev)  # torch.cuda / torch.npu (torch_npu)
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             # One process without torchrun: a private single-member group, so the same code paths run.
             init_method = f"tcp://127.0.0.1:{free_port()}"
-            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=init_method, rank=0, world_size=1)
         else:
-            dist.init_process_group("nccl" if use_cuda else "gloo")
+            dist.init_process_group(backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
 
 
@@ -95,7 +117,7 @@ def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:
     if info.world_size == 1:
         return obj
     box = [obj if info.rank == src else None]
-    dist.broadcast_object_list(box, src=src, device=info.device if info.device.type == "cuda" else None)
+    dist.broadcast_object_list(box, src=src, device=info.device if info.device.type != "cpu" else None)
     return box[0]
 
 

@@ -105,7 +105,7 @@ class Trainer:
                 log.info("algorithm: %s", note)
         with spec_errors():  # model.path not on the volume, no config.json, an unknown builtin...
             self.model_dir = resolve_model(self.spec.model, self.workdir)
-        on_gpu = self.info.device.type == "cuda"
+        on_gpu = self.info.device.type != "cpu"  # cuda, or npu on Ascend (dist.choose_device)
         # Master weights in float32; on CPU everything stays float32 (bf16 matmuls are slow or unsupported here).
         param_dtype = getattr(torch, self.spec.model.dtype) if on_gpu else None
         torch.manual_seed(self.spec.seed)
