@@ -109,3 +109,96 @@ class TestLearningRate:
         cos = OptimizerSpec(lr_scheduler="cosine")
         assert lr_factor(0, 10, cos) == 1.0 and lr_factor(5, 10, cos) == pytest.approx(0.5) and lr_factor(10, 10, cos) == pytest.approx(0.0)
         assert lr_factor(99, 10, OptimizerSpec()) == 1.0
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-qwen2-instruct"])
+def builtin(request, tmp_path_factory):
+    """A builtin tiny model (untied, and the tied instruct variant), in train mode as the update runs it."""
+    from transformers import AutoModelForCausalLM
+
+    from kuberl.runtime.models import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), variant=request.param)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    assert model.config.tie_word_embeddings == (request.param == "tiny-qwen2-instruct")
+    return model
+
+
+def grouped_rows(n: int = 4, prompt_lens=(5, 9, 3)) -> tuple[list[list[int]], list[list[int]]]:
+    """Group-major rows: each group's n samples share a prompt; prompt lengths differ across groups,
+    response lengths within a group (one empty)."""
+    g = torch.Generator().manual_seed(1)
+    prompts, outputs = [], []
+    for plen in prompt_lens:
+        p = torch.randint(3, 300, (plen,), generator=g).tolist()
+        for k in range(n):
+            prompts.append(p)
+            outputs.append(torch.randint(3, 300, ((k * 3 + plen) % 7,), generator=g).tolist())
+    return prompts, outputs
+
+
+def reference_logprobs(model, prompts, outputs, width, temperature):
+    """The straightforward path: each row alone, the LM head over the whole sequence, log_softmax."""
+    ents = torch.zeros(len(prompts), width)
+    rows_lp = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        logp = torch.log_softmax(model(input_ids=torch.tensor([p + o])).logits[0].float() / temperature, -1)
+        row = [logp[len(p) - 1 + t, tok] for t, tok in enumerate(o)]
+        rows_lp.append(torch.stack(row + [torch.zeros(())] * (width - len(row))))
+        for t in range(len(o)):
+            ents[i, t] = -(logp[len(p) - 1 + t].exp() * logp[len(p) - 1 + t]).sum().detach()
+    return torch.stack(rows_lp), ents
+
+
+class TestFastLogprobs:
+    """The update's path (LM head only at response positions, each group's prompt run once) gives the
+    same log-probs, entropies and gradients as the straightforward full-sequence path."""
+
+    @pytest.mark.parametrize("share", [True, False])
+    def test_logprobs_entropy_and_gradients_equal_the_full_sequence_path(self, builtin, share):
+        prompts, outputs = grouped_rows()
+        width = max(len(o) for o in outputs) + 1
+        weights = torch.randn(len(prompts), width, generator=torch.Generator().manual_seed(2))
+        results = []
+        for fn in (lambda: reference_logprobs(builtin, prompts, outputs, width, 0.7),
+                   lambda: response_logprobs(builtin, prompts, outputs, width, temperature=0.7, entropy=True, share_prompts=share)):
+            builtin.zero_grad(set_to_none=True)
+            logp, ent = fn()
+            (logp * weights).sum().backward()
+            results.append((logp.detach(), ent, {n: p.grad.clone() for n, p in builtin.named_parameters()}))
+        (want_lp, want_ent, want_grad), (lp, ent, grad) = results
+        assert torch.allclose(lp, want_lp, atol=1e-5, rtol=0) and torch.allclose(ent, want_ent, atol=1e-5, rtol=0)
+        assert grad.keys() == want_grad.keys()
+        for name, g in grad.items():
+            assert torch.allclose(g, want_grad[name], atol=1e-5, rtol=1e-5), name
+        assert float(want_lp.abs().sum()) > 0 and all(float(g.abs().sum()) > 0 for g in want_grad.values())
+
+    def test_each_prompt_runs_once_and_the_head_only_where_a_token_is_scored(self, builtin):
+        prompts, outputs = grouped_rows(n=4)
+        width = max(len(o) for o in outputs)
+        embedded, headed = [], []
+        hooks = [builtin.get_input_embeddings().register_forward_hook(lambda m, a, out: embedded.append(tuple(a[0].shape))),
+                 builtin.lm_head.register_forward_hook(lambda m, a, out: headed.append(a[0].shape[0] * a[0].shape[1]))]
+        try:
+            response_logprobs(builtin, prompts, outputs, width)
+        finally:
+            for h in hooks:
+                h.remove()
+        # Prompt pass: 3 distinct prompts x the longest (9); response pass: 12 rows x (width - 1) tokens.
+        assert embedded == [(3, 9), (12, width - 1)]
+        assert sum(headed) <= 3 * 3 + 12 * (width - 1)  # never rows x (prompt + response) positions
+
+    def test_rows_without_a_shared_prompt_take_one_forward(self, builtin):
+        prompts, outputs = grouped_rows(n=1)
+        embedded, headed = [], []
+        hooks = [builtin.get_input_embeddings().register_forward_hook(lambda m, a, out: embedded.append(tuple(a[0].shape))),
+                 builtin.lm_head.register_forward_hook(lambda m, a, out: headed.append(tuple(a[0].shape[:2])))]
+        try:
+            response_logprobs(builtin, prompts, outputs, 6)
+        finally:
+            for h in hooks:
+                h.remove()
+        L = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+        assert embedded == [(3, L - 1)]  # the last token predicts nothing that is scored
+        # The head starts at the shortest prompt's last position, not at position 0.
+        assert headed == [(3, L - 1 - (min(len(p) for p in prompts) - 1))]

@@ -150,6 +150,76 @@ def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens
     return mine + [None] * (count - len(mine))
 
 
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [rows, width] long tensor of `rows` (cut at width) and its 0/1 mask."""
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        r = list(r)[:width]
+        if r:
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _full_sequence_logits(model, prompts, outputs, width, device, pad_id) -> torch.Tensor:
+    """[rows, width, V] logits predicting output token t of each row, from one forward over prompt + output.
+
+    The last token of the longest row is never an input that predicts a scored token, so it is not fed;
+    the LM head runs only from the shortest prompt's last position on (`logits_to_keep`), not over
+    every prompt position.
+    """
+    seqs = [list(p) + list(o)[:width] for p, o in zip(prompts, outputs)]
+    L = max(len(s) for s in seqs)
+    ids, attn = _pad(seqs, L - 1, pad_id)
+    first = min(len(p) for p in prompts) - 1
+    keep = torch.arange(first, L - 1, device=device)
+    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False, logits_to_keep=keep).logits
+    # Output token t of row i is predicted at sequence position len(prompt_i) - 1 + t = column (that - first).
+    t = torch.arange(width, device=device)
+    col = (torch.tensor([len(p) - 1 - first for p in prompts], device=device)[:, None] + t[None, :]).clamp(max=keep.numel() - 1)
+    return logits.gather(1, col[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+
+def _shared_prompt_logits(model, prompts, outputs, width, device, pad_id, owner, uniq) -> torch.Tensor:
+    """Like _full_sequence_logits, but each distinct prompt runs once (a GRPO group shares one): the
+    responses then run on its KV cache, selected per row, so gradients flow back through the prompt pass.
+
+    Rows keep their own RoPE positions (len(prompt) + t); prompt padding sits between a short prompt
+    and its response in the cache and is masked out.
+    """
+    P = max(len(p) for p in uniq)
+    p_ids, p_attn = _pad(uniq, P, pad_id)
+    p_last = torch.tensor([len(p) - 1 for p in uniq], device=device)
+    keep = torch.unique(p_last)  # the LM head only at the prompts' last positions
+    out = model(input_ids=p_ids.to(device), attention_mask=p_attn.to(device), use_cache=True, logits_to_keep=keep)
+    first = out.logits[torch.arange(len(uniq), device=device), torch.searchsorted(keep, p_last)]  # [U, V]
+    owner_t = torch.tensor(owner, device=device)
+    first = first[owner_t][:, None, :]  # [rows, 1, V]: predicts output token 0
+    R = min(width, max(len(o) for o in outputs)) - 1  # inputs: output tokens 0..R-1 predict tokens 1..R
+    if R < 1:
+        logits = first
+    else:
+        cache = out.past_key_values
+        cache.batch_select_indices(owner_t)
+        r_ids, r_attn = _pad([list(o)[:R] for o in outputs], R, pad_id)
+        attn = torch.cat([p_attn.to(device)[owner_t], r_attn.to(device)], dim=1)
+        pos = torch.tensor([len(prompts[i]) for i in range(len(prompts))], device=device)[:, None] + torch.arange(R, device=device)[None, :]
+        rest = model(input_ids=r_ids.to(device), attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        logits = torch.cat([first, rest], dim=1)  # [rows, R + 1, V]
+    if logits.shape[1] < width:  # every response is shorter than width: those columns are masked anyway
+        logits = torch.cat([logits, logits[:, -1:].expand(-1, width - logits.shape[1], -1)], dim=1)
+    return logits
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -160,41 +230,39 @@ def response_logprobs(
     device: torch.device | str = "cpu",
     pad_id: int = 0,
     entropy: bool = False,
+    share_prompts: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(output token t | prefix) for each row, [rows, width] (0 beyond each response).
 
     Logits are divided by the sampling temperature, as the engine did when it reported its logprobs.
-    Right padding with an attention mask; positions count from 0 in every row. With `entropy`, also the
-    entropy of softmax(logits / T) at each output position, [rows, width], from the same forward pass
-    (no grad: it is a statistic, not a loss term): H = logsumexp(z) - sum softmax(z) * z.
+    Right padding with an attention mask; positions count from 0 in every row. The LM head runs only
+    where a scored token is predicted (never [rows, L, V] over prompts). Rows with the same prompt (a
+    group) run it once and their responses on its KV cache (`share_prompts`; not under FSDP, whose
+    hooks expect one forward per backward). With `entropy`, also the entropy of softmax(logits / T) at
+    each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
+    term): H = logsumexp(z) - sum softmax(z) * z.
     """
-    lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
-    L = max(lens)
-    if L < 2:  # nothing was generated in any row: no token to score
-        zeros = torch.zeros((len(lens), width), device=device)
+    if width < 1 or max((len(o) for o in outputs), default=0) == 0:  # no output token in any row: nothing to score
+        zeros = torch.zeros((len(outputs), max(width, 0)), device=device)
         return (zeros, zeros.clone()) if entropy else zeros
-    ids = torch.full((len(lens), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(lens), L), dtype=torch.long)
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        ids[i, : lens[i]] = torch.tensor(list(p) + list(o), dtype=torch.long)
-        attn[i, : lens[i]] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    if share_prompts and len(index) < len(prompts) and not _is_fsdp(model):
+        logits = _shared_prompt_logits(model, prompts, outputs, width, device, pad_id, owner, [list(k) for k in index])
+    else:
+        logits = _full_sequence_logits(model, prompts, outputs, width, device, pad_id)
+    z = logits.float()
     if temperature != 1.0:
-        logits = logits / temperature
-    # log softmax at the target only: gather minus logsumexp (never materialises [rows, L, V] twice).
-    targets = ids[:, 1:]
-    lse = torch.logsumexp(logits, dim=-1)
-    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    # Output token t of row i is predicted at position len(prompt_i) - 1 + t.
-    starts = torch.tensor([len(p) - 1 for p in prompts], device=token_logp.device)
-    t = torch.arange(width, device=token_logp.device)
-    idx = (starts[:, None] + t[None, :]).clamp(max=L - 2)
-    valid = t[None, :] < torch.tensor([len(o) for o in outputs], device=token_logp.device)[:, None]
-    out = torch.where(valid, token_logp.gather(1, idx), torch.zeros((), device=token_logp.device))
+        z = z / temperature
+    # log softmax at the target only: gather minus logsumexp.
+    targets, valid = _pad(outputs, width, pad_id)
+    targets, valid = targets.to(device), valid.to(device).bool()
+    lse = torch.logsumexp(z, dim=-1)
+    token_logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    out = torch.where(valid, token_logp, torch.zeros((), device=token_logp.device))
     if not entropy:
         return out
-    with torch.no_grad():  # only at the output positions: [rows, width, V], not [rows, L, V]
-        z = logits.detach().gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
-        ent = lse.detach().gather(1, idx) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    with torch.no_grad():
+        zd = z.detach()
+        ent = lse.detach() - (torch.softmax(zd, dim=-1) * zd).sum(-1)
     return out, torch.where(valid, ent, torch.zeros((), device=ent.device))
