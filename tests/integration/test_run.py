@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,14 +147,31 @@ def test_no_process_of_the_run_survives_it(short_run):
     assert processes_mentioning(str(workdir)) == []
 
 
-def test_a_configuration_error_stops_the_run_at_once_with_the_reason_and_exit_code_2(tmp_path):
-    """The trainer exits 2 (trainer.backend megatron): no restart under the failure policy, the reason
-    from its termination message on stderr, every role stopped."""
-    manifest = quickstart_manifest(tmp_path, "bad-backend", **{"trainer.backend": "megatron", "failurePolicy.maxRestarts": 5})
+def test_a_backend_admission_refuses_stops_kuberl_run_before_any_process_starts(tmp_path):
+    """trainer.backend megatron is refused by the model (as by admission, issue #13): exit 2, the
+    reason naming the field, and no role ever started."""
+    from kuberl.api.v1alpha1 import MEGATRON_UNSUPPORTED
+
+    manifest = quickstart_manifest(tmp_path, "bad-backend", **{"trainer.backend": "megatron"})
     workdir = tmp_path / "work"
     proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "trainer stopped on a configuration error (exit 2): trainer.backend 'megatron' is not implemented" in proc.stderr
-    assert (workdir / "logs" / "trainer.log").read_text().count("==> ") == 1, "the trainer must not be restarted"
+    assert "is not a valid RLExperiment" in proc.stderr and MEGATRON_UNSUPPORTED in proc.stderr
+    assert not (workdir / "logs").exists() and processes_mentioning(str(workdir)) == []
+
+
+def test_a_configuration_error_stops_the_run_at_once_with_the_reason_and_exit_code_2(tmp_path):
+    """A role exits 2 (a data set whose rows lack dataset.promptField: trainer and agents both read it):
+    no restart under the failure policy, the reason from its termination message on stderr, every role stopped."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    manifest = quickstart_manifest(tmp_path, "bad-data", **{"dataset": {"path": str(data)}, "failurePolicy.maxRestarts": 5})
+    workdir = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"\S+ stopped on a configuration error \(exit 2\): dataset.path \S+: row 0 has no field 'question' "
+                     r"\(dataset.promptField\)", proc.stderr), proc.stderr[-3000:]
+    assert (workdir / "logs" / "trainer.log").read_text().count("==> ") <= 1, "the trainer must not be restarted"
     assert processes_mentioning(str(workdir)) == []
