@@ -138,8 +138,9 @@ def bus_tickets(workdir: Path, name: str) -> tuple[int, int]:
 def checkpoint_loads(workdir: Path, steps: int) -> str:
     """'' if the final checkpoint is step `steps` and its weights load into the model; else why not."""
     import torch
-    from kuberl.runtime.trainer import checkpoint as ck
     from transformers import AutoModelForCausalLM
+
+    from kuberl.runtime.trainer import checkpoint as ck
 
     latest = ck.latest_checkpoint(workdir / "checkpoints")
     if latest is None or latest.step != steps:

@@ -83,7 +83,8 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     world = alloc.trainer_world_size
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)
     if per_node == 0 or world % per_node:
-        raise FieldError("spec.trainer.accelerator.count", per_node, f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
+        raise FieldError("spec.trainer.accelerator.count", per_node,
+                         f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
     # The shorthand's rollout d is only the default replica count: an explicit spec.rollout.replicas
     # wins, so `kubectl scale`, an HPA and the autoscaler (all through the /scale subresource, which
     # writes spec.rollout.replicas) can move it; the operator writes the resolved count there once.
@@ -109,4 +110,5 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     for obj, attr, _, value in wanted:
         object.__setattr__(obj, attr, value)
     if r.autoscaling.enabled and not explicit_replicas and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
-        raise FieldError("spec.rollout.replicas", r.replicas, f"rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (allocation {spec.allocation!r} sets {r.replicas})")
+        raise FieldError("spec.rollout.replicas", r.replicas,
+                         f"rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (allocation {spec.allocation!r} sets {r.replicas})")

@@ -133,7 +133,8 @@ class AcceleratorSpec(KubeModel):
     type: AcceleratorType = Field(AcceleratorType.NVIDIA, description="nvidia (nvidia.com/gpu), ascend (huawei.com/Ascend910) or cpu.")
     count: int = Field(
         1, ge=0, le=64,
-        description="Accelerators per pod (rollout replica or trainer node). Default: from `allocation` when set, else rollout tensorParallelSize * pipelineParallelSize, trainer 1.",
+        description="Accelerators per pod (rollout replica or trainer node). Default: from `allocation` when set, "
+                    "else rollout tensorParallelSize * pipelineParallelSize, trainer 1.",
     )
 
 
@@ -141,7 +142,8 @@ class AcceleratorSpec(KubeModel):
 RESERVED_LABEL_PREFIXES = ("kuberl.io/", "app.kubernetes.io/")
 RESERVED_ENV_PREFIX = "KUBERL_"
 RESERVED_VOLUMES = ("config", "dshm", "cache", "workdir", "checkpoints", "model", "dataset")
-OVERRIDE_LABEL_MESSAGE = "podTemplate.labels and podTemplate.annotations must not use the kuberl.io/ or app.kubernetes.io/ prefixes (the operator's selectors and bookkeeping)"
+OVERRIDE_LABEL_MESSAGE = ("podTemplate.labels and podTemplate.annotations must not use the kuberl.io/ or app.kubernetes.io/ prefixes "
+                          "(the operator's selectors and bookkeeping)")
 OVERRIDE_ENV_MESSAGE = "podTemplate.env must not set KUBERL_* variables (the operator sets them from the spec)"
 OVERRIDE_VOLUME_MESSAGE = "podTemplate.volumes must not reuse the names config, dshm, cache, workdir, checkpoints, model or dataset"
 _FREE_FORM_ITEMS = {"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
@@ -176,8 +178,10 @@ class PodTemplateOverride(KubeModel):
          OVERRIDE_VOLUME_MESSAGE, ".volumes"),
     )
     labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod labels, e.g. sidecar.istio.io/inject or a Kueue pod-group label.")
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod annotations, e.g. cluster-autoscaler.kubernetes.io/safe-to-evict.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Environment of every runtime container of the role (NCCL_*, HTTP(S)_PROXY, HF_*).")
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                        description="Pod annotations, e.g. cluster-autoscaler.kubernetes.io/safe-to-evict.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64,
+                              description="Environment of every runtime container of the role (NCCL_*, HTTP(S)_PROXY, HF_*).")
     volumes: list[dict[str, Any]] = Field(
         default_factory=list, max_length=32, description="Extra pod volumes (core/v1 Volume), each with a name.", json_schema_extra=_FREE_FORM_ITEMS
     )
@@ -187,7 +191,8 @@ class PodTemplateOverride(KubeModel):
     )
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16, description="Secrets to pull a private image with.")
     service_account_name: str | None = Field(
-        None, min_length=1, max_length=253, description="Run as this ServiceAccount (GKE Workload Identity, EKS IRSA/Pod Identity) instead of {experiment}-runtime."
+        None, min_length=1, max_length=253,
+        description="Run as this ServiceAccount (GKE Workload Identity, EKS IRSA/Pod Identity) instead of {experiment}-runtime."
     )
     runtime_class_name: str | None = Field(None, min_length=1, max_length=253, description="RuntimeClass, e.g. nvidia (GPU Operator clusters).")
     scheduler_name: str | None = Field(None, min_length=1, max_length=253, description="Scheduler, e.g. volcano for gang scheduling.")
@@ -230,7 +235,8 @@ class SchedulingSpec(KubeModel):
         None, description="Pod affinity (core/v1 Affinity).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
-    pod_template: PodTemplateOverride | None = Field(None, description="Additions to the pods (env, labels, volumes, service account, ...), merged into the operator's.")
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="Additions to the pods (env, labels, volumes, service account, ...), merged into the operator's.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,7 +414,8 @@ class OptimizerSpec(KubeModel):
 class OverlongPenaltySpec(KubeModel):
     """DAPO's soft overlong punishment: a linear penalty over the last `bufferTokens` before maxNewTokens."""
 
-    enabled: bool | None = Field(None, description="Penalize responses that approach maxNewTokens; unset = the algorithm's choice (on for dapo, off otherwise).")
+    enabled: bool | None = Field(
+        None, description="Penalize responses that approach maxNewTokens; unset = the algorithm's choice (on for dapo, off otherwise).")
     buffer_tokens: int = Field(64, ge=1, description="Length of the penalty ramp, in tokens.")
     penalty: float = Field(1.0, ge=0.0, description="Penalty at maxNewTokens.")
 
@@ -428,11 +435,14 @@ class AlgorithmSpec(KubeModel):
 
     model_config = _cel(
         ("!has(self.epsClipHigh) || !has(self.epsClip) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
-        ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2", "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
+        ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2",
+         "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
         ("self.name != 'ppo'", PPO_UNSUPPORTED),
         ("!has(self.topP) || self.topP == 1.0", TOP_P_UNSUPPORTED, ".topP"),
     )
-    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo, drgrpo, dapo, gspo, rloo, reinforce++ or liteppo (ppo, with a value critic, is reserved and refused for now).")
+    name: AlgorithmName = Field(
+        AlgorithmName.GRPO,
+        description="grpo, drgrpo, dapo, gspo, rloo, reinforce++ or liteppo (ppo, with a value critic, is reserved and refused for now).")
     samples_per_prompt: int = Field(4, ge=1, le=256, description="Responses sampled per prompt (group size n).")
     batch_size: int = Field(256, ge=1, le=65536, description="Prompts (groups) per training step, B.")
     max_new_tokens: int = Field(
@@ -541,7 +551,8 @@ class RolloutSpec(SchedulingSpec):
     )
     replicas: int = Field(
         1, ge=0, le=1024,
-        description="Engine replicas (pods); the /scale subresource sets this. Default: from `allocation` when set, else autoscaling.minReplicas when autoscaling is on, else 1.",
+        description="Engine replicas (pods); the /scale subresource sets this. Default: from `allocation` when set, "
+                    "else autoscaling.minReplicas when autoscaling is on, else 1.",
     )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Elastic rollout capacity.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Tensor parallelism inside one engine. Default: from `allocation` when set, else 1.")
@@ -594,7 +605,8 @@ class TrainerSpec(SchedulingSpec):
     """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
 
     # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
-    backend: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp (FSDP2). megatron (megatron-core) is refused: not implemented yet. Default: from `allocation` when set, else fsdp.")
+    backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp", description="fsdp (FSDP2). megatron (megatron-core) is refused: not implemented yet. Default: from `allocation` when set, else fsdp.")
     nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
@@ -624,7 +636,8 @@ class TrainerSpec(SchedulingSpec):
 
 
 class WeightSyncSpec(KubeModel):
-    mode: Literal["disk", "bus"] = Field("disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store.")
+    mode: Literal["disk", "bus"] = Field(
+        "disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store.")
 
 
 class EmbeddedBusSpec(KubeModel):
@@ -734,7 +747,8 @@ class RLExperimentSpec(KubeModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The trainer.")
     allocation: str | None = Field(
         None,
-        description="AReaL allocation shorthand, e.g. sglang:d4+fsdp:d4 or vllm:d2t2+megatron:d2p2t2; expands into rollout and trainer fields and is rejected when it contradicts them.",
+        description="AReaL allocation shorthand, e.g. sglang:d4+fsdp:d4 or vllm:d2t2+megatron:d2p2t2; "
+                    "expands into rollout and trainer fields and is rejected when it contradicts them.",
         pattern=ALLOCATION_PATTERN,
         max_length=64,
     )
@@ -762,7 +776,8 @@ class RLExperimentSpec(KubeModel):
         elif "count" not in r.accelerator.model_fields_set:
             object.__setattr__(r.accelerator, "count", r.tensor_parallel_size * r.pipeline_parallel_size)
         if r.accelerator.type != AcceleratorType.CPU and r.accelerator.count != r.tensor_parallel_size * r.pipeline_parallel_size:
-            raise FieldError("spec.rollout.accelerator.count", r.accelerator.count, "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
+            raise FieldError("spec.rollout.accelerator.count", r.accelerator.count,
+                             "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
         self.trainer.check()
         return self
 

@@ -123,7 +123,8 @@ def decide_replicas(
     if not a.min_replicas <= current <= a.max_replicas:
         target = min(max(current, a.min_replicas), a.max_replicas)
         reason = ScaleReason.SCALED_UP if target > current else ScaleReason.SCALED_DOWN
-        return ScaleDecision(target, reason, f"{current} replicas lie outside rollout.autoscaling {a.min_replicas}..{a.max_replicas}: scaled to {target}", current)
+        return ScaleDecision(target, reason,
+                             f"{current} replicas lie outside rollout.autoscaling {a.min_replicas}..{a.max_replicas}: scaled to {target}", current)
     w, buffered = signals.trainer_wait_fraction, signals.groups_buffered
     if w is None or buffered is None:
         return keep(ScaleReason.NO_SIGNAL, "the trainer has not reported trainer_wait_fraction and groups_buffered yet")
@@ -136,7 +137,8 @@ def decide_replicas(
     usable = signals.usable_groups
     state = f"trainer waits {w:.0%} of the time, {buffered} groups buffered"
     if buffered > usable and w < policy.down_wait_fraction:
-        why = f"{state}: more than the {usable} = (maxHeadOffpolicyness {signals.max_head_offpolicyness} + 1) x batchSize {signals.batch_size} the staleness bound lets the trainer use, so rollout outpaces training"
+        why = (f"{state}: more than the {usable} = (maxHeadOffpolicyness {signals.max_head_offpolicyness} + 1) x batchSize {signals.batch_size} "
+               "the staleness bound lets the trainer use, so rollout outpaces training")
         if current <= a.min_replicas:
             return keep(ScaleReason.AT_MINIMUM, f"{why}; already at minReplicas {a.min_replicas}")
         return ScaleDecision(current - 1, ScaleReason.SCALED_DOWN, f"{why}: {current} -> {current - 1} replicas", current)

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.labels import Reason
 from kuberl.operator.observed import Problem
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 # Taint effects that keep a pod off a node (PreferNoSchedule only discourages).
 REPELLING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})

@@ -18,16 +18,16 @@ import logging
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
+
+from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, RLExperiment, RLExperimentStatus
 from kuberl.operator import kueue, metrics
 from kuberl.operator import status as st
 from kuberl.operator.kube import KubeError
 from kuberl.operator.labels import EventReason, managed_elsewhere
-from kuberl.operator.pins import ensure_pins
 from kuberl.operator.lifecycle import CONFIG, apply_children, event, kube, now, refresh
+from kuberl.operator.pins import ensure_pins
 from kuberl.operator.rules import replicas_to_write
-from pydantic import ValidationError
-
-from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, RLExperiment, RLExperimentStatus
 
 RES = (GROUP, VERSION, PLURAL)
 log = logging.getLogger("kuberl.operator")

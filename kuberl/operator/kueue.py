@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import build_children
 from kuberl.operator.builders.common import Obj
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 log = logging.getLogger("kuberl.operator.kueue")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

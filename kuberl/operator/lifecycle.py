@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuberl.api.v1alpha1 import Phase, RLExperiment
+from kuberl.env import env_seconds
 from kuberl.operator import metrics, naming
 from kuberl.operator import status as st
 from kuberl.operator.builders import (
@@ -26,12 +28,11 @@ from kuberl.operator.builders import (
 )
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.builders.immutable import keep_immutable_fields
-from kuberl.operator.capacity import capacity_advisories
 from kuberl.operator.builders.pinning import keep_pinned
+from kuberl.operator.capacity import capacity_advisories
 from kuberl.operator.kube import KubeClient, own_child
-from kuberl.operator.pins import checkpoint_before_recreate, ensure_pins
-from kuberl.env import env_seconds
 from kuberl.operator.labels import EventReason, Reason
+from kuberl.operator.pins import checkpoint_before_recreate, ensure_pins
 from kuberl.operator.progress import BusReader
 from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers and tests use them from here)
     REPLICAS_FROM_ANNOTATION,
@@ -53,8 +54,6 @@ from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers an
     trainer_running,
     ttl_expired,
 )
-
-from kuberl.api.v1alpha1 import Phase, RLExperiment
 
 log = logging.getLogger("kuberl.operator")
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node

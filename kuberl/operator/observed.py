@@ -12,11 +12,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator.builders.rollout import AGENT_CONTAINER, ENGINE_CONTAINER
 from kuberl.operator.builders.trainer import CONFIG_ERROR_EXIT_CODE, TRAINER_CONTAINER
 from kuberl.operator.labels import ROLE_LABEL, Reason, Role
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 # kubelet "waiting" reasons that mean the image cannot be had (never fixes itself without a change).
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})

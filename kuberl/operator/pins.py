@@ -13,12 +13,11 @@ import logging
 import time
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import common
 from kuberl.operator.builders.pinning import pins_for, with_pins
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 log = logging.getLogger("kuberl.operator.pins")
 POLL_SECONDS = 2.0

@@ -10,9 +10,9 @@ import base64
 import datetime as dt
 from typing import Any
 
+from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 from kuberl.operator import status as st
 
-from kuberl.api.v1alpha1 import FailurePolicySpec, Phase, RLExperiment
 
 def parse_time(text: str | None) -> dt.datetime | None:
     if not text:

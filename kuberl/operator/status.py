@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 from kuberl.operator.builders.rollout import rollout_replicas
 from kuberl.operator.labels import EventReason, Reason, Role, selector_string
 from kuberl.operator.observed import (
@@ -34,8 +35,6 @@ from kuberl.operator.observed import (
     referenced_claims,
     referenced_secrets,
 )
-
-from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 
 __all__ = [
     "CONFIGURATION_ERROR",
@@ -88,7 +87,8 @@ def _rfc3339(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _condition(old: Mapping[str, Mapping[str, Any]], type_: ConditionType, true: bool, reason: Reason | str, message: str, generation: int | None, now: str) -> dict[str, Any]:
+def _condition(old: Mapping[str, Mapping[str, Any]], type_: ConditionType, true: bool, reason: Reason | str, message: str,
+               generation: int | None, now: str) -> dict[str, Any]:
     """A metav1.Condition; lastTransitionTime kept while the status (True/False) stays the same."""
     status = "True" if true else "False"
     prev = old.get(type_.value)
@@ -250,7 +250,8 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
         msg = f"the trainer reported: {progress['failed']}"
         return _Verdict(Phase.FAILED, Reason.TRAINER_FAILED, msg, False, failed=(Reason.TRAINER_FAILED, msg))
     if job_failed and restarts >= max_restarts:
-        msg = f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts"
+        msg = (f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) "
+               f"after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts")
         return _Verdict(Phase.FAILED, Reason.MAX_RESTARTS_EXCEEDED, msg, False, failed=(Reason.MAX_RESTARTS_EXCEEDED, msg))
     # 3. Training finished.
     if _job_condition(job, "Complete") or (progress and progress.get("done")):
@@ -272,8 +273,10 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
     if exp.spec.suspend:
         running = roles.rollout[0] + roles.trainer[0] + roles.bus[0] + _int(((job or {}).get("status") or {}).get("active"))
         if running:
-            return _Verdict(Phase.SUSPENDED, Reason.SUSPENDING, f"{running} pods still stopping", False, suspended=(Reason.SUSPENDING, f"{running} pods still stopping"))
-        return _Verdict(Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true: all pods stopped, training resumes from the last checkpoint", False, suspended=(Reason.SUSPENDED, "spec.suspend is true"))
+            return _Verdict(Phase.SUSPENDED, Reason.SUSPENDING, f"{running} pods still stopping", False,
+                            suspended=(Reason.SUSPENDING, f"{running} pods still stopping"))
+        return _Verdict(Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true: all pods stopped, training resumes from the last checkpoint", False,
+                        suspended=(Reason.SUSPENDED, "spec.suspend is true"))
     started = bool(old.get("startTime"))
     crash = next((p for p in observed.pod_problems if p.reason == "CrashLoopBackOff"), None)
     degraded = (Reason.CRASH_LOOP, f"pod {crash.pod} container {crash.container} keeps crashing: {crash.message}".rstrip(": ")) if crash else None

@@ -28,7 +28,8 @@ import yaml
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.net import free_port
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
-from kuberl.runtime.resources import available_cpus, plan_local_cpus, role_env as role_cpu_env
+from kuberl.runtime.resources import available_cpus, plan_local_cpus
+from kuberl.runtime.resources import role_env as role_cpu_env
 
 log = logging.getLogger("kuberl.run")
 

@@ -201,7 +201,8 @@ def resolve_model(spec: ModelSpec, workdir: str | Path | None = None, *, seed: i
             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
         )
     except LocalEntryNotFoundError as exc:
-        raise ModelResolutionError(f"model.id: {spec.id!r} (revision {spec.revision!r}) is not in the local cache and the hub cannot be reached: {exc}") from exc
+        raise ModelResolutionError(
+            f"model.id: {spec.id!r} (revision {spec.revision!r}) is not in the local cache and the hub cannot be reached: {exc}") from exc
     except HfHubHTTPError as exc:
         raise ModelResolutionError(f"model.id: cannot download {spec.id!r} (revision {spec.revision!r}): {exc}") from exc
     return str(_check_model_dir(Path(folder), "model.id"))

@@ -144,7 +144,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
 
     def _collect_garbage(self, owner_uid: str) -> None:
         """Delete dependents whose owners are all gone (the GC's background propagation)."""
-        for (res, ns, name), o in list(self.objects.items()):
+        for (res, _ns, _name), o in list(self.objects.items()):
             if o.deleted:
                 continue
             refs = o.raw.get("metadata", {}).get("ownerReferences") or []
@@ -156,7 +156,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     def _delete_object(self, rt: ResourceType, obj: Obj, propagation: str) -> Obj:
         meta = obj["metadata"]
         if propagation == "Orphan":
-            for (res, ns, name), o in list(self.objects.items()):
+            for (res, _ns, _name), o in list(self.objects.items()):
                 refs = [] if o.deleted else o.raw.get("metadata", {}).get("ownerReferences") or []
                 if any(r.get("uid") == meta["uid"] for r in refs):
                     dep = copy.deepcopy(o.raw)
@@ -420,7 +420,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         if not name:
             raise ks.invalid(rt, "", [("metadata.name", "Required value: name or generateName is required")])
         if not DNS1123_SUBDOMAIN.match(name) or len(name) > 253:
-            raise ks.invalid(rt, name, [("metadata.name", f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")])
+            raise ks.invalid(rt, name, [("metadata.name", f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist of "
+                                                          "lower case alphanumeric characters, '-' or '.'")])
         if rt.namespaced:
             if namespace and meta.get("namespace") and meta["namespace"] != namespace:
                 raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
@@ -615,7 +616,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
 
 # The runner lives in kuberl.testing.emulator_server (it imports this module lazily); re-exported here
 # so `from kuberl.testing.kmock_strict import EmulatorServer` and `python -m kuberl.testing.kmock_strict` work.
-from kuberl.testing.emulator_server import (
+from kuberl.testing.emulator_server import (  # noqa: E402 - after the class: emulator_server imports this module
     EmulatorServer,
     cpu_node,
     default_crds,

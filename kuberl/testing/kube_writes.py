@@ -316,7 +316,9 @@ def immutable_violations(plural: str, old: Obj, new: Obj) -> list[tuple[str, str
             out.append(("spec.template", "Invalid value: field is immutable"))
         return out
     if plural == "persistentvolumeclaims":
-        strip = lambda s: {k: v for k, v in s.items() if k != "resources"}
+        def strip(s: dict) -> dict:
+            return {k: v for k, v in s.items() if k != "resources"}
+
         if strip(o) != strip(n):
             return [("spec", "Forbidden: spec is immutable after creation except resources.requests and volumeAttributesClassName")]
     return []

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kuberl.runtime.models import build_tiny_model, resolve_model
 
 from kuberl.api.v1alpha1 import ModelSpec
+from kuberl.runtime.models import build_tiny_model, resolve_model
 
 
 @dataclass

@@ -13,6 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 import torch
+
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.vllm import VLLMEngine
 from kuberl.runtime.rewards import exact_match_reward

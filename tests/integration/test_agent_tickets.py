@@ -11,12 +11,13 @@ import asyncio
 import time
 
 import pytest
+from test_rollout import agent_for, bus, engine, make_experiment, pull_all, tokenizer  # noqa: F401  (fixtures)
+
 from kuberl.runtime.bus import Ticket
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.rewards import resolve_reward
 from kuberl.runtime.rollout import agent as agent_module
 from kuberl.runtime.rollout.workflows import RLVRWorkflow, SamplingConfig
-from test_rollout import agent_for, bus, engine, make_experiment, pull_all, tokenizer  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -101,7 +102,9 @@ async def test_a_multi_turn_episode_shares_max_new_tokens_across_its_turns(engin
     from kuberl.runtime.data import Item
     from kuberl.runtime.rollout.workflows import EpisodeContext, MultiTurnWorkflow
 
-    never = lambda p, c, a: 0.0  # never correct: the episode goes on while turns and budget last
+    def never(p, c, a):  # never correct: the episode goes on while turns and budget last
+        return 0.0
+
     wf = MultiTurnWorkflow(tokenizer, never, SamplingConfig(n=4, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id]),
                            max_turns=3, turn_discount=0.9)
     samples = await wf.arun_episode(engine, Item(0, "Repeat the digit 4.", "44444444"), EpisodeContext())

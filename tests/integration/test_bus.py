@@ -9,6 +9,7 @@ import random
 
 import pytest
 import pytest_asyncio
+
 from kuberl.runtime.bus import (
     Bus,
     BusError,

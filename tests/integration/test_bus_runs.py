@@ -6,8 +6,8 @@ operator reads progress with the same run (kuberl.operator.progress)."""
 from __future__ import annotations
 
 import pytest
-from kuberl.operator.progress import BusReader
 
+from kuberl.operator.progress import BusReader
 from kuberl.runtime.bus import Bus
 from kuberl.runtime.bus.names import RUN_ENV
 

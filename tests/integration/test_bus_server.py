@@ -13,6 +13,7 @@ import time
 
 import nats
 import pytest
+
 from kuberl.runtime.bus import Bus, BusError, Ticket
 from kuberl.runtime.bus.server import (
     NatsServerError,

@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from test_run import ROOT, processes_mentioning, quickstart_manifest, read_metrics
 
 from kuberl.runtime.bus.topology import DUPLICATE_WINDOW_ENV
-from test_run import ROOT, processes_mentioning, quickstart_manifest, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -66,7 +66,7 @@ def finish(run: subprocess.Popen, workdir: Path, timeout: float = 600) -> None:
     except subprocess.TimeoutExpired:
         run.send_signal(signal.SIGINT)
         run.wait(timeout=60)
-        raise AssertionError("the run did not finish after the fault")
+        raise AssertionError("the run did not finish after the fault") from None
     log = (workdir.parent / f"{workdir.name}.launcher.log").read_text()
     assert code == 0, log[-4000:]
     assert processes_mentioning(str(workdir)) == []
@@ -89,9 +89,8 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_and_retrains_unsav
         if run.poll() is None:
             run.kill()
     rows = read_metrics(workdir)
-    crashed_at = before[-1]["step"]
     # After the restart, training resumes at the step after the checkpoint (every=5), not at 1 and not
-    # after the crash: steps every+1..crashed_at appear twice, nothing else does.
+    # after the crash: steps every+1..before[-1]["step"] (the crash) appear twice, nothing else does.
     steps_seen = [r["step"] for r in rows]
     resumed = steps_seen[len(before):]
     assert resumed[0] == every + 1, steps_seen

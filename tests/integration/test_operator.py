@@ -113,8 +113,9 @@ def kv(url: str, exp: str, key: str, value: dict[str, Any] | None = None, *, run
     """Read (value None) or write a key of the experiment's bus KV on the real nats-server; `run` scopes
     the names as in the experiment's pods (the kuberl.io/bus-run the operator pinned: `run_of`)."""
     import nats
-    from kuberl.operator.progress import kv_bucket
     from nats.js.errors import KeyNotFoundError
+
+    from kuberl.operator.progress import kv_bucket
 
     async def go() -> dict[str, Any] | None:
         nc = await nats.connect(url)

@@ -196,6 +196,7 @@ def test_the_operator_client_reloads_expired_credentials_once_on_401(emu: Emulat
     import asyncio
 
     import kmock
+
     from kuberl.operator.kube import KubeClient
 
     reloads = []

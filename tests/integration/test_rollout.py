@@ -13,6 +13,8 @@ import time
 
 import pytest
 import pytest_asyncio
+
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus, Ticket
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import load_items
@@ -25,8 +27,6 @@ from kuberl.runtime.rollout.workflows import (
     SamplingConfig,
     make_workflow,
 )
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -193,7 +193,9 @@ async def test_a_stopped_agent_gives_its_tickets_back_at_once(bus, engine, token
 
 
 async def test_multi_turn_feedback_tokens_are_masked_and_the_reward_is_discounted_per_extra_turn(engine, tokenizer):
-    half = lambda p, c, a: 0.5  # never "correct", so every episode uses all turns
+    def half(p, c, a):  # never "correct", so every episode uses all turns
+        return 0.5
+
     # Every token id stops a turn: each turn is one token, so three turns fit the episode's 6-token budget.
     wf = MultiTurnWorkflow(tokenizer, half, SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=list(range(len(tokenizer)))),
                            max_turns=3, turn_discount=0.5)

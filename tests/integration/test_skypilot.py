@@ -16,12 +16,10 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest_skypilot import sky_env, skypilot_python  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.integration

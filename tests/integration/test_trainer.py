@@ -160,7 +160,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 120) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        raise AssertionError(f"trainer did not finish:\n{log.read_text()[-4000:]}")
+        raise AssertionError(f"trainer did not finish:\n{log.read_text()[-4000:]}") from None
 
 
 def metrics(workdir: Path) -> list[dict]:

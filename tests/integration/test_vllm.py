@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
+
 from kuberl.runtime.inference.base import GenerateRequest
 from kuberl.runtime.inference.vllm import VLLMEngine
 from kuberl.runtime.rollout.workflows import generate_continuing

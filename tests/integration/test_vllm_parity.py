@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 import torch
+
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.inference.base import GenerateRequest
@@ -26,8 +28,6 @@ from kuberl.runtime.rollout.agent import RolloutAgent
 from kuberl.runtime.trainer.batch import response_logprobs
 from kuberl.runtime.trainer.bus_io import TrainerBusIO
 from kuberl.runtime.trainer.weights import export_weights
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -6,6 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from kuberl.api.v1alpha1 import AlgorithmSpec, OverlongPenaltySpec
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.algorithms.advantages import (
     ADV_EPS,
@@ -18,8 +20,6 @@ from kuberl.runtime.algorithms.advantages import (
     overlong_penalty,
     shape_rewards,
 )
-
-from kuberl.api.v1alpha1 import AlgorithmSpec, OverlongPenaltySpec
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0], [0.3, 0.3, 0.3, 0.3]]
 

@@ -11,13 +11,13 @@ import pytest
 
 from kuberl.api import RLExperiment
 from kuberl.runtime.bus import Bus, Ticket
+from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.bus.server import start_nats_server
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.rollout import agent as agent_mod
 from kuberl.runtime.rollout.agent import RolloutAgent
-from kuberl.runtime.bus.messages import Sample
 
 
 class DyingEngine:

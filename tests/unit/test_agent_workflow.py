@@ -13,6 +13,7 @@ import json
 
 import openai
 import pytest
+
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.rewards import exact_match_reward
@@ -26,8 +27,9 @@ ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a + 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from kuberl.runtime.models import build_tiny_model
     from transformers import AutoTokenizer
+
+    from kuberl.runtime.models import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 
@@ -111,8 +113,11 @@ async def tool_agent(client: openai.AsyncOpenAI, item: Item):
     return None
 
 
+ADD_ITEM = Item(0, "What is 2 + 3?", "5")
+
+
 class TestAToolCallingAgent:
-    def run(self, tok, engine, agent=tool_agent, item=Item(0, "What is 2 + 3?", "5")):
+    def run(self, tok, engine, agent=tool_agent, item=ADD_ITEM):
         wf = workflow(tok, agent)
 
         async def go():

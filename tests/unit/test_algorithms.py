@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+
+from kuberl.api.v1alpha1 import AlgorithmSpec, OverlongPenaltySpec, RLExperimentSpec
 from kuberl.runtime.algorithms import (
     AlgorithmConfig,
     compute_advantages,
@@ -19,8 +21,6 @@ from kuberl.runtime.algorithms import (
     resolve_algorithm,
     shape_rewards,
 )
-
-from kuberl.api.v1alpha1 import AlgorithmSpec, OverlongPenaltySpec, RLExperimentSpec
 
 NAMES = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce++", "liteppo"]
 

@@ -9,7 +9,21 @@ import pytest
 
 from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.allocation import parse_allocation
-from kuberl.api.v1alpha1 import FieldError
+from kuberl.api.v1alpha1 import (
+    AGENT_INDIVIDUAL_UNSUPPORTED,
+    ALLOCATION_CONTEXT_UNSUPPORTED,
+    ALLOCATION_MEGATRON_UNSUPPORTED,
+    ASCEND_IMAGE_MESSAGE,
+    CONTEXT_UNSUPPORTED,
+    MEGATRON_UNSUPPORTED,
+    OVERRIDE_ENV_MESSAGE,
+    OVERRIDE_LABEL_MESSAGE,
+    OVERRIDE_VOLUME_MESSAGE,
+    PPO_UNSUPPORTED,
+    TOP_P_UNSUPPORTED,
+    TPE_NEED_MEGATRON,
+    FieldError,
+)
 from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
 
 
@@ -173,14 +187,6 @@ class TestAllocation:
 # ---------------------------------------------------------------------------------------------
 # CEL (admission) and pydantic (kuberl run, the operator) must agree
 # ---------------------------------------------------------------------------------------------
-
-from kuberl.api.v1alpha1 import ASCEND_IMAGE_MESSAGE, PPO_UNSUPPORTED  # noqa: E402
-from kuberl.api.v1alpha1 import OVERRIDE_ENV_MESSAGE, OVERRIDE_LABEL_MESSAGE, OVERRIDE_VOLUME_MESSAGE  # noqa: E402
-
-from kuberl.api.v1alpha1 import TOP_P_UNSUPPORTED  # noqa: E402
-from kuberl.api.v1alpha1 import AGENT_INDIVIDUAL_UNSUPPORTED  # noqa: E402
-from kuberl.api.v1alpha1 import ALLOCATION_CONTEXT_UNSUPPORTED, ALLOCATION_MEGATRON_UNSUPPORTED  # noqa: E402
-from kuberl.api.v1alpha1 import CONTEXT_UNSUPPORTED, MEGATRON_UNSUPPORTED, TPE_NEED_MEGATRON  # noqa: E402
 
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"

@@ -23,12 +23,11 @@ import copy
 import json
 from pathlib import Path
 
+import lupa.lua51 as lua51  # kuberl[test]: a missing install fails here, it is not skipped
 import pytest
 import yaml
 
-import lupa.lua51 as lua51  # noqa: E402 (kuberl[test]: a missing install fails here, it is not skipped)
-
-from kuberl.api import RLExperiment, load_experiment  # noqa: E402
+from kuberl.api import RLExperiment, load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGOCD = ROOT / "examples" / "argocd"

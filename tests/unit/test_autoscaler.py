@@ -5,6 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
+from kuberl.api import RLExperiment
+from kuberl.api.v1alpha1 import AutoscalingSpec
 from kuberl.operator.autoscaler import (
     ScaleDecision,
     ScalePolicy,
@@ -13,9 +16,6 @@ from kuberl.operator.autoscaler import (
     decide_replicas,
     signals_from_progress,
 )
-
-from kuberl.api import RLExperiment
-from kuberl.api.v1alpha1 import AutoscalingSpec
 
 NOW = datetime(2026, 11, 21, 20, 0, tzinfo=UTC)
 AUTO = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8, cooldown_seconds=120)

@@ -15,9 +15,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
+import kuberl
+from kuberl.api import RLExperiment, load_experiments
 from kuberl.operator import labels as L
 from kuberl.operator import naming
-from kuberl.runtime.bus.server import find_nats_server
 from kuberl.operator.builders import (
     build_bus_secret,
     build_bus_services,
@@ -34,9 +36,7 @@ from kuberl.operator.builders import (
     keep_immutable_fields,
     render_nats_conf,
 )
-
-import kuberl
-from kuberl.api import RLExperiment, load_experiments
+from kuberl.runtime.bus.server import find_nats_server
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -103,7 +103,8 @@ IN_TEST = {
     "scheduling": make_experiment(
         rollout__nodeSelector={"pool": "gpu"},
         rollout__tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        rollout__affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+        rollout__affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
         rollout__priorityClassName="high",
         rollout__resources={"requests": {"cpu": 4, "memory": "32Gi"}, "limits": {"memory": "40Gi"}},
         rollout__imagePullPolicy="Always",

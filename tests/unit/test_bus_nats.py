@@ -4,10 +4,10 @@ zones (one node must not take the quorum down), and NATS gets requests (not Best
 from __future__ import annotations
 
 import pytest
-from kuberl.operator.builders import build_bus_statefulset
-from kuberl.operator.builders.bus import DEFAULT_REQUESTS
 
 from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator.builders import build_bus_statefulset
+from kuberl.operator.builders.bus import DEFAULT_REQUESTS
 
 
 def experiment(**embedded) -> RLExperiment:
@@ -50,10 +50,10 @@ def test_nats_gets_requests_by_default_and_the_users_win() -> None:
 def test_the_chart_and_the_operator_agree_on_the_nats_image(image, ok) -> None:
     """runtimeImages.nats reaches the operator as KUBERL_NATS_IMAGE and becomes the default NATS image."""
     import helm_python as helm
+    from test_chart import CHART, one, render
+
     from kuberl.operator.builders import bus
     from kuberl.operator.main import NATS_IMAGE_ENV
-
-    from test_chart import CHART, one, render
 
     with helm.Chart.load(CHART) as chart:
         try:
@@ -69,7 +69,8 @@ def test_the_chart_and_the_operator_agree_on_the_nats_image(image, ok) -> None:
     try:
         assert chart_ok == operator_ok == ok
         if ok and image:
-            env = {e["name"]: e.get("value") for e in one(render({"runtimeImages": {"nats": image}}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+            pod = one(render({"runtimeImages": {"nats": image}}), "Deployment")["spec"]["template"]["spec"]
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
             assert env[NATS_IMAGE_ENV] == image
             [c] = build_bus_statefulset(experiment())["spec"]["template"]["spec"]["containers"]
             assert c["image"] == image

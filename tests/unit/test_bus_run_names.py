@@ -4,11 +4,11 @@ re-derived KV bucket and the env the builders give every role agree (issue 11, B
 from __future__ import annotations
 
 import pytest
+
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import naming
 from kuberl.operator.builders import build_children
 from kuberl.operator.progress import kv_bucket
-
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus.names import RUN_ENV, BusNames
 
 

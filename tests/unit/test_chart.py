@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import helm_python as helm  # kuberl[test]: a missing install fails, it is not skipped
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
-
-import helm_python as helm  # kuberl[test]: a missing install fails, it is not skipped
-import kubernetes_validate
 
 from kuberl.cli import build_parser
 
@@ -264,16 +263,15 @@ class TestRBAC:
             assert (group, plural) in have, f"kuberl/operator/kube.py uses {kind} ({group or 'core'}/{plural}); the ClusterRole has no rule"
 
     def test_pods_and_nodes_are_read_only(self):
-        for group, resource, verb in granted(self.rules()):
+        for _group, resource, verb in granted(self.rules()):
             if resource in {"pods", "nodes", "namespaces", "customresourcedefinitions"}:
                 assert verb in {"get", "list", "watch"}, (resource, verb)
 
     def test_the_operator_grants_nothing_so_it_holds_no_rbac_rights(self):
         """The experiments' pods get a token-less ServiceAccount and no Role; so the operator needs no
         rights over Roles or RoleBindings (which would let it bind up to its own permissions)."""
-        from kuberl.operator import builders
-
         from kuberl.api import load_experiment
+        from kuberl.operator import builders
 
         assert not {g for g, _, _ in granted(self.rules())} & {"rbac.authorization.k8s.io"}
         for example in sorted((ROOT / "examples").glob("*.yaml")):

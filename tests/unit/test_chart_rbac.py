@@ -13,9 +13,9 @@ import kubernetes_validate
 import pytest
 from kopf._cogs.aiokits import aiotoggles
 from kopf._core.engines import peering
-from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
-
 from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, render
+
+from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
 
 CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions"),
                   ("kopf.dev", "clusterkopfpeerings")}
@@ -121,11 +121,11 @@ def test_notes_point_a_new_user_at_an_example_a_default_cluster_can_run() -> Non
     """NOTES.txt's first experiment must run on kind/minikube: no accelerator, no ReadWriteMany volume."""
     import re
 
-    from kuberl.operator.builders import checkpoint_access_mode
-    from kuberl.operator.builders.common import accelerator_resource
     from test_chart import ROOT
 
     from kuberl.api import load_experiment
+    from kuberl.operator.builders import checkpoint_access_mode
+    from kuberl.operator.builders.common import accelerator_resource
 
     with helm.Chart.load(CHART) as chart:
         notes = next(text for path, text in chart.render({}, name="kuberl", namespace=NAMESPACE, is_install=True).items()

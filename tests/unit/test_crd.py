@@ -302,7 +302,8 @@ def test_tolerations_and_affinity_have_the_core_v1_schemas(schema):
     rollout = schema["properties"]["spec"]["properties"]["rollout"]
     jsonschema.validate(good, {"type": "object", "properties": {"tolerations": rollout["properties"]["tolerations"]}})
     with pytest.raises(jsonschema.ValidationError, match="NoSchedul"):
-        jsonschema.validate({"tolerations": [{"key": "k", "effect": "NoSchedul"}]}, {"type": "object", "properties": {"tolerations": rollout["properties"]["tolerations"]}})
+        jsonschema.validate({"tolerations": [{"key": "k", "effect": "NoSchedul"}]},
+                            {"type": "object", "properties": {"tolerations": rollout["properties"]["tolerations"]}})
 
 
 def test_field_descriptions_reach_the_schema_for_kubectl_explain(schema):

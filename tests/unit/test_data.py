@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from kuberl.runtime import data
-from kuberl.runtime.data import REPEAT_LEN, DatasetError, epoch_order, load_items
 
 from kuberl.api.v1alpha1 import DatasetSpec, VolumeRef
+from kuberl.runtime import data
+from kuberl.runtime.data import REPEAT_LEN, DatasetError, epoch_order, load_items
 
 
 def test_builtin_repeat_digit_is_deterministic_per_seed_and_sized():

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kuberl.operator.builders import build_children
 
 from kuberl.api import RLExperiment
+from kuberl.operator.builders import build_children
 
 ROOT = Path(__file__).resolve().parents[2]
 APPLY = re.compile(r"^kubectl apply -f (examples/\S+\.yaml)", re.M)

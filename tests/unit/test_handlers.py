@@ -7,13 +7,14 @@ import datetime as dt
 
 import kopf
 import pytest
+from pydantic import ValidationError
+
 from kuberl.operator import handlers
 from kuberl.operator import lifecycle as h
 from kuberl.operator import status as st
 from kuberl.operator.kube import path_for
 from kuberl.operator.main import configure_settings
 from kuberl.operator.progress import kv_bucket
-from pydantic import ValidationError
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -102,7 +103,8 @@ def failed_job(reason: str, at: dt.datetime = T0 - dt.timedelta(seconds=31)) -> 
 
 
 def trainer_pod(exit_code: int, message: str) -> dict:
-    return {"metadata": {"name": "demo-trainer-0-abcde", "labels": {"batch.kubernetes.io/job-name": "demo-trainer", "batch.kubernetes.io/controller-uid": "j1"}},
+    return {"metadata": {"name": "demo-trainer-0-abcde",
+                         "labels": {"batch.kubernetes.io/job-name": "demo-trainer", "batch.kubernetes.io/controller-uid": "j1"}},
             "status": {"containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code, "message": message}}}]}}
 
 

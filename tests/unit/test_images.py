@@ -162,10 +162,9 @@ def test_runtime_images_run_as_the_uid_the_operator_sets_on_pods(path):
 
 def test_default_images_of_the_operator_have_dockerfiles():
     """Every image the operator's builders pick by default (ghcr.io/kuberl/runtime-<flavour>) is built here."""
-    from kuberl.operator.builders import common
-
     import kuberl
     from kuberl.api.v1alpha1 import AcceleratorType, EngineName
+    from kuberl.operator.builders import common
 
     for engine in EngineName:
         for accel in AcceleratorType:
@@ -291,9 +290,8 @@ class TestBakeFile:
             assert tags == [f"{variables['REGISTRY']}/{name}:{variables['VERSION']}"], f"target {name}: {tags}"
 
     def test_runtime_tags_are_the_images_the_operator_renders(self):
-        from kuberl.operator.builders import common
-
         from kuberl.api.v1alpha1 import AcceleratorType, EngineName
+        from kuberl.operator.builders import common
 
         variables = bake_variables()
         built = {interpolate(t, variables) for body in image_targets().values() for t in resolved(body, "tags")}

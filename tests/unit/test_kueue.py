@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import handlers, kueue
 from kuberl.operator import lifecycle as h
 from kuberl.operator.builders import common
 from kuberl.operator.kube import KubeClient
-
-from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.testing.emulator_server import EmulatorServer, default_crds
 
 NS = "team-k"

@@ -5,14 +5,14 @@ import math
 
 import pytest
 import torch
+
+from kuberl.api.v1alpha1 import AlgorithmSpec
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.algorithms.losses import (
     kl_penalty,
     loss_denominator,
     ppo_actor_loss,
 )
-
-from kuberl.api.v1alpha1 import AlgorithmSpec
 
 # Two sequences of 4 tokens, the second padded after 3.
 LOGP = [[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -5.0]]

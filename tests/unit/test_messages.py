@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
+
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.messages import (
     COMPRESS_ABOVE,

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kuberl.runtime import models
-from kuberl.runtime.models import ModelResolutionError, build_tiny_model, resolve_model
 
 from kuberl.api.v1alpha1 import ModelSpec, VolumeRef
+from kuberl.runtime import models
+from kuberl.runtime.models import ModelResolutionError, build_tiny_model, resolve_model
 
 
 @pytest.fixture(scope="module")

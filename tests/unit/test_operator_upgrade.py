@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+import kuberl
 from kuberl.operator import handlers
 from kuberl.operator import lifecycle as h
 from kuberl.operator.builders import bus as bus_builder
@@ -19,8 +21,6 @@ from kuberl.operator.builders import common
 from kuberl.operator.builders import rollout as rollout_builder
 from kuberl.operator.builders import trainer as trainer_builder
 from kuberl.operator.kube import KubeClient
-
-import kuberl
 from kuberl.testing.emulator_server import EmulatorServer, default_crds
 
 NS = "team-a"

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from kuberl.operator.builders import build_children, build_rollout_statefulset, build_trainer_job
-from kuberl.operator.builders.pod import merge_by
 from pydantic import ValidationError
+from test_pod_security import restricted_violations
 
 from kuberl.api.v1alpha1 import RLExperiment
-
-from test_pod_security import restricted_violations
+from kuberl.operator.builders import build_children, build_rollout_statefulset, build_trainer_job
+from kuberl.operator.builders.pod import merge_by
 
 TRAINER_OVERRIDE = {
     "labels": {"team": "nlp", "kueue.x-k8s.io/pod-group-name": "g1"},

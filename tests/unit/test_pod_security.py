@@ -10,11 +10,11 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from kuberl.operator import labels as L
-from kuberl.operator.builders import build_children, network
 
 from kuberl.api import load_experiment
 from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator import labels as L
+from kuberl.operator.builders import build_children, network
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

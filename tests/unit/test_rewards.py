@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+
 from kuberl.runtime.data import REPEAT_LEN
 from kuberl.runtime.rewards import REWARDS, RewardError, resolve_reward, score
 

@@ -13,14 +13,14 @@ import socket
 import time
 
 import pytest
+
+from kuberl.api.v1alpha1 import SandboxSpec
 from kuberl.runtime.agents.tir import MAX_TOOL_CALLS, math_with_python
 from kuberl.runtime.data import Item
 from kuberl.runtime.rewards import math_reward
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 from kuberl.runtime.rollout.sandbox import run_python
 from kuberl.runtime.rollout.workflows import EpisodeContext
-
-from kuberl.api.v1alpha1 import SandboxSpec
 from tests.unit.test_agent_workflow import ScriptedEngine, sampling
 
 FAST = SandboxSpec(timeout_seconds=2.0, cpu_seconds=1, memory_mib=256, max_output_chars=200)
@@ -115,8 +115,9 @@ def run_tir(tokenizer, reply, spec=FAST):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from kuberl.runtime.models import build_tiny_model
     from transformers import AutoTokenizer
+
+    from kuberl.runtime.models import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 

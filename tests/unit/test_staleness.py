@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kuberl.runtime.staleness import StalenessManager, TicketIssuer, ticket_id
 
 

@@ -10,6 +10,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
+from kuberl.api import RLExperiment, RLExperimentStatus
 from kuberl.operator.builders import (
     build_bus_statefulset,
     build_rollout_statefulset,
@@ -29,8 +31,6 @@ from kuberl.operator.status import (
     pod_problems,
     status_changed,
 )
-
-from kuberl.api import RLExperiment, RLExperimentStatus
 
 NOW = datetime(2026, 11, 21, 20, 0, 0, tzinfo=UTC)
 LATER = NOW + timedelta(minutes=5)
@@ -244,7 +244,8 @@ class TestProgressAndScale:
         assert p["steps"] == "12/100" and p["rewardText"] == "0.53" and p["policyVersion"] == 12
         assert p["stalenessMax"] == 2 and p["droppedStale"] == 3 and p["samplesPerSecond"] == 41.5
         assert p["updatedAt"].endswith("Z")
-        assert s["lastCheckpoint"] == {"step": 10, "policyVersion": 10, "path": "checkpoints/step-00000010", "time": datetime.fromtimestamp(1795000000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        assert s["lastCheckpoint"] == {"step": 10, "policyVersion": 10, "path": "checkpoints/step-00000010",
+                                       "time": datetime.fromtimestamp(1795000000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
     def test_total_steps_fall_back_to_the_spec(self) -> None:
         exp = make_experiment()
@@ -307,7 +308,8 @@ class TestUnrunnable:
         assert capacity_advisories(exp, pods, [node(8)]) == []
         taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
         assert len(capacity_advisories(exp, pods, [node(8, taints=taint)])) == 2, "an untolerated taint keeps the pods off"
-        tolerant = make_experiment(rollout={"replicas": 2, "accelerator": {"type": "nvidia", "count": 1}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+        tolerant = make_experiment(rollout={"replicas": 2, "accelerator": {"type": "nvidia", "count": 1},
+                                            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
                                    trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}, "nodeSelector": {"pool": "gpu"}})
         tpods = {"rollout": build_rollout_statefulset(tolerant)["spec"]["template"]["spec"], "trainer": build_trainer_job(tolerant)["spec"]["template"]["spec"]}
         notes = capacity_advisories(tolerant, tpods, [node(8, taints=taint)])
@@ -332,7 +334,8 @@ class TestUnrunnable:
         assert explained[0].reason == Reason.IMAGE_PULL_FAILED and "runtime-sglang:nope" in explained[0].message
 
     def test_unschedulable_pods_are_read_from_pods(self) -> None:
-        pod = {"metadata": {"name": "exp-trainer-0-abc"}, "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
+        pod = {"metadata": {"name": "exp-trainer-0-abc"}, "status": {"conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
         problems = pod_problems(pod)
         assert problems[0].reason == "Unschedulable"
         assert explain_unrunnable(make_experiment(), ObservedChildren(pod_problems=tuple(problems)))[0].reason == Reason.UNSCHEDULABLE

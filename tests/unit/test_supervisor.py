@@ -104,7 +104,8 @@ def test_a_role_that_died_leaves_no_child_behind_and_is_restarted(tmp_path):
     run = make_run(tmp_path)
     engine = next(r for r in run.roles if r.name == "engine-0")
     # A server whose worker child outlives it (as vLLM's engine core does after kill -9 of the server).
-    engine.argv = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]
+    engine.argv = [sys.executable, "-c",
+                   "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]
     engine.start()
     time.sleep(1.0)
     children = psutil.Process(engine.proc.pid).children()

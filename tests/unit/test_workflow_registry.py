@@ -8,12 +8,12 @@ import sys
 import textwrap
 
 import pytest
+
+from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
 from kuberl.runtime.data import Item
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 from kuberl.runtime.rollout.registry import WORKFLOWS, EpisodeTimeout, RolloutWorkflow, WorkflowError
 from kuberl.runtime.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, make_workflow
-
-from kuberl.api.v1alpha1 import RLExperimentSpec, WorkflowType
 
 MODULE = "kuberl_test_user_workflows"
 SOURCE = '''
@@ -76,8 +76,9 @@ def user_module(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from kuberl.runtime.models import build_tiny_model
     from transformers import AutoTokenizer
+
+    from kuberl.runtime.models import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 

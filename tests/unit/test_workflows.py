@@ -4,6 +4,8 @@ multi-turn feedback tokens, workflow selection. The engine-facing behaviour is i
 from __future__ import annotations
 
 import pytest
+
+from kuberl.api.v1alpha1 import RLExperimentSpec
 from kuberl.runtime.inference.base import GenerateRequest, GenerateResult
 from kuberl.runtime.rollout.agent import RolloutAgent
 from kuberl.runtime.rollout.workflows import (
@@ -14,13 +16,12 @@ from kuberl.runtime.rollout.workflows import (
     make_workflow,
 )
 
-from kuberl.api.v1alpha1 import RLExperimentSpec
-
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from kuberl.runtime.models import build_tiny_model
     from transformers import AutoTokenizer
+
+    from kuberl.runtime.models import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 

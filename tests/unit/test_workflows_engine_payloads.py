@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.inference import sglang, vllm
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, engine_class
 from kuberl.runtime.inference.main import engine_settings, server_command
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 REQ = GenerateRequest(input_ids=[1, 292, 201], max_new_tokens=16, temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5)
 
@@ -77,7 +77,8 @@ class TestSGLang:
         assert sglang.update_weights_payload("/w/v3", 3) == {"model_path": "/w/v3", "weight_version": "3", "abort_all_requests": True}
 
     def test_the_server_command_maps_parallelism_and_limits(self):
-        cmd = sglang.build_server_command("/m", port=30000, tensor_parallel_size=2, max_model_len=4096, max_num_seqs=64, extra_args=["--mem-fraction-static", "0.8"])
+        cmd = sglang.build_server_command("/m", port=30000, tensor_parallel_size=2, max_model_len=4096, max_num_seqs=64,
+                                          extra_args=["--mem-fraction-static", "0.8"])
         joined = " ".join(cmd)
         assert "-m sglang.launch_server --model-path /m" in joined and "--tp-size 2" in joined
         assert "--context-length 4096" in joined and "--max-running-requests 64" in joined
@@ -151,8 +152,9 @@ def test_cpu_engines_compute_in_float32_and_the_trainer_exports_what_the_engine_
 def test_a_stale_tied_head_is_found_and_repacked_with_vllms_own_cpu_gemm():
     """vLLM's CPU GEMM runs on a packed copy of the weight: an in-place update of a tied weight leaves it stale."""
     import torch
-    from kuberl.runtime.inference.vllm_worker import KubeRLWorkerExtension, gemm_is_current, refresh_tied_layers
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from kuberl.runtime.inference.vllm_worker import KubeRLWorkerExtension, gemm_is_current, refresh_tied_layers
 
     class Layer(torch.nn.Module):
         def __init__(self, weight: torch.nn.Parameter) -> None:
@@ -160,7 +162,8 @@ def test_a_stale_tied_head_is_found_and_repacked_with_vllms_own_cpu_gemm():
             self.weight, self.quant_method = weight, UnquantizedEmbeddingMethod()
 
     shared = torch.nn.Parameter(torch.randn(320, 128), requires_grad=False)
-    model = torch.nn.ModuleDict({"embed_tokens": Layer(shared), "lm_head": Layer(shared), "o_proj": Layer(torch.nn.Parameter(torch.randn(64, 128), requires_grad=False))})
+    model = torch.nn.ModuleDict({"embed_tokens": Layer(shared), "lm_head": Layer(shared),
+                                 "o_proj": Layer(torch.nn.Parameter(torch.randn(64, 128), requires_grad=False))})
     for layer in model.values():
         layer.quant_method.process_weights_after_loading(layer)  # what vLLM does at load: the CPU prepack
     assert refresh_tied_layers(model) == {"tied_layers": 2, "refreshed": 0}

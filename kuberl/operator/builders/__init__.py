@@ -6,6 +6,7 @@ tests that validate it offline. `build_children` gives every child in apply orde
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator.builders.bus import (
     build_bus_secret,
     build_bus_services,
@@ -36,8 +37,6 @@ from kuberl.operator.builders.trainer import (
     build_trainer_service,
     trainer_command,
 )
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 __all__ = [
     "build_bus_secret",

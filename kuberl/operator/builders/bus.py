@@ -10,6 +10,14 @@ import json
 import re
 from decimal import Decimal
 
+from kubernetes.utils.quantity import parse_quantity
+
+from kuberl.api.v1alpha1 import (
+    AcceleratorSpec,
+    AcceleratorType,
+    EmbeddedBusSpec,
+    RLExperiment,
+)
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import pinning
@@ -21,14 +29,6 @@ from kuberl.operator.builders.common import (
     pod_security_context,
     stable_hash,
     with_spec_hash,
-)
-from kubernetes.utils.quantity import parse_quantity
-
-from kuberl.api.v1alpha1 import (
-    AcceleratorSpec,
-    AcceleratorType,
-    EmbeddedBusSpec,
-    RLExperiment,
 )
 
 DEFAULT_NATS_IMAGE = "nats:2.15-alpine"

@@ -11,9 +11,6 @@ import json
 import re
 from typing import Any
 
-from kuberl.operator import labels as L
-from kuberl.operator import naming
-
 import kuberl
 from kuberl.api.v1alpha1 import (
     ACCELERATOR_RESOURCE,
@@ -22,6 +19,8 @@ from kuberl.api.v1alpha1 import (
     RLExperiment,
     SchedulingSpec,
 )
+from kuberl.operator import labels as L
+from kuberl.operator import naming
 
 CONFIG_MOUNT_DIR = "/etc/kuberl"
 CONFIG_KEY = "experiment.yaml"

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+
+from kuberl.api.v1alpha1 import API_VERSION, KIND, RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import pinning
@@ -20,8 +22,6 @@ from kuberl.operator.builders.common import (
     stable_hash,
     with_spec_hash,
 )
-
-from kuberl.api.v1alpha1 import API_VERSION, KIND, RLExperiment
 
 # Fields only the operator acts on: how many pods, where they run, how the bus and PVC are made,
 # suspension and restarts. They are left out of experiment.yaml so that changing them (kubectl scale,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kuberl.operator.builders.common import Obj
 from kubernetes.utils.quantity import parse_quantity
+
+from kuberl.operator.builders.common import Obj
 
 # (apiVersion, kind) -> paths under the object that cannot change once created.
 IMMUTABLE_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], ...]] = {

@@ -14,11 +14,10 @@ Policies select ingress only: egress (the bus, a model hub, an external NATS) st
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 # The namespace the operator's pods run in; `kuberl operator` sets it once at start-up from
 # $POD_NAMESPACE (the chart passes it) through configure_operator_namespace(). Unset (an operator

@@ -15,12 +15,11 @@ import copy
 import re
 from typing import Any
 
+import kuberl
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, stable_hash, with_spec_hash
-
-import kuberl
-from kuberl.api.v1alpha1 import RLExperiment
 
 # Spec fields that change how many pods run, not what they run: scaling, suspending, restarts and
 # TTL never re-render a pod template.

@@ -9,6 +9,7 @@ env by key or name (the user's win), volumes and mounts added, pod fields replac
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import AcceleratorSpec, PodTemplateOverride, RLExperiment, SchedulingSpec
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import (
@@ -26,8 +27,6 @@ from kuberl.operator.builders.common import (
     shm_volume,
 )
 from kuberl.operator.builders.config import config_hash
-
-from kuberl.api.v1alpha1 import AcceleratorSpec, PodTemplateOverride, RLExperiment, SchedulingSpec
 
 # PodTemplateOverride field -> the pod spec field it replaces.
 _POD_FIELDS = {

@@ -11,11 +11,10 @@ The account is also where GKE Workload Identity or EKS IRSA annotations would go
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 
 def build_rbac(exp: RLExperiment) -> list[Obj]:

@@ -6,6 +6,7 @@ count. Commands, env and paths follow docs/design/contracts.md.
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import pinning
@@ -21,8 +22,6 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 ENGINE_CONTAINER = "engine"
 AGENT_CONTAINER = "rollout-agent"

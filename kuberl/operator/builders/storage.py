@@ -6,11 +6,10 @@ Called by builders.build_children and the kopf handlers (O2). The trainer mounts
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 
 def checkpoint_access_mode(exp: RLExperiment) -> str:

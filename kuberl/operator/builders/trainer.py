@@ -14,6 +14,7 @@ Suspension: spec.suspend sets the Job's own `spec.suspend`, which stops its pods
 
 from __future__ import annotations
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders import pinning
@@ -29,8 +30,6 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 TRAINER_CONTAINER = "trainer"
 # The trainer checkpoints on SIGTERM (preemption, drain, a Kueue eviction, suspend): FSDP optimizer

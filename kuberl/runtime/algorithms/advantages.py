@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from kuberl.runtime.algorithms.config import AlgorithmConfig
 
 ADV_EPS = 1e-6
@@ -258,7 +259,8 @@ def gae(
     Ready for `ppo` once the trainer has a critic; resolve_algorithm refuses ppo until then.
     """
     if not (rewards.shape == values.shape == loss_mask.shape) or rewards.dim() != 2:
-        raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and loss_mask {tuple(loss_mask.shape)} must share one [N, T] shape")
+        raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                         "must share one [N, T] shape")
     mask = loss_mask.bool()
     r, v = rewards.detach().to(torch.float64), values.detach().to(torch.float64)
     adv = torch.zeros_like(r)

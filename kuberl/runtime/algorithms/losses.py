@@ -8,6 +8,7 @@ trained (logp), pi_prox = the pre-update policy (proximal_logp), pi_behave = the
 from __future__ import annotations
 
 import torch
+
 from kuberl.runtime.algorithms.config import AlgorithmConfig
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps exp finite for garbage log-probs without touching real ones

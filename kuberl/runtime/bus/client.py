@@ -18,12 +18,15 @@ from typing import Any, Self, TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+
 from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
-from kuberl.runtime.bus.outage import Outage, retry
 from kuberl.runtime.bus.messages import (
     MessageError,
     Ticket,
@@ -45,11 +48,9 @@ from kuberl.runtime.bus.names import (
     TRAINER_CONSUMER,
     BusNames,
 )
+from kuberl.runtime.bus.outage import Outage, retry
 from kuberl.runtime.bus.server import parse_max_payload, parse_size
 from kuberl.runtime.bus.topology import Topology
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import api
 
 __all__ = ["Bus", "BusError", "BusFullError", "GroupTooLargeError", "Lease"]
 

@@ -13,8 +13,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
-from kuberl.runtime.bus.errors import BusError
 from nats.aio.client import Client as NATS
+
+from kuberl.runtime.bus.errors import BusError
 
 log = logging.getLogger(__name__)
 

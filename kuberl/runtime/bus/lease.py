@@ -8,8 +8,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Generic, TypeVar
 
-from kuberl.runtime.bus.outage import Outage, retry
 from nats.aio.msg import Msg
+
+from kuberl.runtime.bus.outage import Outage, retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
+
 from kuberl.env import env_seconds
 from kuberl.runtime.bus.errors import BusError, BusFullError
 

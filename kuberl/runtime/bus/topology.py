@@ -10,10 +10,11 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.js import api
+
 from kuberl.env import env_seconds
 from kuberl.runtime.bus.errors import BusError
 from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
-from nats.js import api
 
 DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
 # Overrides it for streams created from now on (seconds). The fault tests shorten it to show that a

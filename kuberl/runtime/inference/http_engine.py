@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 import aiohttp
+
 from kuberl.net import free_port
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 

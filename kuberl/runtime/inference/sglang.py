@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.http_engine import HTTPServerEngine
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # noqa: F401 (free_port stays importable from here)
 

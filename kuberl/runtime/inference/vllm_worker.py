@@ -10,8 +10,6 @@ if stale; a head still stale after that fails the reload. Imported in vLLM's wor
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import EngineError, InferenceEngine
 from kuberl.runtime.rollout.workflows import EpisodeContext, RolloutWorkflow
-
-from kuberl.api.v1alpha1 import RLExperiment
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuberl.api.v1alpha1 import SandboxSpec
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import InferenceEngine
@@ -30,8 +31,6 @@ from kuberl.runtime.rewards import RewardFn, score
 from kuberl.runtime.rollout.openai_proxy import CallRecord, OpenAIProxy
 from kuberl.runtime.rollout.registry import WorkflowError, WorkflowSetup, import_path
 from kuberl.runtime.rollout.workflows import SamplingConfig
-
-from kuberl.api.v1alpha1 import SandboxSpec
 
 log = logging.getLogger(__name__)
 

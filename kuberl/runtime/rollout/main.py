@@ -45,13 +45,14 @@ def make_engine(exp: RLExperiment, model_path: str, url: str | None):
 
 
 async def run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: str | None, max_tickets: int | None = None) -> int:
+    from transformers import AutoTokenizer
+
     from kuberl.runtime.bus import Bus
     from kuberl.runtime.data import load_items
     from kuberl.runtime.inference.main import BUILTIN_MAX_MODEL_LEN
     from kuberl.runtime.models import resolve_model
     from kuberl.runtime.rollout.agent import RolloutAgent
     from kuberl.runtime.rollout.workflows import make_workflow
-    from transformers import AutoTokenizer
 
     spec = exp.spec
     with spec_errors():  # what the spec names but cannot be had: ConfigError, exit 2

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from kuberl.api.v1alpha1 import RLExperimentSpec
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import InferenceEngine
 from kuberl.runtime.rewards import RewardFn, resolve_reward
-
-from kuberl.api.v1alpha1 import RLExperimentSpec
 
 
 class WorkflowError(ValueError):

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kuberl.api.v1alpha1 import RLExperimentSpec
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import (
@@ -20,8 +21,6 @@ from kuberl.runtime.inference.base import (
     InferenceEngine,
 )
 from kuberl.runtime.rewards import RewardFn, score
-
-from kuberl.api.v1alpha1 import RLExperimentSpec
 
 MAX_CONTINUATIONS = 1000  # aborts one generation may survive (each is one weight update)
 DEFAULT_FEEDBACK = "Your answer is not correct. Try again."

@@ -566,7 +566,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def _progress_base(self, done: bool = False) -> dict[str, Any]:
-        return {"step": self.step, "total_steps": getattr(self, "total_steps", None), "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
+        return {"step": self.step, "total_steps": getattr(self, "total_steps", None),
+                "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
                 "staleness_max": None, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
