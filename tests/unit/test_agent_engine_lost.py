@@ -5,6 +5,7 @@ no group mixes tokens from both engine lives. A real nats-server; a scripted eng
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -112,6 +113,8 @@ def test_an_engine_that_dies_mid_generation_gets_the_current_weights_before_the_
             engine.die()  # kill -9 mid-generation
             await asyncio.sleep(3.0)
             assert agent.stats.failed == 1  # given back once; no ticket taken while the engine is away
+            # The probes (rollout/health.py): not ready while the engine is away, and waiting for it is progress.
+            assert agent.engine_down and time.monotonic() - agent.last_progress < 2.5
             # The trainer moves on meanwhile; the engine comes back with the initial model.
             await bus.put_state(KEY_WEIGHTS, {"version": 5, "mode": "disk", "path": str(tmp_path / "w5")})
             engine.restart()
@@ -122,7 +125,7 @@ def test_an_engine_that_dies_mid_generation_gets_the_current_weights_before_the_
                     break
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
-            assert len(got) == 1
+            assert len(got) == 1 and not agent.engine_down
             group = got[0].value
             assert not group.rejected
             # Every token of the published group came from the reloaded weights, never from the fresh engine's v0.

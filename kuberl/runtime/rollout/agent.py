@@ -85,6 +85,17 @@ class RolloutAgent:
         self._weights_followed = asyncio.Condition()
         self._episodes: set[asyncio.Task] = set()
         self.log_every = log_every
+        # When the agent last moved (ticket taken or done, weights loaded, lost engine polled): the
+        # liveness probe (health.py) fails after a long stall.
+        self.last_progress = time.monotonic()
+
+    def _progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    @property
+    def engine_down(self) -> bool:
+        """True while the agent waits for its engine to come back (readiness fails meanwhile)."""
+        return self._engine_down
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -123,6 +134,7 @@ class RolloutAgent:
                 await self.engine.resume()
             self._last_weights = w
             self.stats.weight_updates += 1
+            self._progressed()
             log.info("agent %s: serving weights v%d (%s) after %.2f s", self.agent_id, version, w.get("mode"), time.monotonic() - started)
 
     async def load_initial_weights(self) -> None:
@@ -227,6 +239,7 @@ class RolloutAgent:
                 return None
         finally:
             beat.cancel()
+            self._progressed()
         await lease.ack()
         if group.failure is not None:
             self.stats.failed_groups += 1
@@ -279,6 +292,7 @@ class RolloutAgent:
         a new engine serves the initial model, whatever version the agent last loaded."""
         started = time.monotonic()
         while not await self.engine.health():
+            self._progressed()
             if time.monotonic() - started > ENGINE_WAIT_SECONDS:
                 raise EngineError(f"engine at {getattr(self.engine, 'url', '?')} not back after {ENGINE_WAIT_SECONDS:.0f}s")
             await asyncio.sleep(1.0)
@@ -318,6 +332,7 @@ class RolloutAgent:
         taken = 0
         try:
             while max_tickets is None or taken < max_tickets:
+                self._progressed()
                 if follower.done():
                     follower.result()  # re-raise: without weight updates the agent must not go on
                 await slots.acquire()
@@ -326,6 +341,7 @@ class RolloutAgent:
                     await self._engine_back()
                     continue
                 lease = await self.bus.pull_ticket(timeout=1.0)
+                self._progressed()
                 if lease is None:
                     slots.release()
                     continue

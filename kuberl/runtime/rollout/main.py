@@ -15,11 +15,15 @@ import os
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
+
+if TYPE_CHECKING:
+    from kuberl.runtime.rollout.health import AgentHealth
 
 log = logging.getLogger("kuberl.rollout")
 
@@ -45,6 +49,20 @@ def make_engine(exp: RLExperiment, model_path: str, url: str | None):
 
 
 async def run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: str | None, max_tickets: int | None = None) -> int:
+    from kuberl.runtime.rollout.health import AgentHealth, health_port, start_health_server
+
+    health = AgentHealth()
+    port = health_port()  # set in pods (the rollout StatefulSet's probes); unset in `kuberl run`
+    probes = await start_health_server(health, port) if port is not None else None
+    try:
+        return await _run_agent(exp, bus_url, workdir, engine_url, max_tickets, health)
+    finally:
+        if probes is not None:
+            await probes.cleanup()
+
+
+async def _run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: str | None, max_tickets: int | None,
+                     health: AgentHealth) -> int:
     from transformers import AutoTokenizer
 
     from kuberl.runtime.bus import Bus
@@ -65,9 +83,10 @@ async def run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: s
         engine = make_engine(exp, model_path, engine_url)
     log.info("experiment %s: %d items, engine %s at %s, bus %s", exp.name, len(items), spec.rollout.engine, engine.url, bus_url)
     bus = await Bus.connect(bus_url, exp.name, max_payload=spec.bus.max_payload, name=f"kuberl-rollout-{os.getpid()}")
+    health.bus, health.engine = bus, engine
     try:
         await engine.start()
-        agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir)
+        agent = health.agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir)
         stats = await agent.run(max_tickets=max_tickets)
         log.info("agent stopped: %s", stats)
     finally:
