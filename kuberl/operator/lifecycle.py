@@ -29,6 +29,7 @@ from kuberl.operator.builders import (
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.builders.immutable import keep_immutable_fields
 from kuberl.operator.builders.pinning import keep_pinned
+from kuberl.operator.builders.rollout import ENGINE_API_KEY_KEY
 from kuberl.operator.capacity import capacity_advisories
 from kuberl.operator.kube import KubeClient, own_child
 from kuberl.operator.labels import EventReason, Reason
@@ -225,6 +226,12 @@ async def bus_token_for_children(exp: RLExperiment) -> str | None:
     return decode_secret_value(secret, "token") or secrets.token_urlsafe(32)
 
 
+async def engine_key_for_children(exp: RLExperiment) -> str:
+    """The engines' API key: the one already in the engine Secret, else a new random one (generated once)."""
+    secret = await kube().get("Secret", exp.namespace, naming.engine_secret_name(exp))
+    return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
+
+
 async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
                          progress: dict[str, Any] | None = None) -> list[str]:
     """Apply every child built from the spec, minding the lifecycle: a suspend waits for the
@@ -239,7 +246,8 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
     done = finished(status, job, progress)
     retained = exp.spec.checkpoint.retain_policy == "Retain"
     created, failures = [], []
-    for child in build_children(effective, bus_token=await bus_token_for_children(exp)):
+    for child in build_children(effective, bus_token=await bus_token_for_children(exp),
+                                engine_api_key=await engine_key_for_children(exp)):
         if done and child["kind"] == "Job":
             continue  # a finished trainer is not started again
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):

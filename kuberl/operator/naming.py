@@ -16,6 +16,7 @@ BUS_CLIENT_PORT = 4222
 BUS_CLUSTER_PORT = 6222
 BUS_MONITOR_PORT = 8222
 ENGINE_PORT = 8000
+AGENT_HEALTH_PORT = 8001  # the rollout agent's probe endpoints (/healthz, /readyz), kubelet only
 TRAINER_MASTER_PORT = 29500
 
 # Length limits that bind child names. A StatefulSet's pods carry the label
@@ -78,6 +79,11 @@ def bus_headless_name(exp: ExperimentRef) -> str:
 def bus_secret_name(exp: ExperimentRef) -> str:
     """Secret with keys `token` (client auth) and `nats.conf`."""
     return _child(exp, "bus-credentials", OBJECT_NAME_MAX)
+
+
+def engine_secret_name(exp: ExperimentRef) -> str:
+    """Secret with key `apiKey`: the engines' API key (engines require it, agents send it)."""
+    return _child(exp, "engine-credentials", OBJECT_NAME_MAX)
 
 
 def rollout_name(exp: ExperimentRef) -> str:

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 K8S_VERSION = "1.32"
 TOKEN = "s3cr3t-Token_value"
+ENGINE_KEY = "eng1ne-Key_value"
 
 BASE: dict[str, Any] = {
     "apiVersion": "kuberl.io/v1alpha1",
@@ -127,7 +128,7 @@ class TestEveryChildIsAValidKubernetesObject:
         exps = load()
         assert exps, f"{case} holds no RLExperiment"
         for exp in exps:
-            for child in build_children(exp, bus_token=TOKEN):
+            for child in build_children(exp, bus_token=TOKEN, engine_api_key=ENGINE_KEY):
                 kubernetes_validate.validate(child, K8S_VERSION, strict=True)
 
     def test_the_strict_validation_used_here_rejects_an_unknown_field(self) -> None:
@@ -281,9 +282,10 @@ class TestConfigMap:
 
     def test_no_secret_value_leaves_the_bus_secret(self) -> None:
         for exp in IN_TEST.values():
-            for child in build_children(exp, bus_token=TOKEN):
+            for child in build_children(exp, bus_token=TOKEN, engine_api_key=ENGINE_KEY):
                 if child["kind"] != "Secret":
                     assert TOKEN not in json.dumps(child), f"{child['kind']}/{child['metadata']['name']} carries the bus token"
+                    assert ENGINE_KEY not in json.dumps(child), f"{child['kind']}/{child['metadata']['name']} carries the engine key"
 
     def test_the_hub_token_reaches_pods_only_by_reference(self) -> None:
         exp = IN_TEST["volumes and hub token"]

@@ -23,6 +23,7 @@ from kuberl.operator.builders.network import (
 )
 from kuberl.operator.builders.rbac import build_rbac
 from kuberl.operator.builders.rollout import (
+    build_engine_secret,
     build_rollout_service,
     build_rollout_statefulset,
     rollout_replicas,
@@ -45,6 +46,7 @@ __all__ = [
     "build_checkpoint_pvc",
     "build_children",
     "build_config_map",
+    "build_engine_secret",
     "build_network_policy",
     "build_rbac",
     "build_rollout_network_policy",
@@ -64,14 +66,17 @@ __all__ = [
 ]
 
 
-def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None) -> list[Obj]:
+def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None,
+                   engine_api_key: str | None = None) -> list[Obj]:
     """Every child of `exp`, in apply order (what others depend on first).
 
     Order: ServiceAccount, ConfigMap, bus Secret, checkpoint PVC, bus Services, bus NetworkPolicy, bus
     StatefulSet, rollout Service + NetworkPolicy + StatefulSet, trainer Service + NetworkPolicy +
     PodDisruptionBudget + Job (each policy before the pods it guards). The bus Secret is included only when
     `bus_token` is given (embedded bus): the handlers generate the token once, create the Secret, and
-    never rebuild it with a new token. `rollout_replicas` is the autoscaler's choice (default: the spec).
+    never rebuild it with a new token. The engine Secret (the engines' API key, read by the rollout pods)
+    likewise comes only with `engine_api_key`, right before the rollout objects. `rollout_replicas` is
+    the autoscaler's choice (default: the spec).
     """
     children: list[Obj] = [*build_rbac(exp), build_config_map(exp)]
     embedded = exp.spec.bus.external is None
@@ -86,6 +91,8 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
         if policy is not None:
             children.append(policy)
         children.append(build_bus_statefulset(exp))
+    if engine_api_key is not None:
+        children.append(build_engine_secret(exp, engine_api_key))
     children += [build_rollout_service(exp), build_rollout_network_policy(exp), build_rollout_statefulset(exp, rollout_replicas)]
     children += [build_trainer_service(exp), build_trainer_network_policy(exp), build_trainer_pdb(exp), build_trainer_job(exp)]
     return children

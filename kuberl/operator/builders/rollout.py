@@ -19,9 +19,12 @@ from kuberl.operator.builders.common import (
     headless_service,
     metadata,
     runtime_env,
+    secret_env,
     with_spec_hash,
 )
 from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
+from kuberl.runtime.inference.engine_auth import API_KEY_ENV
+from kuberl.runtime.rollout.health import HEALTH_PORT_ENV
 
 ENGINE_CONTAINER = "engine"
 AGENT_CONTAINER = "rollout-agent"
@@ -29,6 +32,41 @@ AGENT_CONTAINER = "rollout-agent"
 AGENT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
 # Loading a large model (download + weights + CUDA graphs) can take many minutes: 30 min before a restart.
 ENGINE_STARTUP_SECONDS = 1800
+ENGINE_API_KEY_KEY = "apiKey"  # the key of the engine Secret's value
+
+
+def agent_probes() -> Obj:
+    """The agent's port and probes (runtime/rollout/health.py): liveness restarts an agent whose loop
+    stalled or blocked; readiness holds while its bus is down or its engine does not answer (the
+    readiness handler waits up to 5 s for the engine's /health)."""
+    def get(path: str) -> Obj:
+        return {"httpGet": {"path": path, "port": "probes"}, "timeoutSeconds": 10}
+
+    return {
+        "ports": [{"name": "probes", "containerPort": naming.AGENT_HEALTH_PORT, "protocol": "TCP"}],
+        "startupProbe": {**get("/healthz"), "periodSeconds": 5, "failureThreshold": 60},
+        "readinessProbe": {**get("/readyz"), "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**get("/healthz"), "periodSeconds": 30, "failureThreshold": 3},
+    }
+
+
+def build_engine_secret(exp: RLExperiment, api_key: str) -> Obj:
+    """Secret `{exp}-engine-credentials`: key `apiKey`, the engines' API key (runtime.inference.engine_auth).
+    The handlers generate it once and keep it; pods read it through secretKeyRef, never literally."""
+    if not api_key or any(c.isspace() for c in api_key):
+        raise ValueError("engine API key must be a non-empty string without whitespace")
+    return pinning.stamp({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(exp, naming.engine_secret_name(exp), L.Component.ROLLOUT),
+        "type": "Opaque",
+        "stringData": {ENGINE_API_KEY_KEY: api_key},
+    }, exp)
+
+
+def engine_key_env(exp: RLExperiment) -> Obj:
+    """$KUBERL_ENGINE_API_KEY from the engine Secret: the engine asks for it, the agent sends it."""
+    return secret_env(API_KEY_ENV, naming.engine_secret_name(exp), ENGINE_API_KEY_KEY)
 
 
 def rollout_replicas(exp: RLExperiment, replicas: int | None = None) -> int:
@@ -72,7 +110,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
         exp, spec, spec.accelerator,
         name=ENGINE_CONTAINER,
         command=["kuberl", "engine", "--config", CONFIG_PATH, "--port", str(naming.ENGINE_PORT)],
-        env=env,
+        env=[*env, engine_key_env(exp)],
         # The engine reads new weights from the workdir (and builds a builtin model there).
         mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],
         resources=container_resources(spec, spec.accelerator),
@@ -89,11 +127,14 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             *env,
             {"name": "KUBERL_ENGINE_URL", "value": f"http://127.0.0.1:{naming.ENGINE_PORT}"},
             {"name": "KUBERL_AGENT_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            engine_key_env(exp),
+            {"name": HEALTH_PORT_ENV, "value": str(naming.AGENT_HEALTH_PORT)},
         ],
         # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
         mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],
         resources=AGENT_RESOURCES,
         shm=False,
+        **agent_probes(),
     )
     sts = {
         "apiVersion": "apps/v1",
