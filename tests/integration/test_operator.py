@@ -152,6 +152,7 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
 CHILDREN = [
     ("/api/v1/namespaces/default/configmaps/{e}-config"),
     ("/api/v1/namespaces/default/secrets/{e}-bus-credentials"),
+    ("/api/v1/namespaces/default/secrets/{e}-engine-credentials"),
     ("/apis/apps/v1/namespaces/default/statefulsets/{e}-bus"),
     ("/apis/apps/v1/namespaces/default/statefulsets/{e}-rollout"),
     ("/apis/batch/v1/namespaces/default/jobs/{e}-trainer"),
