@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import kubernetes_validate
+import pytest
 
 from kuberl.api import load_experiments
 from kuberl.operator import naming
@@ -79,7 +80,8 @@ def test_the_agent_container_is_probed_on_its_own_port() -> None:
     assert naming.AGENT_HEALTH_PORT != naming.ENGINE_PORT
 
 
-def test_the_operator_generates_the_key_once_and_keeps_it(emu, operator) -> None:
+@pytest.mark.usefixtures("operator")
+def test_the_operator_generates_the_key_once_and_keeps_it() -> None:
     """lifecycle.apply_children against the strict API emulator: a random key on the first reconcile,
     the same key on the next (engines and agents that restart must keep agreeing)."""
     from tests.unit.test_operator_upgrade import create, get, reconcile, secret_values
