@@ -5,8 +5,10 @@ Called by builders.build_children and the kopf handlers (O2). Three policies, by
   6222 between the bus pods. The operator is admitted from its own namespace only
   (`kubernetes.io/metadata.name`, set by the API server, cannot be forged by a pod's labels).
 - rollout: the engine port from this experiment's pods only. The engines serve vLLM's development
-  endpoints (/collective_rpc, /pause, weight reload); the agent beside them uses 127.0.0.1, which
-  no policy filters, and kubelet probes are admitted by the CNIs that enforce policies.
+  endpoints (/collective_rpc, /pause, weight reload), behind the engine API key as well (rollout.py,
+  runtime/inference/engine_auth.py); the agent beside them uses 127.0.0.1, which no policy filters,
+  and kubelet probes (the engine's /health, the agent's probe port) are admitted by the CNIs that
+  enforce policies, so the agent's probe port is not listed.
 - trainer: from this experiment's trainer pods only, every port (torchrun's rendezvous store and
   the NCCL/gloo ports, which are chosen at run time).
 Policies select ingress only: egress (the bus, a model hub, an external NATS) stays open.
