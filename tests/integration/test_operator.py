@@ -19,7 +19,7 @@ import requests
 from kuberl.testing.kmock_strict import EmulatorServer, cpu_node, default_crds
 from kuberl.testing.operator_process import OperatorProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 NS = "default"
 RLX = "/apis/kuberl.io/v1alpha1/namespaces/default/rlexperiments"
 
@@ -446,7 +446,7 @@ def test_fixing_an_invalid_spec_starts_the_run(api: Api, experiment_name: str) -
     status = api.experiment(e)["status"]
     assert next(c for c in status["conditions"] if c["type"] == "Validated")["status"] == "True"
     assert api.experiment(e)["spec"]["rollout"]["replicas"] == 2, "the operator wrote the resolved count for /scale"
-    api.wait("observedGeneration caught up", lambda: (x := api.experiment(e))["status"].get("observedGeneration") == x["metadata"]["generation"])
+    api.wait("observedGeneration caught up", lambda: (x := api.experiment(e))["status"].get("observedGeneration") == x["metadata"]["generation"], timeout=180)
 
 
 def test_an_immutable_child_field_is_reported_and_the_rest_applied(api: Api, experiment_name: str) -> None:
@@ -469,4 +469,5 @@ def test_an_immutable_child_field_is_reported_and_the_rest_applied(api: Api, exp
     api.merge(f"{RLX}/{e}", {"spec": {"bus": {"embedded": {"storage": None}}}})  # back to the default
     api.wait("Reconciled=True and observedGeneration caught up", lambda: (s := api.experiment(e).get("status") or {})
              and s.get("observedGeneration") == api.experiment(e)["metadata"]["generation"]
-             and any(c["type"] == "Reconciled" and c["status"] == "True" for c in s.get("conditions", [])))
+             and any(c["type"] == "Reconciled" and c["status"] == "True" for c in s.get("conditions", [])),
+             timeout=180)
