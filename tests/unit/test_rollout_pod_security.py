@@ -96,3 +96,12 @@ def test_the_operator_generates_the_key_once_and_keeps_it() -> None:
     assert first not in json.dumps(rollout)
     engine = {c["name"]: c for c in rollout["spec"]["template"]["spec"]["containers"]}[ENGINE_CONTAINER]
     assert env_of(engine)[API_KEY_ENV] == {"secretKeyRef": {"name": "keyed-engine-credentials", "key": ENGINE_API_KEY_KEY}}
+
+
+def test_the_operator_names_the_env_vars_the_runtime_reads() -> None:
+    """The builders cannot import the runtime (import boundaries), so they repeat two env var names."""
+    from kuberl.operator.builders import rollout as builder
+    from kuberl.runtime.inference.engine_auth import API_KEY_ENV
+    from kuberl.runtime.rollout.health import HEALTH_PORT_ENV
+
+    assert (builder.API_KEY_ENV, builder.HEALTH_PORT_ENV) == (API_KEY_ENV, HEALTH_PORT_ENV)

@@ -23,8 +23,12 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
-from kuberl.runtime.inference.engine_auth import API_KEY_ENV
-from kuberl.runtime.rollout.health import HEALTH_PORT_ENV
+
+# The operator never imports the runtime: these name the env vars that kuberl.runtime.inference.engine_auth
+# (API_KEY_ENV) and kuberl.runtime.rollout.health (HEALTH_PORT_ENV) read; tests/unit/test_rollout_pod_security.py
+# checks they agree.
+API_KEY_ENV = "KUBERL_ENGINE_API_KEY"
+HEALTH_PORT_ENV = "KUBERL_AGENT_HEALTH_PORT"
 
 ENGINE_CONTAINER = "engine"
 AGENT_CONTAINER = "rollout-agent"
