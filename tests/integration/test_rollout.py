@@ -137,8 +137,13 @@ async def test_a_weight_update_during_rollout_is_loaded_and_unfinished_responses
     run = asyncio.create_task(agent.run(max_tickets=2))
     await generating(engine, run)
     await bus.put_state(KEY_WEIGHTS, {"version": 5, "mode": "disk", "path": str(vllm_server.other_weights), "object": None, "time": time.time()})
+    in_flight_at_update = engine._in_flight
     stats = await asyncio.wait_for(run, 300)
-    assert stats.weight_updates == 1 and engine.version == 5
+    if stats.weight_updates == 0 and in_flight_at_update == 0:
+        # Seen once in a module run: the 8 responses had all finished when the update was published, so the
+        # agent returned (max_tickets) with nothing to continue. The precondition failed, not the behaviour.
+        pytest.xfail("the generations finished before the weight update was published: nothing to continue")
+    assert stats.weight_updates == 1 and engine.version == 5, f"in flight when the update was published: {in_flight_at_update}"
     groups = await pull_all(bus, 2)
     samples = [s for g in groups for s in g.samples]
     assert len(samples) == 8
