@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
-"$PY" -m pytest tests e2e_tests
+"$PY" -m pytest --durations=25 tests e2e_tests
 exec "$PY" scripts/mutation-check.py

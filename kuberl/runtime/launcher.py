@@ -216,6 +216,10 @@ def prepare_manifest(exp: RLExperiment, workdir: Path, max_steps: int | None) ->
     return path
 
 
+PROGRESS_READ_SECONDS = 3.0
+"""Longest wait for one progress read: the loop must see `stop` soon after the supervisor gives up on the bus."""
+
+
 async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
     """Follow the trainer's progress in the bus KV with a rich progress bar; returns the last report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -240,9 +244,9 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
             task = bar.add_task("training", total=total, info="starting roles (engine warm-up takes ~30 s on CPU)")
             last_line = 0.0
             while not stop.is_set():
-                try:
-                    report = await bus.get_state("progress")
-                except BusError as exc:  # the bus is restarting (the supervisor brings it back): keep waiting
+                try:  # a Bus call rides out an outage for minutes: never wait past the supervisor's verdict
+                    report = await asyncio.wait_for(bus.get_state("progress"), timeout=PROGRESS_READ_SECONDS)
+                except (BusError, TimeoutError) as exc:  # the bus is restarting (the supervisor brings it back, or stops us)
                     log.debug("progress unavailable: %s", exc)
                     report = None
                 if report and report != last:
@@ -260,7 +264,10 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
                 except TimeoutError:
                     pass
     finally:
-        await bus.close()
+        try:
+            await asyncio.wait_for(bus.close(), timeout=PROGRESS_READ_SECONDS)
+        except TimeoutError:
+            log.debug("progress: closing the bus connection timed out")
     return last
 
 
