@@ -12,8 +12,9 @@ WORKDIR /src
 RUN python -m venv /opt/kuberl
 COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
+COPY operator/ operator/
 # A regular (not editable) install: the final stage has no /src.
-RUN /opt/kuberl/bin/pip install "/src[operator]"
+RUN /opt/kuberl/bin/pip install "/src[operator]" /src/operator
 
 # ---- final: the venv on a slim base, numeric non-root user ----------------------------------
 FROM ${PYTHON_IMAGE}

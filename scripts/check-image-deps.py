@@ -4,7 +4,8 @@
 For each images/runtime-*.Dockerfile it collects what the build stage pip-installs: the quoted
 requirements of its `pip install` lines with the ARG defaults substituted (TORCH_VERSION,
 VLLM_VERSION, SGLANG_VERSION, TORCH_NPU_VERSION, ...), and `/src[<extras>]`, expanded to
-pyproject.toml's dependencies plus those extras. Then it asks pip to resolve them all at once for the
+pyproject.toml's dependencies plus those extras (which name operator/'s and runtime/'s distributions:
+their pyproject.toml lists are expanded too). Then it asks pip to resolve them all at once for the
 image's interpreter and platform, without installing and without downloading whole wheels:
 
     pip install --dry-run --ignore-installed --use-feature=fast-deps --report R.json
@@ -176,23 +177,33 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+LOCAL = {"kuberl": "", "kuberl-operator": "operator", "kuberl-runtime": "runtime"}
+"""The distributions of this repository (name -> folder of its pyproject.toml): expanded, never resolved."""
+
+
 def extra_requirements(extras: list[str], project: dict) -> list[str]:
-    """pyproject's dependencies plus the named extras, with kuberl[...] self references expanded."""
-    optional = project["project"]["optional-dependencies"]
-    out = list(project["project"]["dependencies"])
-    seen: set[str] = set()
-    todo = list(extras)
+    """kuberl's dependencies plus the named extras, with references to kuberl, kuberl-operator and
+    kuberl-runtime (operator/ and runtime/ are distributions of their own) expanded to what they list."""
+    projects = {"kuberl": project}
+    out: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    todo = [("kuberl", ""), *(("kuberl", e) for e in extras)]  # "" = the distribution's own dependencies
     while todo:
-        extra = todo.pop(0)
-        if extra in seen:
+        dist, extra = todo.pop(0)
+        if (dist, extra) in seen:
             continue
-        seen.add(extra)
-        if extra not in optional:
-            raise SystemExit(f"check-image-deps: kuberl has no extra {extra!r}")
-        for dep in optional[extra]:
+        seen.add((dist, extra))
+        if dist not in projects:
+            projects[dist] = tomllib.loads((ROOT / LOCAL[dist] / "pyproject.toml").read_text())
+        meta = projects[dist]["project"]
+        optional = meta.get("optional-dependencies", {})
+        if extra and extra not in optional:
+            raise SystemExit(f"check-image-deps: {dist} has no extra {extra!r}")
+        for dep in optional[extra] if extra else meta["dependencies"]:
             req = Requirement(dep)
-            if canonicalize_name(req.name) == "kuberl":
-                todo += sorted(req.extras)
+            name = canonicalize_name(req.name)
+            if name in LOCAL:
+                todo += [(name, ""), *((name, e) for e in sorted(req.extras))]
             else:
                 out.append(dep)
     return out

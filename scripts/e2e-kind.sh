@@ -152,8 +152,8 @@ step_load() {
   echo "on the node: $OPERATOR_IMAGE $RUNTIME_IMAGE"
   # The NATS image is pulled by the node from its registry: say now, not after a timeout, if it is not there.
   local nats
-  nats="$(sed -n 's/^NATS_IMAGE = "\(.*\)".*/\1/p' kuberl/operator/builders/bus.py)"
-  docker buildx imagetools inspect "$nats" >/dev/null || die "the bus image $nats (kuberl/operator/builders/bus.py NATS_IMAGE) cannot be found"
+  nats="$(sed -n 's/^NATS_IMAGE = "\(.*\)".*/\1/p' operator/kuberl/operator/builders/bus.py)"
+  docker buildx imagetools inspect "$nats" >/dev/null || die "the bus image $nats (operator/kuberl/operator/builders/bus.py NATS_IMAGE) cannot be found"
   echo "bus image $nats exists"
 }
 

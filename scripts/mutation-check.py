@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSSES = "kuberl/runtime/algorithms/losses.py"
-ADVANTAGES = "kuberl/runtime/algorithms/advantages.py"
-TRAINER = "kuberl/runtime/trainer/trainer.py"
-BATCH = "kuberl/runtime/trainer/batch.py"
-STALENESS = "kuberl/runtime/staleness.py"
+LOSSES = "runtime/kuberl/runtime/algorithms/losses.py"
+ADVANTAGES = "runtime/kuberl/runtime/algorithms/advantages.py"
+TRAINER = "runtime/kuberl/runtime/trainer/trainer.py"
+BATCH = "runtime/kuberl/runtime/trainer/batch.py"
+STALENESS = "runtime/kuberl/runtime/staleness.py"
 
 # Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
 OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
@@ -120,22 +120,25 @@ def check_mutants(root: Path, mutants: tuple[Mutant, ...]) -> list[str]:
 
 
 def make_copy(dest: Path) -> Path:
-    for part in ("kuberl", "tests"):
-        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for part in ("kuberl", "operator", "runtime", "tests"):
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
     return dest
 
 
 def env_for(copy: Path) -> dict[str, str]:
-    # The copy comes first on sys.path (cwd and PYTHONPATH precede the editable install's finder).
-    return {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # The copy comes first on sys.path (PYTHONPATH precedes the editable installs' .pth entries), its
+    # operator/ and runtime/ distribution roots too: kuberl's __path__ then lists the copy's portions first.
+    path = os.pathsep.join(str(copy / part) for part in ("", "operator", "runtime"))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def assert_imports_from(copy: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", "import kuberl; print(kuberl.__file__)"], cwd=copy, env=env_for(copy),
-                         capture_output=True, text=True, check=True).stdout.strip()
-    if not Path(out).resolve().is_relative_to(copy.resolve()):
-        raise SystemExit(f"mutation-check: the copy in {copy} imports kuberl from {out}; mutants would not be tested")
+    probe = "import kuberl, kuberl.runtime; print(kuberl.__file__); print(kuberl.runtime.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=env_for(copy), capture_output=True, text=True, check=True).stdout
+    for where in out.split():
+        if not Path(where).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(f"mutation-check: the copy in {copy} imports kuberl from {where}; mutants would not be tested")
 
 
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
@@ -181,7 +184,7 @@ def print_table(results: list[Result]) -> None:
         if len(detail) > 80:
             name, _, kind = detail.rpartition(" ")
             detail = name[: 76 - len(kind)] + "... " + kind
-        rows.append((r.mutant.id, r.mutant.file.removeprefix("kuberl/runtime/"), " ".join(t.removeprefix("tests/unit/") for t in r.mutant.tests),
+        rows.append((r.mutant.id, r.mutant.file.removeprefix("runtime/kuberl/runtime/"), " ".join(t.removeprefix("tests/unit/") for t in r.mutant.tests),
                      r.outcome, detail, f"{r.seconds:.0f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for k, row in enumerate(rows):

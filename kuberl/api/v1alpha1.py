@@ -580,7 +580,7 @@ class RolloutSpec(SchedulingSpec):
 
 
 # Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
-# the trainer's own exit-2 refusal (kuberl/runtime/trainer/trainer.py) stays as a second line of defence.
+# the trainer's own exit-2 refusal (runtime/kuberl/runtime/trainer/trainer.py) stays as a second line of defence.
 MEGATRON_UNSUPPORTED = ("trainer.backend megatron is not implemented yet: use trainer.backend fsdp (FSDP2, data parallel); "
                         "tensor, pipeline and expert parallel come with the megatron backend (README: support table)")
 CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "

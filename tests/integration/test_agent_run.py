@@ -1,7 +1,7 @@
 """`kuberl run` with `workflow.type: agent`: an OpenAI-client agent learns on the tiny model, and bad episodes
 never stop the run.
 
-The agent is kuberl/runtime/agents/repeat.py (two calls; only the second answer is scored) wrapped so
+The agent is runtime/kuberl/runtime/agents/repeat.py (two calls; only the second answer is scored) wrapped so
 that some items misbehave: the agent raises, hangs past workflow.episodeTimeoutSeconds, or returns a
 string. Those tickets fail (retried up to rollout.maxTicketAttempts, then published as failed groups
 with their reasons); the run finishes every step and the reward rises.

@@ -175,7 +175,7 @@ class TestOperatorDeployment:
 
     def test_probe_path_is_the_one_the_operator_serves(self):
         """kuberl operator serves kopf's liveness endpoint at /healthz on --health-port."""
-        main_py = (ROOT / "kuberl" / "operator" / "main.py").read_text()
+        main_py = (ROOT / "operator" / "kuberl" / "operator" / "main.py").read_text()
         path = self.container()["livenessProbe"]["httpGet"]["path"]
         assert f"{{args.health_port}}{path}" in main_py
 
@@ -255,12 +255,12 @@ class TestRBAC:
         assert not missing, f"{group or 'core'}/{resource}: missing verbs {sorted(missing)}"
 
     def test_grants_every_kind_the_operator_client_reads_or_writes(self):
-        """kuberl/operator/kube.py lists each kind the operator touches; the ClusterRole must cover each one."""
+        """operator/kuberl/operator/kube.py lists each kind the operator touches; the ClusterRole must cover each one."""
         from kuberl.operator import kube
         have = {(g, r) for g, r, _ in granted(self.rules())}
         for kind, (api_version, plural, _) in kube.KINDS.items():
             group = api_version.rpartition("/")[0]
-            assert (group, plural) in have, f"kuberl/operator/kube.py uses {kind} ({group or 'core'}/{plural}); the ClusterRole has no rule"
+            assert (group, plural) in have, f"operator/kuberl/operator/kube.py uses {kind} ({group or 'core'}/{plural}); the ClusterRole has no rule"
 
     def test_pods_and_nodes_are_read_only(self):
         for _group, resource, verb in granted(self.rules()):

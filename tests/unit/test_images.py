@@ -59,14 +59,16 @@ def final_stage(path: Path) -> list[tuple[str, str]]:
 
 
 def pyproject_requirements() -> dict[str, list[Requirement]]:
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    """Every requirement the three distributions list: kuberl (.), kuberl-operator (operator/), kuberl-runtime (runtime/)."""
     reqs: dict[str, list[Requirement]] = {}
-    deps = list(data["project"]["dependencies"])
-    for extra in data["project"]["optional-dependencies"].values():
-        deps += extra
-    for dep in deps:
-        req = Requirement(dep)
-        reqs.setdefault(req.name.lower(), []).append(req)
+    for folder in ("", "operator", "runtime"):
+        data = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())
+        deps = list(data["project"]["dependencies"])
+        for extra in data["project"].get("optional-dependencies", {}).values():
+            deps += extra
+        for dep in deps:
+            req = Requirement(dep)
+            reqs.setdefault(req.name.lower(), []).append(req)
     return reqs
 
 
@@ -386,11 +388,14 @@ class TestImageDepsExtraction:
         # The kuberl extras of the image, expanded from pyproject.toml, are all there.
         reqs = pyproject_requirements()
         names = {Requirement(r).name.lower() for r in image.requirements}
+        runtime = tomllib.loads((ROOT / "runtime" / "pyproject.toml").read_text())["project"]
+        wanted = list(runtime["dependencies"])
         for extra in args["KUBERL_EXTRAS"].split(","):
-            for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]:
-                req = Requirement(dep)
-                if req.name not in ("kuberl", "flash-attn"):
-                    assert req.name.lower() in names and req.name.lower() in reqs, f"{path.name}: {dep} missing"
+            wanted += runtime["optional-dependencies"].get(extra, [])
+        for dep in wanted:
+            req = Requirement(dep)
+            if req.name not in ("kuberl", "flash-attn"):
+                assert req.name.lower() in names and req.name.lower() in reqs, f"{path.name}: {dep} missing"
 
     def test_flash_attn_is_left_out_and_said_so(self):
         image = deps_script().read_image(IMAGES / "runtime-vllm.Dockerfile")

@@ -41,8 +41,8 @@ def offenders(folder: Path, forbidden: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        ("kuberl/operator", ("kuberl.runtime", "torch", "transformers")),
-        ("kuberl/runtime", ("kuberl.operator", "kopf")),
+        ("operator/kuberl/operator", ("kuberl.runtime", "torch", "transformers")),
+        ("runtime/kuberl/runtime", ("kuberl.operator", "kopf")),
         ("kuberl/api", ("torch", "kopf", "kuberl.operator", "kuberl.runtime")),
     ],
     ids=["the operator never imports the runtime or torch", "the runtime never imports the operator or kopf",

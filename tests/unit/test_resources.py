@@ -1,4 +1,4 @@
-"""CPU resources per role (kuberl/runtime/resources.py): core split, cgroup quota, thread environment.
+"""CPU resources per role (runtime/kuberl/runtime/resources.py): core split, cgroup quota, thread environment.
 
 The pure functions first, then `kuberl run`'s plan (engine and trainer on disjoint cores), then a real
 child process that applies $KUBERL_CPUS/$KUBERL_THREADS: its affinity and torch's thread count follow.

@@ -1,4 +1,4 @@
-"""The trainer's device choice (kuberl/runtime/trainer/dist.py): npu + HCCL when torch_npu imports and
+"""The trainer's device choice (runtime/kuberl/runtime/trainer/dist.py): npu + HCCL when torch_npu imports and
 sees an NPU, cuda + NCCL when CUDA does, else cpu + gloo. No Ascend here: torch_npu is played by a
 module in sys.modules and torch's privateuse1 backend renamed to npu, as torch_npu itself does."""
 

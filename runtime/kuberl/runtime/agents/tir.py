@@ -1,6 +1,6 @@
 """Tool-integrated reasoning for math (AReaL's TIR): the model may call a `python` tool mid-answer.
 
-Each tool call runs in the sandbox (kuberl/runtime/rollout/sandbox.py: own process, no network,
+Each tool call runs in the sandbox (runtime/kuberl/runtime/rollout/sandbox.py: own process, no network,
 CPU/memory/time limits from workflow.sandbox) and its output, or a clear error, goes back to the
 model as the tool's message; the conversation goes on until the model answers without a tool call
 or MAX_TOOL_CALLS is reached. The final answer is scored by workflow.reward (e.g. math). An episode
