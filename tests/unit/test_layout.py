@@ -8,6 +8,7 @@ repository root); these tests run Python there in a fresh venv to show it does n
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -67,10 +68,12 @@ def test_root_project_leaves_the_roles_to_their_own_distributions():
 
 @pytest.mark.parametrize("folder", ["operator", "runtime"])
 def test_each_wheel_holds_only_its_own_part_of_kuberl(folder, tmp_path):
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                            str(ROOT / folder)], capture_output=True, text=True, timeout=300)
+    # Built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds.
+    source = shutil.copytree(ROOT / folder, tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                            str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
-    (wheel,) = tmp_path.glob("*.whl")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = [n for n in zipfile.ZipFile(wheel).namelist() if not n.split("/")[0].endswith(".dist-info")]
     assert f"kuberl/{folder}/__init__.py" in names
     assert all(n.startswith(f"kuberl/{folder}/") for n in names), [n for n in names if not n.startswith(f"kuberl/{folder}/")][:5]
