@@ -67,6 +67,29 @@ class Cluster:
     # KUBERL_E2E_KEEP_ON_FAILURE=1: a failing test leaves its experiment (and the namespace) for inspection.
     keep_on_failure: bool = os.environ.get("KUBERL_E2E_KEEP_ON_FAILURE", "").lower() in ("1", "true", "yes")
     operator_log: Callable[[], str] = lambda: ""
+    kill_local_operator: Callable[[], None] | None = None  # the emulator's operator subprocess: kill -9 and start again
+
+    def restart_operator(self) -> None:
+        """kill -9 the operator and wait until a new one is up: on the emulator its subprocess; on a real
+        cluster the chart's operator pods (force-deleted, as a node loss would), replaced by their Deployment."""
+        if self.kill_local_operator is not None:
+            self.kill_local_operator()
+            return
+        pods = self.json("get", "pods", "--all-namespaces", "-l", OPERATOR_SELECTOR)["items"]
+        assert pods, f"no operator pod ({OPERATOR_SELECTOR}) to kill"
+        for pod in pods:
+            meta = pod["metadata"]
+            self.kubectl("delete", "pod", meta["name"], "--namespace", meta["namespace"], "--grace-period=0", "--force",
+                         "--wait=false", namespaced=False)
+        old = {p["metadata"]["uid"] for p in pods}
+
+        def replaced() -> bool:
+            now = self.json("get", "pods", "--all-namespaces", "-l", OPERATOR_SELECTOR)["items"]
+            return any(p["metadata"]["uid"] not in old and any(c.get("type") == "Ready" and c.get("status") == "True"
+                                                                 for c in p.get("status", {}).get("conditions", []))
+                       for p in now)
+
+        self.wait("a new operator pod Ready", replaced)
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None, timeout: float = 120,
                 namespaced: bool = True) -> subprocess.CompletedProcess[str]:
@@ -207,6 +230,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         c.kubectl("apply", "-f", str(ROOT / "crds"), namespaced=False)
         with OperatorProcess(kubeconfig, tmp / "operator.log", interval=1.0, checkpoint_timeout=5.0) as op:
             c.operator_log = lambda: "--- operator log ---\n" + op.log_tail()
+            c.kill_local_operator = op.restart
             with _test_namespace(c, request.session):
                 yield c
             assert op.alive, f"the operator died during the e2e tests:\n{op.log_tail()}"

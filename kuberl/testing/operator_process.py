@@ -32,6 +32,19 @@ class OperatorProcess:
 
     def __enter__(self) -> Self:
         self._log = self.log_path.open("wb")
+        self._start()
+        return self
+
+    def restart(self) -> None:
+        """kill -9 the operator (as a node loss or an OOM kill would) and start a new one on the same ports and log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.write(b"\n----- operator killed (SIGKILL) and started again -----\n")
+        self._log.flush()
+        self._start()
+
+    def _start(self) -> None:
         # $KUBERL_TEST_OPERATOR_CMD runs another entry point (e.g. an installed `kuberl`) instead.
         prefix = os.environ.get("KUBERL_TEST_OPERATOR_CMD", "").split() or [sys.executable, "-m", "kuberl.cli"]
         cmd = [*prefix, "operator", "--standalone",
@@ -44,7 +57,7 @@ class OperatorProcess:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 time.sleep(0.3)
         self.__exit__()
