@@ -714,6 +714,9 @@ class FailurePolicySpec(KubeModel):
 _RP = "self.rollout"
 _TP = "self.trainer.parallelism"
 
+# spec.tracking lives in its own module, built on the pieces above (imported here, not at the top, for that reason).
+from kuberl.api.tracking import TrackingSpec  # noqa: E402
+
 
 class RLExperimentSpec(KubeModel):
     """What to train, on what, with which algorithm, and where: one manifest for `kubectl apply` and `kuberl run`."""
@@ -759,6 +762,8 @@ class RLExperimentSpec(KubeModel):
     suspend: bool = Field(False, description="Checkpoint and scale everything to zero; false again resumes from the checkpoint.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the experiment this long after it succeeds or fails.")
     failure_policy: FailurePolicySpec = Field(default_factory=FailurePolicySpec, description="Restarts and backoff.")
+    tracking: TrackingSpec | None = Field(None, description="Experiment trackers (TensorBoard, W&B, MLflow) for every step's metrics; "
+                                          "unset: metrics.jsonl only.")
     seed: int = Field(1, ge=0, description="Random seed (data order, sampling, init).")
     managed_by: str | None = Field(
         None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9._]+$",

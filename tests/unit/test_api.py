@@ -9,6 +9,7 @@ import pytest
 
 from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.allocation import parse_allocation
+from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     AGENT_INDIVIDUAL_UNSUPPORTED,
     ALLOCATION_CONTEXT_UNSUPPORTED,
@@ -257,6 +258,18 @@ AGREEMENT_CASES = [
     ("pod template with a reserved label", {"rollout": {"podTemplate": {"labels": {"kuberl.io/role": "x"}}}}, OVERRIDE_LABEL_MESSAGE),
     ("pod template with a reserved env", {"trainer": {"podTemplate": {"env": [{"name": "KUBERL_BUS_URL", "value": "x"}]}}}, OVERRIDE_ENV_MESSAGE),
     ("pod template with a reserved volume", {"trainer": {"podTemplate": {"volumes": [{"name": "config", "emptyDir": {}}]}}}, OVERRIDE_VOLUME_MESSAGE),
+    # spec.tracking (kuberl/api/tracking.py)
+    ("tracking with every tracker", {"tracking": {"tensorboard": {}, "wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}},
+                                                  "mlflow": {"trackingUri": "https://mlflow.example:5000", "tokenSecret": {"name": "ml"}}}}, None),
+    ("tracking with no tracker", {"tracking": {}}, TRACKING_EMPTY),
+    ("wandb online without a key", {"tracking": {"wandb": {"project": "p"}}}, WANDB_ONLINE_NEEDS_KEY),
+    ("wandb offline", {"tracking": {"wandb": {"project": "p", "mode": "offline"}}}, None),
+    ("wandb offline with a key", {"tracking": {"wandb": {"project": "p", "mode": "offline", "apiKeySecret": {"name": "w"}}}}, WANDB_OFFLINE_KEY),
+    ("wandb offline with a host", {"tracking": {"wandb": {"project": "p", "mode": "offline", "host": "https://wandb.example"}}}, WANDB_OFFLINE_KEY),
+    ("mlflow file store", {"tracking": {"mlflow": {}}}, None),
+    ("mlflow token with a file store", {"tracking": {"mlflow": {"trackingUri": "file:///data/mlruns", "tokenSecret": {"name": "m"}}}},
+     MLFLOW_TOKEN_NEEDS_SERVER),
+    ("mlflow token without a server", {"tracking": {"mlflow": {"tokenSecret": {"name": "m"}}}}, MLFLOW_TOKEN_NEEDS_SERVER),
 ]
 
 
