@@ -144,3 +144,39 @@ def test_a_bus_that_stays_away_fails_with_an_error_naming_the_outage(server, mon
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_weights_uploaded_and_downloaded_across_a_restart_arrive_whole(server, tmp_path):
+    """weightSync.mode bus: a kill -9 of the server mid-upload (or mid-download) costs a retry, not the
+    trainer (or the agent): the call completes once the server is back and the files arrive byte for byte."""
+    import os
+
+    src = tmp_path / "v3"
+    src.mkdir()
+    blobs = {f"model-{i}.safetensors": os.urandom(6_000_000) for i in range(4)}  # 24 MB in 2 MB chunks
+    for rel, data in blobs.items():
+        (src / rel).write_bytes(data)
+    (src / "config.json").write_text("{}")
+
+    async def main():
+        bus = await Bus.connect(server["s"].url, name(), publish_timeout=5.0)
+        try:
+            upload = asyncio.create_task(bus.put_weights(3, src))
+            await asyncio.sleep(0.05)  # mid-upload
+            assert not upload.done(), "the upload finished before the kill: make the blobs bigger"
+            await restart_after(server, 3.0)
+            assert await asyncio.wait_for(upload, 60) == "v3"
+            assert await bus.list_weights() == ["v3"]
+            download = asyncio.create_task(bus.get_weights("v3", tmp_path / "got"))
+            await asyncio.sleep(0.05)  # mid-download
+            await restart_after(server, 3.0)
+            dest = await asyncio.wait_for(download, 60)
+        finally:
+            await bus.close()
+        for rel, data in blobs.items():
+            assert (tmp_path / "got" / rel).read_bytes() == data
+        assert sorted(p.name for p in (tmp_path / "got").iterdir()) == sorted([*blobs, "config.json"])
+        assert dest == str(tmp_path / "got")
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".got.tmp-")], "a half-downloaded folder was left"
+
+    asyncio.run(main())

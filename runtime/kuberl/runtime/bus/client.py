@@ -450,21 +450,25 @@ class Bus(Topology):
 
     # -- weights (object store) ------------------------------------------------------------------
 
+    # Each call is retried whole through a bus outage (a kill -9 of the server mid-upload): objects are
+    # replaced by name and the manifest is written last, so a repeated upload or download is safe.
+
     async def put_weights(self, version: int, folder: str | os.PathLike[str]) -> str:
         """Upload every file of `folder` as objects `v{version}/{file}`; returns the prefix `v{version}`."""
-        return await weights_io.put_weights(self._obj, version, folder, chunk_size=min(self.chunk_size, 2 * 1024 * 1024))
+        chunk = min(self.chunk_size, 2 * 1024 * 1024)
+        return await self._retry(f"upload weights v{version}", lambda: weights_io.put_weights(self._obj, version, folder, chunk_size=chunk))
 
     async def get_weights(self, prefix: str, dest_folder: str | os.PathLike[str]) -> str:
         """Download the objects under `prefix` into dest_folder (written beside it, then renamed)."""
-        return await weights_io.get_weights(self._obj, prefix, dest_folder)
+        return await self._retry(f"download weights {prefix}", lambda: weights_io.get_weights(self._obj, prefix, dest_folder))
 
     async def delete_weights(self, prefix: str) -> int:
         """Delete the objects under `prefix`; returns how many."""
-        return await weights_io.delete_weights(self._obj, prefix)
+        return await self._retry(f"delete weights {prefix}", lambda: weights_io.delete_weights(self._obj, prefix))
 
     async def list_weights(self) -> list[str]:
         """Prefixes of the complete weight uploads in the object store."""
-        return await weights_io.list_weights(self._obj)
+        return await self._retry("list weights", lambda: weights_io.list_weights(self._obj))
 
     # -- observation -----------------------------------------------------------------------------
 
