@@ -30,6 +30,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="Continue from the latest checkpoint in --workdir")
 
 
+def _plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="A run's workdir (or its metrics.jsonl), or the name of a cluster experiment")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default: <workdir>/curves.png, or ./<experiment>-curves.png)")
+    p.add_argument("-n", "--namespace", default=None, help="Namespace of a cluster experiment (default: default)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for a cluster experiment (default: kubectl's)")
+
+
 def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", help="Manifests to check as admission would")
 
@@ -65,6 +72,7 @@ def _bus_args(p: argparse.ArgumentParser) -> None:
 
 COMMANDS: dict[str, tuple[str, str, Adder]] = {
     "run": ("kuberl.runtime.launcher:main", "Run an RLExperiment on this machine (no cluster needed)", _run_args),
+    "plot": ("kuberl.runtime.plot:main", "Draw a run's reward, entropy, staleness and eval curves to a PNG", _plot_args),
     "validate": ("kuberl.api.validation:main", "Check manifests as admission would (schema, CEL rules, model checks)", _validate_args),
     "crd": ("kuberl.api.crd:main", "Print the CustomResourceDefinition generated from the API models", _crd_args),
     "operator": ("kuberl.operator.main:main", "Run the kopf operator", _operator_args),

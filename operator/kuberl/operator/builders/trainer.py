@@ -75,6 +75,12 @@ def pod_failure_policy() -> Obj:
     ]}
 
 
+def tracking_env(exp: RLExperiment) -> list[Obj]:
+    """spec.tracking's credentials (W&B API key, MLflow token) as env from their Secrets (secretKeyRef), never as values."""
+    t = exp.spec.tracking
+    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}} for env, ref in (t.secret_env() if t else [])]
+
+
 def build_trainer_job(exp: RLExperiment) -> Obj:
     """Indexed Job `{exp}-trainer`: completions = parallelism = trainer.nodes, suspended with the experiment."""
     t = exp.spec.trainer
@@ -89,6 +95,7 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             # expands from a variable the pod spec itself names.
             {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
             *runtime_env(exp),
+            *tracking_env(exp),
         ],
         mounts=[{"name": "checkpoints", "mountPath": WORKDIR}, *data_mounts],
         resources=container_resources(t, t.accelerator),

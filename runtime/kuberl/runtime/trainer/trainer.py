@@ -30,6 +30,7 @@ from kuberl.runtime.algorithms import (
     shape_rewards,
 )
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
+from kuberl.runtime.tracking import Tracking
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, minibatch_rows, response_logprobs, shard_micro_batches
@@ -84,6 +85,7 @@ class Trainer:
         self.last_checkpoint: dict[str, Any] | None = None
         self.stop_reason: str | None = None
         self.last_numbers: dict[str, Any] = {}  # reward, speed, staleness of the last step, for progress
+        self.tracking: Tracking | None = None  # spec.tracking's trackers, rank 0, from the first step's report
 
     # ------------------------------------------------------------------------------------------
     # set-up
@@ -211,6 +213,8 @@ class Trainer:
                     log.warning("could not report the failure on the bus")
             return config_error_exit("trainer", exc) if config else 1
         finally:
+            if self.tracking is not None:
+                self.tracking.close()
             if self.bus is not None:
                 await self.bus.close()
             D.shutdown()
@@ -556,6 +560,10 @@ class Trainer:
                    "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            if self.tracking is None:  # rank 0 only: the other ranks returned above
+                self.tracking = Tracking.from_spec(self.spec.tracking, workdir=self.workdir, name=self.exp.name, namespace=self.exp.namespace,
+                                                   config=self.spec.to_manifest())
+            self.tracking.log(self.step, row)  # never blocks; a tracker that is down is logged once, training goes on
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
             log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
                      "wait %.0f%% ETA %s", self.step, self.total_steps, self.version, stats["reward_mean"], stats["loss"],
