@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -18,6 +19,7 @@ from kuberl.runtime.inference.base import GenerateRequest
 from kuberl.runtime.inference.engine_auth import API_KEY_ENV, MIDDLEWARE, EngineAuthMiddleware
 from kuberl.runtime.inference.vllm import VLLMEngine, build_server_command, server_env
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "k3y-for-tests"
 DEV_ENDPOINTS = ["/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/abort_requests"]
 
@@ -121,3 +123,22 @@ async def test_client_without_a_key_sends_no_authorization(monkeypatch, tmp_path
     async with recording_engine() as (url, seen):
         await drive(VLLMEngine(url=url), tmp_path)
     assert seen and {auth for _, auth in seen} == {None}
+
+
+def test_sglang_gets_the_key_as_its_api_key_and_logs_never_show_it(monkeypatch, caplog) -> None:
+    """SGLang's own --api-key guards every endpoint but /health* and /metrics (weight updates and pause too)."""
+    from kuberl.api import load_experiment
+    from kuberl.runtime.inference import main as engine_main
+    from kuberl.runtime.inference.engine_auth import redact_command
+    from kuberl.runtime.inference.sglang import SGLangEngine
+
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    exp = load_experiment(ROOT / "examples" / "quickstart-cpu.yaml")
+    exp.spec.rollout.engine = "sglang"
+    cmd, _ = engine_main.server_command(exp, "/m", 8000, "0.0.0.0")
+    assert cmd[cmd.index("--api-key") + 1] == KEY
+    engine = SGLangEngine("/m", port=8000)
+    assert engine.server_command()[engine.server_command().index("--api-key") + 1] == KEY
+    assert KEY not in redact_command(cmd) and "--api-key ***" in redact_command(cmd)
+    monkeypatch.delenv(API_KEY_ENV)
+    assert "--api-key" not in engine_main.server_command(exp, "/m", 8000, "127.0.0.1")[0]  # local runs: no key

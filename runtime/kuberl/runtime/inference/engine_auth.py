@@ -30,6 +30,11 @@ def engine_api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def redact_command(cmd: list[str]) -> str:
+    """The command line for a log: the value after --api-key (SGLang's) as ***."""
+    return " ".join("***" if i and cmd[i - 1] == "--api-key" else arg for i, arg in enumerate(cmd))
+
+
 def auth_headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 

@@ -21,7 +21,7 @@ import aiohttp
 
 from kuberl.net import free_port
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
-from kuberl.runtime.inference.engine_auth import auth_headers, engine_api_key
+from kuberl.runtime.inference.engine_auth import auth_headers, engine_api_key, redact_command
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class HTTPServerEngine:
     def launch(self) -> None:
         """Start the server process (in its own process group: stop() ends it and its worker children)."""
         cmd = self.server_command()
-        log.info("starting %s: %s", self.name, " ".join(cmd))
+        log.info("starting %s: %s", self.name, redact_command(cmd))
         if self.log_path is None:
             self.proc = subprocess.Popen(cmd, env=self.server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
             return

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.api.v1alpha1 import AcceleratorType
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
+from kuberl.runtime.inference.engine_auth import engine_api_key, redact_command
 
 log = logging.getLogger("kuberl.engine")
 
@@ -78,7 +79,7 @@ def server_command(exp: RLExperiment, model_path: str, port: int, host: str) -> 
     if engine == "sglang":
         from kuberl.runtime.inference import sglang
 
-        return sglang.build_server_command(model_path, port=port, host=host, **settings), dict(os.environ)
+        return sglang.build_server_command(model_path, port=port, host=host, api_key=engine_api_key(), **settings), dict(os.environ)
     raise ValueError(f"rollout.engine: unknown engine {engine!r}")
 
 
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # only a transient one gets past spec_errors (the hub unreachable): retry
         print(f"kuberl engine: {exc}", file=sys.stderr)
         return 1
-    log.info("exec: %s", " ".join(cmd))
+    log.info("exec: %s", redact_command(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(cmd[0], cmd, env)

@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.inference.engine_auth import engine_api_key
 from kuberl.runtime.inference.http_engine import HTTPServerEngine
 
 # SGLang's SamplingParams fields, neutral (top_k -1 = the whole vocabulary; 0 is refused by SGLang).
@@ -35,7 +36,12 @@ def build_server_command(
     pipeline_parallel_size: int = 1,
     seed: int = 0,
     extra_args: list[str] | None = None,
+    api_key: str | None = None,
 ) -> list[str]:
+    """SGLang's server command. `api_key` (the engine's, $KUBERL_ENGINE_API_KEY on a cluster): SGLang's
+    --api-key guards every endpoint but /health* and /metrics, weight updates and pause included. SGLang
+    reads it only from its command line, which only the engine container's own processes can see (a pod
+    has its own PID namespace); logs show it as *** (engine_auth.redact_command)."""
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
         "--host", host, "--port", str(port), "--dtype", dtype,
@@ -48,6 +54,8 @@ def build_server_command(
         cmd += ["--context-length", str(max_model_len)]
     if max_num_seqs is not None:
         cmd += ["--max-running-requests", str(max_num_seqs)]
+    if api_key:
+        cmd += ["--api-key", api_key]
     return cmd + list(extra_args or [])
 
 
@@ -131,7 +139,7 @@ class SGLangEngine(HTTPServerEngine):
         )
 
     def server_command(self) -> list[str]:
-        return build_server_command(self.model_path, port=self.port, **self._launch)
+        return build_server_command(self.model_path, port=self.port, api_key=engine_api_key(), **self._launch)
 
     @staticmethod
     async def _read_body(resp: aiohttp.ClientResponse) -> dict | list:
