@@ -14,6 +14,7 @@ the monitor timer must stop before the object disappears (kopf does this for eve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -21,13 +22,13 @@ import kopf
 from pydantic import ValidationError
 
 from kuberl.api.v1alpha1 import GROUP, PLURAL, VERSION, RLExperiment, RLExperimentStatus
-from kuberl.operator import kueue, metrics
+from kuberl.operator import cache, kueue, metrics
 from kuberl.operator import status as st
 from kuberl.operator.kube import KubeError
 from kuberl.operator.labels import EventReason, managed_elsewhere
-from kuberl.operator.lifecycle import CONFIG, apply_children, event, kube, now, refresh
+from kuberl.operator.lifecycle import CONFIG, apply_children, event, kube, latest_status, now, refresh, status_model
 from kuberl.operator.pins import ensure_pins
-from kuberl.operator.rules import replicas_to_write
+from kuberl.operator.rules import at_rest, replicas_to_write, ttl_expired
 
 RES = (GROUP, VERSION, PLURAL)
 log = logging.getLogger("kuberl.operator")
@@ -63,7 +64,22 @@ def describe_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-async def validated(body: Any, status: dict[str, Any]) -> RLExperiment:
+def object_lock(memo: Any) -> asyncio.Lock:
+    """One lock per experiment: the reconcile and the monitor timer (kopf runs them as concurrent
+    tasks) never interleave their observe/apply/status writes."""
+    lock = memo.get("lock")
+    if lock is None:
+        lock = memo["lock"] = asyncio.Lock()
+    return lock
+
+
+def with_generation(exp: RLExperiment, generation: int) -> RLExperiment:
+    meta = exp.metadata.model_copy(update={})
+    meta.model_extra["generation"] = generation  # type: ignore[index]
+    return exp.model_copy(update={"metadata": meta})
+
+
+async def validated(body: Any, status: dict[str, Any], memo: Any = None) -> RLExperiment:
     """The model of the body. An invalid spec sets phase Failed with Validated=False/ValidationFailed,
     posts an event, and stops kopf's retries (PermanentError): the next spec edit is validated afresh."""
     try:
@@ -72,8 +88,10 @@ async def validated(body: Any, status: dict[str, Any]) -> RLExperiment:
         errors = describe_validation_error(exc) if isinstance(exc, ValidationError) else [str(exc)]
         meta = body["metadata"]
         metrics.record_error("reconcile", "ValidationFailed")
-        await kube().patch_status("RLExperiment", meta["namespace"], meta["name"],
-                                  st.invalid_status(status, meta.get("generation"), errors, now()))
+        invalid = st.invalid_status(status, meta.get("generation"), errors, now())
+        await kube().patch_status("RLExperiment", meta["namespace"], meta["name"], invalid)
+        if memo is not None:  # the freshest status for a monitor tick that started before this write
+            memo["status"] = {**status, **invalid}
         await event(body, "Warning", EventReason.VALIDATION_FAILED.value, "; ".join(errors))
         raise kopf.PermanentError(f"invalid spec: {'; '.join(errors)}") from None
 
@@ -94,20 +112,28 @@ async def on_cleanup(**_: Any) -> None:
 @kopf.on.resume(*RES, id="reconcile")
 @kopf.on.create(*RES, id="reconcile")
 @kopf.on.update(*RES, id="reconcile", field="spec")
-async def on_reconcile(body: Any, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+async def on_reconcile(body: Any, status: Any, memo: Any, logger: logging.Logger, **kwargs: Any) -> None:
     """Validate, write the resolved replica count, check prerequisites, apply children, refresh status."""
     metrics.record_reconcile("reconcile")
+    cache.bind(CONFIG, kwargs)
     if managed_elsewhere(body):  # spec.managedBy: another controller (e.g. MultiKueue) runs it
         logger.info("spec.managedBy is %r: left alone", managed_elsewhere(body))
         return
-    status = dict(status or {})
-    exp = await ensure_pins(body, await validated(body, status))  # before the first bus read: the run it uses
+    async with object_lock(memo):
+        await _reconcile(body, latest_status(status, memo), memo, logger)
+
+
+async def _reconcile(body: Any, status: dict[str, Any], memo: Any, logger: logging.Logger) -> None:
+    exp = await ensure_pins(body, await validated(body, status, memo))  # before the first bus read: the run it uses
     exp = await kueue.gate(body, exp, status, memo)  # queued: suspended until admitted
     meta = body["metadata"]
+    generation = meta.get("generation")
     write = replicas_to_write(body, exp)
     if write is not None:  # /scale (kubectl scale, an HPA) reads spec.rollout.replicas: never leave it unset
-        await kube().patch("RLExperiment", exp.namespace, exp.name, write[1])
+        patched = await kube().patch("RLExperiment", exp.namespace, exp.name, write[1])
         logger.info("spec.rollout.replicas set to the resolved %d (allocation %r)", write[0], exp.spec.allocation)
+        generation = _generation_applied(patched, exp, generation)
+        exp = with_generation(exp, generation) if generation is not None else exp
     seen = await refresh(body, exp, status, memo, act=False)
     if seen.blocking:
         metrics.record_error("reconcile", str(seen.blocking[0].reason))
@@ -123,33 +149,63 @@ async def on_reconcile(body: Any, status: Any, memo: Any, logger: logging.Logger
     if failures:
         metrics.record_error("reconcile", EventReason.APPLY_FAILED.value)
     # observedGeneration and Reconciled move only now, after the apply (Reconciled=False names what failed).
-    exp = exp.model_copy(update={"status": _status_model(seen.status)})
-    await refresh(body, exp, seen.status, memo, act=False, applied=st.Applied(meta.get("generation"), tuple(failures)))
+    exp = exp.model_copy(update={"status": status_model(seen.status)})
+    await refresh(body, exp, seen.status, memo, act=False, applied=st.Applied(generation, tuple(failures)), recheck=False)
 
 
-def _status_model(status: dict[str, Any]) -> RLExperimentStatus | None:
+def _generation_applied(patched: Any, exp: RLExperiment, generation: int | None) -> int | None:
+    """The generation whose spec this reconcile applies after its own spec.rollout.replicas write: the
+    write bumps metadata.generation, and the spec of that new generation is exactly what is applied
+    (the resolved count is already in `exp`), so observedGeneration names it. Were the patched spec
+    to differ from `exp` in anything else (a concurrent edit), the old generation is kept: the update
+    handler applies the newer one next."""
+    new = ((patched or {}).get("metadata") or {}).get("generation")
+    if new is None:
+        return generation
     try:
-        return RLExperimentStatus.model_validate(status)
-    except ValidationError:
-        return None
+        same = parse_experiment(patched).spec == exp.spec
+    except (ValidationError, ValueError):
+        same = False
+    return new if same else generation
 
 
 @kopf.timer(*RES, id="monitor", interval=CONFIG.interval, initial_delay=CONFIG.interval)
-async def monitor(body: Any, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
-    """Observe children and bus progress; lifecycle, autoscaler, status."""
-    metrics.record_reconcile("monitor")
+async def monitor(body: Any, status: Any, memo: Any, logger: logging.Logger, **kwargs: Any) -> None:
+    """Observe children (watch caches) and bus progress; lifecycle, autoscaler, status. An experiment
+    at rest (finished or fully suspended, its spec reconciled) costs no API or bus call."""
+    cache.bind(CONFIG, kwargs)
     if managed_elsewhere(body):
         return
+    async with object_lock(memo):
+        current = latest_status(status, memo)
+        if at_rest(body, current):
+            await _expire(body, current, memo)
+            return
+        metrics.record_reconcile("monitor")
+        try:
+            exp = parse_experiment(body)
+        except (ValidationError, ValueError):
+            return  # on_reconcile reported it; nothing runs
+        try:
+            exp = await kueue.gate(body, exp, current, memo)  # queued: suspended until admitted
+            await refresh(body, exp, current, memo)
+        except KubeError as exc:
+            metrics.record_error("monitor", exc.reason or str(exc.status))
+            logger.warning("monitor: %s", exc)
+
+
+async def _expire(body: Any, status: dict[str, Any], memo: Any) -> None:
+    """spec.ttlSecondsAfterFinished of a finished experiment, checked without reading the API."""
+    ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+    if memo.get("ttl_deleted") or not ttl_expired(ttl, status.get("completionTime"), now()):
+        return
+    meta = body["metadata"]
     try:
-        exp = parse_experiment(body)
-    except (ValidationError, ValueError):
-        return  # on_reconcile reported it; nothing runs
-    try:
-        exp = await kueue.gate(body, exp, status, memo)  # queued: suspended until admitted
-        await refresh(body, exp, dict(status or {}), memo)
+        await event(body, "Normal", "Deleted", f"ttlSecondsAfterFinished={ttl} passed: deleting")
+        await kube().delete("RLExperiment", meta["namespace"], meta["name"])
+        memo["ttl_deleted"] = True
     except KubeError as exc:
         metrics.record_error("monitor", exc.reason or str(exc.status))
-        logger.warning("monitor: %s", exc)
 
 
 @kopf.on.delete(*RES, id="forget", optional=True)

@@ -50,6 +50,7 @@ from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers an
     restart_trainer,
     rfc3339,
     running_copy,
+    status_write_due,
     stopped_copy,
     suspend_applied,
     trainer_running,
@@ -70,9 +71,15 @@ class OperatorConfig:
     checkpoint_timeout: float = field(default_factory=lambda: env_seconds("KUBERL_CHECKPOINT_TIMEOUT", 120.0))  # suspend waits
     retry_delay: float = field(default_factory=lambda: env_seconds("KUBERL_OPERATOR_RETRY", 15.0))  # recheck of a missing Secret/PVC
     node_cache_seconds: float = 60.0  # Node capacity changes slowly; do not list Nodes every tick
+    # A status change that is only training progress is written at most this often per experiment
+    # (phase, conditions, replicas and observedGeneration are written at once).
+    status_interval: float = field(default_factory=lambda: env_seconds("KUBERL_STATUS_INTERVAL", 30.0))
+    prerequisite_interval: float = 60.0  # the monitor re-reads the user's Secrets/PVCs this often (a reconcile always)
+    token_cache_seconds: float = 300.0  # the bus token (Secret) is re-read this often
     kube: KubeClient | None = None
     bus: BusReader = field(default_factory=BusReader)
     nodes: tuple[float, list[dict[str, Any]]] | None = None
+    cache: Any = None  # kuberl.operator.cache.Children once kopf's indexes are bound; None: read the API
 
 
 CONFIG = OperatorConfig()
@@ -93,8 +100,21 @@ def now() -> dt.datetime:
 # ---------------------------------------------------------------------------------------------
 
 
-async def bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
-    """URL and token the operator uses to read this experiment's bus KV."""
+async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, str | None]:
+    """URL and token the operator uses to read this experiment's bus KV; with `memo`, the token read
+    from its Secret is kept for CONFIG.token_cache_seconds (no Secret GET per tick)."""
+    if memo is None:
+        return await _bus_endpoint(exp)
+    cached = memo.get("bus_endpoint")
+    which = (exp.spec.bus.external.url if exp.spec.bus.external else None, naming.bus_run(exp))
+    if cached is not None and cached[0] == which and time.monotonic() - cached[1] < CONFIG.token_cache_seconds:
+        return cached[2]
+    found = await _bus_endpoint(exp)
+    memo["bus_endpoint"] = (which, time.monotonic(), found)
+    return found
+
+
+async def _bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
     if exp.spec.bus.external is not None:
         ref = exp.spec.bus.external.credentials_secret
         token = decode_secret_value(await kube().get("Secret", exp.namespace, ref.name), ref.key) if ref else None
@@ -119,27 +139,54 @@ async def capacity_notes(exp: RLExperiment) -> tuple[st.Problem, ...]:
     return tuple(capacity_advisories(exp, pods, await current_nodes()))
 
 
-async def observe(exp: RLExperiment, restarts: int) -> st.ObservedChildren:
-    """Everything O1's status code needs, read from the API."""
-    ns, name = exp.namespace, exp.name
+async def prerequisites(exp: RLExperiment, memo: Any = None, *, recheck: bool = True) -> tuple[frozenset, frozenset, frozenset]:
+    """(missing Secrets, missing (Secret, key)s, missing PVCs) the spec refers to. Read from the API
+    when `recheck` or older than CONFIG.prerequisite_interval, else as last read (kept in `memo`)."""
+    refs = (tuple(st.referenced_secrets(exp)), tuple(st.referenced_claims(exp)))
+    cached = (memo or {}).get("prerequisites")
+    if not recheck and cached is not None and cached[0] == refs and time.monotonic() - cached[1] < CONFIG.prerequisite_interval:
+        return cached[2]
+    ns = exp.namespace
     missing_secrets, missing_keys, missing_claims = set(), set(), set()
-    for _, secret_name, key in st.referenced_secrets(exp):
+    for _, secret_name, key in refs[0]:
         secret = await kube().get("Secret", ns, secret_name)
         if secret is None:
             missing_secrets.add(secret_name)
         elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
             missing_keys.add((secret_name, key))
-    for _, claim in st.referenced_claims(exp):
+    for _, claim in refs[1]:
         if not await kube().pvc_exists(ns, claim):
             missing_claims.add(claim)
+    found = (frozenset(missing_secrets), frozenset(missing_keys), frozenset(missing_claims))
+    if memo is not None:
+        memo["prerequisites"] = (refs, time.monotonic(), found)
+    return found
+
+
+async def children(exp: RLExperiment) -> tuple[list[dict[str, Any]], Any, Any, Any]:
+    """(pods, trainer Job, bus StatefulSet, rollout StatefulSet): from the watch caches when bound, else the API."""
+    ns, name = exp.namespace, exp.name
+    external = exp.spec.bus.external is not None
+    cache = CONFIG.cache
+    if cache is not None:
+        return (cache.pods(ns, naming.experiment_name(exp)), cache.job(ns, naming.trainer_name(exp)),
+                None if external else cache.statefulset(ns, naming.bus_name(exp)), cache.statefulset(ns, naming.rollout_name(exp)))
     pods = await kube().list("Pod", ns, f"kuberl.io/experiment={name}")
     trainer = await kube().get("Job", ns, naming.trainer_name(exp))
+    bus = None if external else await kube().get("StatefulSet", ns, naming.bus_name(exp))
+    return pods, trainer, bus, await kube().get("StatefulSet", ns, naming.rollout_name(exp))
+
+
+async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck: bool = True) -> st.ObservedChildren:
+    """Everything O1's status code needs: children from the watch caches, the user's Secrets/PVCs
+    from the API (`recheck`) or as last read (prerequisites)."""
+    missing_secrets, missing_keys, missing_claims = await prerequisites(exp, memo, recheck=recheck)
+    pods, trainer, bus, rollout = await children(exp)
     return st.ObservedChildren(
-        bus=None if exp.spec.bus.external is not None else await kube().get("StatefulSet", ns, naming.bus_name(exp)),
-        rollout=await kube().get("StatefulSet", ns, naming.rollout_name(exp)),
+        bus=bus,
+        rollout=rollout,
         trainer=trainer,
-        missing_secrets=frozenset(missing_secrets), missing_secret_keys=frozenset(missing_keys),
-        missing_claims=frozenset(missing_claims),
+        missing_secrets=missing_secrets, missing_secret_keys=missing_keys, missing_claims=missing_claims,
         pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
         advisories=await capacity_notes(exp), trainer_restarts=restarts,
         # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
@@ -279,26 +326,67 @@ class Refreshed:
     progress: dict[str, Any] | None  # the bus progress read (None: unreachable)
 
 
+def latest_status(status: Any, memo: Any) -> dict[str, Any]:
+    """The freshest status known: the one this operator last wrote (memo), else the body's. A handler's
+    `status` is a snapshot from when kopf called it; a write computed over it must never put back an
+    older observedGeneration or Reconciled condition that another handler has moved on since."""
+    written = memo.get("status") if memo is not None else None
+    return dict(written) if written is not None else dict(status or {})
+
+
+def status_model(status: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    from kuberl.api.v1alpha1 import RLExperimentStatus
+
+    try:
+        return RLExperimentStatus.model_validate(status)
+    except ValidationError:
+        return None
+
+
+async def write_status(exp: RLExperiment, old: dict[str, Any], new: dict[str, Any], memo: Any, *, force: bool = False) -> bool:
+    """Patch `new` over `old` when status_write_due says so (progress alone: at most every
+    CONFIG.status_interval); remember what was written. True when it was written."""
+    last = memo.get("status_written_at") if memo is not None else None
+    if not (force and st.status_changed(old, new)) and not status_write_due(old, new, last, time.monotonic(), CONFIG.status_interval):
+        return False
+    await kube().patch_status("RLExperiment", exp.namespace, exp.name, merge_patch_for(old, new))
+    metrics.record_status_write()
+    if memo is not None:
+        memo["status"] = new
+        memo["status_written_at"] = time.monotonic()
+    return True
+
+
+def bus_quiet(exp: RLExperiment, observed: st.ObservedChildren, memo: Any) -> bool:
+    """No bus read: a suspended experiment whose suspended shape is applied (its bus is scaled to 0)."""
+    return bool(exp.spec.suspend and suspend_applied(exp, dict(observed.trainer) if observed.trainer else None, memo or {}))
+
+
 async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any, *, act: bool = True,
-                  applied: st.Applied | None = None) -> Refreshed:
+                  applied: st.Applied | None = None, recheck: bool | None = None) -> Refreshed:
     """Observe, run the lifecycle (when `act`), patch status if it changed, post events.
     `applied`: the children were just applied (observedGeneration and Reconciled move only then).
+    `recheck`: read the user's Secrets/PVCs from the API now (default: when not `act`, i.e. a reconcile).
     Returns the problems that block pod creation, the status now (as patched) and the bus progress."""
     t = now()
     ns, name = exp.namespace, exp.name
+    status = latest_status(status, memo)
+    exp = exp.model_copy(update={"status": status_model(status)})  # compute_status's "old" is the same status
     restarts = int(status.get("restarts") or 0)
-    observed = await observe(exp, restarts)
-    url, token = await bus_endpoint(exp)
-    progress = await CONFIG.bus.read(url, token, name, run=naming.bus_run(exp))
+    observed = await observe(exp, restarts, memo, recheck=(not act) if recheck is None else recheck)
+    url, token = await bus_endpoint(exp, memo)
+    quiet = bus_quiet(exp, observed, memo)
+    progress = None if quiet else await CONFIG.bus.read(url, token, name, run=naming.bus_run(exp))
     blocking = blockers(exp, observed)
     extra: dict[str, Any] = {}
     if act and not blocking:
         extra, changed = await lifecycle(body, exp, status, memo, observed, progress, url, token, t)
         if changed:  # what we just did (restart, suspend, scale) must show in this status
-            observed = await observe(exp, int(extra.get("restarts", restarts)))
+            observed = await observe(exp, int(extra.get("restarts", restarts)), memo, recheck=False)
     new = st.compute_status(exp, observed, progress, t, applied) | extra
-    if st.status_changed(status, new):
-        await kube().patch_status("RLExperiment", ns, name, merge_patch_for(status, new))
+    await write_status(exp, status, new, memo, force=applied is not None)
     transition = phase_event(status.get("phase"), new["phase"])
     if transition:
         message = next((c.get("message") for c in new.get("conditions", []) if c.get("type") == "Ready"), "") or new["phase"]

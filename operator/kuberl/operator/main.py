@@ -57,6 +57,10 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool,
     settings.peering.standalone = standalone
     settings.peering.clusterwide = clusterwide
     settings.peering.priority = priority
+    from kuberl.operator.cache import WATCHED
+
+    for resource, selector in WATCHED.items():  # the children's watch caches: only labelled objects
+        settings.watching.label_selectors[resource] = selector
     # Without the peering CRD (e.g. a bare emulator) run alone, with a warning; several replicas must not.
     settings.peering.mandatory = mandatory
     # Keep kopf's bookkeeping in annotations: the status schema (a structural CRD) prunes unknown fields.

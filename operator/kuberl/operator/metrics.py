@@ -13,6 +13,7 @@ ERRORS = Counter("kuberl_operator_errors", "Handler errors, by handler and kind 
 EXPERIMENTS = Gauge("kuberl_operator_experiments", "RLExperiments by phase.", ["phase"], registry=REGISTRY)
 SCALE_DECISIONS = Counter("kuberl_operator_scale_decisions", "Autoscaler decisions that changed rollout replicas.",
                           ["direction"], registry=REGISTRY)
+STATUS_WRITES = Counter("kuberl_operator_status_writes", "RLExperiment status patches written.", registry=REGISTRY)
 PHASES = ("Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed")
 
 _phase_of: dict[str, str] = {}
@@ -33,13 +34,21 @@ def record_error(handler: str, kind: str) -> None:
 
 
 def record_phase(key: str, phase: str | None) -> None:
-    """Track one experiment's phase (None: the experiment is gone) and refresh the per-phase gauge."""
-    if phase is None:
-        _phase_of.pop(key, None)
-    else:
+    """Track one experiment's phase (None: the experiment is gone) and move the per-phase gauge (O(1):
+    called on every tick of every experiment)."""
+    old = _phase_of.pop(key, None) if phase is None else _phase_of.get(key)
+    if old == phase:
+        return
+    if phase is not None:
         _phase_of[key] = phase
-    for p in PHASES:
-        EXPERIMENTS.labels(phase=p).set(sum(1 for v in _phase_of.values() if v == p))
+        if phase in PHASES:
+            EXPERIMENTS.labels(phase=phase).inc()
+    if old in PHASES:
+        EXPERIMENTS.labels(phase=old).dec()
+
+
+def record_status_write() -> None:
+    STATUS_WRITES.inc()
 
 
 def record_scale(old: int, new: int) -> None:

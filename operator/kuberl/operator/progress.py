@@ -38,47 +38,68 @@ async def _quiet_event() -> None:
 
 
 class BusReader:
-    """One cached NATS connection per (url, token); reads progress, writes control requests."""
+    """One shared NATS connection per bus (url, token): every experiment on one NATS URL with the same
+    credentials reads through the same connection. Connects are serialised per key only (a bus that
+    hangs on connect delays no other bus), and the KV handle of each bucket is kept, so a read is one
+    round trip (no stream-info lookup per read). Reads progress, writes control requests."""
 
-    def __init__(self, connect_timeout: float = 2.0):
+    def __init__(self, connect_timeout: float = 2.0, failure_backoff: float = 10.0):
         self._conns: dict[tuple[str, str | None], Any] = {}
+        self._kvs: dict[tuple[str, str | None], dict[str, Any]] = {}
         self._failed_at: dict[tuple[str, str | None], float] = {}
-        self._lock = asyncio.Lock()
+        self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.connect_timeout = connect_timeout
+        self.failure_backoff = failure_backoff  # a bus that is still starting must not slow every tick
+        self.connects = 0  # connection attempts made (the scale tests and the benchmark read it)
 
-    async def _kv(self, url: str, token: str | None, experiment: str, run: str = "") -> Any | None:
+    async def _connection(self, key: tuple[str, str | None]) -> Any | None:
         import nats
-        from nats.js.errors import BucketNotFoundError
 
-        key = (url, token)
-        async with self._lock:
+        async with self._locks.setdefault(key, asyncio.Lock()):
             nc = self._conns.get(key)
             if nc is not None and not nc.is_connected:
                 await self._forget(key)
                 nc = None
             if nc is None:
-                # Back off after a failure: a bus that is still starting must not slow every reconcile.
-                if time.monotonic() - self._failed_at.get(key, -1e9) < 10:
+                if time.monotonic() - self._failed_at.get(key, -1e9) < self.failure_backoff:
                     return None
+                self.connects += 1
                 try:
-                    nc = await nats.connect(url, token=token, connect_timeout=self.connect_timeout,
+                    nc = await nats.connect(key[0], token=key[1], connect_timeout=self.connect_timeout,
                                             max_reconnect_attempts=1, allow_reconnect=False, name="kuberl-operator",
                                             error_cb=_quiet, disconnected_cb=_quiet_event, closed_cb=_quiet_event)
                 except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
                     self._failed_at[key] = time.monotonic()
-                    log.debug("bus %s not reachable: %s", url, exc)
+                    log.debug("bus %s not reachable: %s", key[0], exc)
                     return None
                 self._conns[key] = nc
+            return nc
+
+    async def _kv(self, url: str, token: str | None, experiment: str, run: str = "") -> Any | None:
+        from nats.js.errors import BucketNotFoundError
+
+        key = (url, token)
+        nc = await self._connection(key)
+        if nc is None:
+            return None
+        bucket = kv_bucket(experiment, run)
+        kvs = self._kvs.setdefault(key, {})
+        if bucket in kvs:
+            return kvs[bucket]
         try:
-            return await nc.jetstream().key_value(kv_bucket(experiment, run))
+            kv = await nc.jetstream().key_value(bucket)
         except BucketNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
             log.debug("bus KV of %s not readable: %s", experiment, exc)
-            await self._forget(key)
+            if not nc.is_connected:
+                await self._forget(key)
             return None
+        kvs[bucket] = kv
+        return kv
 
     async def _forget(self, key: tuple[str, str | None]) -> None:
+        self._kvs.pop(key, None)
         nc = self._conns.pop(key, None)
         if nc is not None:
             try:
@@ -100,6 +121,7 @@ class BusReader:
             return None
         except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
             log.debug("reading %s of %s failed: %s", key, experiment, exc)
+            self._kvs.get((url, token), {}).pop(kv_bucket(experiment, run), None)  # looked up afresh next time
             return None
         try:
             value = json.loads(entry.value or b"null")
@@ -121,6 +143,9 @@ class BusReader:
         except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
             log.warning("could not ask %s for a checkpoint: %s", experiment, exc)
             return False
+
+    def open_connections(self) -> int:
+        return sum(1 for nc in self._conns.values() if nc.is_connected)
 
     async def close(self) -> None:
         for key in list(self._conns):

@@ -167,3 +167,38 @@ def replicas_to_write(body: Any, exp: RLExperiment) -> tuple[int, dict[str, Any]
         resolved = new_d
     meta = {"annotations": {REPLICAS_FROM_ANNOTATION: source}} if source else {}
     return resolved, {"metadata": meta, "spec": {"rollout": {"replicas": resolved}}} if meta else {"spec": {"rollout": {"replicas": resolved}}}
+
+
+# Status fields that change with every training step: written at most every status_interval.
+PROGRESS_FIELDS = frozenset({"progress", "lastCheckpoint"})
+
+
+def status_write_due(old: dict[str, Any], new: dict[str, Any], last_write: float | None, now: float, interval: float) -> bool:
+    """Whether to patch `new` over `old` now: something changed, and either more than training
+    progress changed (phase, conditions, replicas, observedGeneration: at once) or the last write
+    (monotonic seconds; None: none yet) is at least `interval` seconds old."""
+    if not st.status_changed(old, new):
+        return False
+    if last_write is None or now - last_write >= interval:
+        return True
+    rest = {k: v for k, v in new.items() if k not in PROGRESS_FIELDS}
+    return st.status_changed({k: v for k, v in old.items() if k not in PROGRESS_FIELDS}, rest)
+
+
+def at_rest(body: Any, status: dict[str, Any]) -> bool:
+    """Whether the monitor has nothing to watch: the spec of the current generation is reconciled and
+    the run is over (Succeeded, or Failed for any reason but an invalid spec) or fully suspended (all
+    pods stopped). Then no API read, bus read or status write happens until the spec changes."""
+    generation = ((body.get("metadata") or {}).get("generation"))
+    if generation is None or status.get("observedGeneration") != generation:
+        return False
+    conditions = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
+    phase = status.get("phase")
+    if phase == Phase.SUCCEEDED:
+        return True
+    if phase == Phase.FAILED:
+        return (conditions.get("Failed") or {}).get("reason") != st.Reason.VALIDATION_FAILED
+    if phase == Phase.SUSPENDED:
+        suspended = conditions.get("Suspended") or {}
+        return bool((body.get("spec") or {}).get("suspend")) and suspended.get("status") == "True" and suspended.get("reason") == st.Reason.SUSPENDED
+    return False

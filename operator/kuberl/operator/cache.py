@@ -1,0 +1,89 @@
+"""Watch-backed caches of the experiments' workloads and pods (kopf indexes), so a monitor tick reads no API.
+
+kopf keeps each index current from one watch per resource (server-side filtered on the
+kuberl.io/experiment label: main.configure_settings) and invokes no resource handler before every
+index is filled, so a cache never reads "absent" for a child that exists when the operator starts.
+Values are trimmed to what kuberl.operator.observed and status read (no pod templates, no managedFields):
+the memory per experiment stays a few kB. `bind` hands the index objects (kopf passes them to every
+handler as keyword arguments) to `CONFIG.cache`; lifecycle.observe reads them there, and falls back to
+GET/LIST when no cache is bound (unit tests driving the lifecycle directly).
+
+A cache can lag the operator's own write by one watch event: status computed right after an apply may
+still show the old child. The next tick (and a phase change is written at once) corrects it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kuberl.operator.labels import EXPERIMENT_LABEL
+
+POD_INDEX, STATEFULSET_INDEX, JOB_INDEX = "kuberl_pods", "kuberl_statefulsets", "kuberl_jobs"
+# Server-side label selector of the three watches (kopf settings.watching.label_selectors).
+WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL}
+_LABELLED = {EXPERIMENT_LABEL: kopf.PRESENT}
+_META_KEYS = ("name", "namespace", "uid", "labels", "generation", "resourceVersion")
+
+
+def _meta(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    return {k: meta[k] for k in _META_KEYS if k in meta}
+
+
+def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What observed.pod_problems and configuration_error read: labels, container names/images, status."""
+    containers = [{"name": c.get("name"), "image": c.get("image")} for c in ((body.get("spec") or {}).get("containers") or [])]
+    return {"metadata": _meta(body), "spec": {"containers": containers}, "status": dict(body.get("status") or {})}
+
+
+def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A StatefulSet or Job without its pod template: replicas, suspend, parallelism, selector, status."""
+    spec = {k: v for k, v in (body.get("spec") or {}).items() if k not in ("template", "volumeClaimTemplates")}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": _meta(body),
+            "spec": spec, "status": dict(body.get("status") or {})}
+
+
+@kopf.index("pods", labels=_LABELLED, id=POD_INDEX)
+def kuberl_pods(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, labels[EXPERIMENT_LABEL]): slim_pod(body)}
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=_LABELLED, id=STATEFULSET_INDEX)
+def kuberl_statefulsets(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, name): slim_workload(body)}
+
+
+@kopf.index("batch", "v1", "jobs", labels=_LABELLED, id=JOB_INDEX)
+def kuberl_jobs(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, name): slim_workload(body)}
+
+
+class Children:
+    """Read access to the three indexes (kopf.Index: key -> a store of values)."""
+
+    def __init__(self, pods: Any, statefulsets: Any, jobs: Any):
+        self._pods, self._sts, self._jobs = pods, statefulsets, jobs
+
+    @staticmethod
+    def _one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
+        store = index.get(key)
+        return next(iter(store), None) if store is not None else None
+
+    def pods(self, namespace: str, experiment: str) -> list[dict[str, Any]]:
+        store = self._pods.get((namespace, experiment))
+        return list(store) if store is not None else []
+
+    def statefulset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._one(self._sts, (namespace, name))
+
+    def job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._one(self._jobs, (namespace, name))
+
+
+def bind(config: Any, kwargs: Mapping[str, Any]) -> None:
+    """Point `config.cache` at kopf's indexes (passed to every handler as keyword arguments), once."""
+    if config.cache is None and all(k in kwargs for k in (POD_INDEX, STATEFULSET_INDEX, JOB_INDEX)):
+        config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX])
