@@ -32,7 +32,7 @@ def row(step: int) -> dict:
 
 def track(spec: dict, workdir: Path, steps=STEPS, **kw) -> Tracking:
     tr = Tracking.from_spec(TrackingSpec.model_validate(spec), workdir=workdir, name="exp", namespace="team",
-                            config={"algorithm": {"name": "grpo", "batchSize": 4}}, **kw)
+                            config={"algorithm": {"name": "grpo", "batchSize": 4, "learningRate": 1e-3}}, **kw)
     for s in steps:
         tr.log(s, row(s))
     tr.close(timeout=120)
@@ -133,7 +133,7 @@ def test_mlflow_file_store_run_holds_every_step_and_a_restart_continues_the_same
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params == {"algorithm": "grpo", "batch_size": "4"}
+    assert run.data.params == {"algorithm": "grpo", "batch_size": "4", "learning_rate": "0.001"}
     assert run.data.tags["kuberl.io/experiment"] == "team/exp"
     hist = client.get_metric_history(run.info.run_id, "reward_mean")
     assert sorted((m.step, round(m.value, 5)) for m in hist) == [(s, round(0.1 * s, 5)) for s in STEPS]

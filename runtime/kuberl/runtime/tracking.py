@@ -306,6 +306,6 @@ def run_params(spec: dict[str, Any]) -> dict[str, Any]:
         "model": model.get("id") or model.get("path") or model.get("builtin"),
         "dataset": (spec.get("dataset") or {}).get("id") or (spec.get("dataset") or {}).get("path") or (spec.get("dataset") or {}).get("builtin"),
         "algorithm": algo.get("name"), "batch_size": algo.get("batchSize"), "samples_per_prompt": algo.get("samplesPerPrompt"),
-        "lr": (algo.get("optimizer") or {}).get("lr"),
+        "learning_rate": algo.get("learningRate"),
         "max_head_offpolicyness": (spec.get("staleness") or {}).get("maxHeadOffpolicyness"), "seed": spec.get("seed"),
     }.items() if v is not None}
