@@ -323,3 +323,17 @@ def test_tracking_module_imports_no_tracker_library_until_a_tracker_starts():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == "[]"
     assert T.MAX_PENDING >= 10_000
+
+
+@pytest.mark.parametrize("log_dir, ok", [("tensorboard", True), ("tb/run-1", True), ("/abs", False), ("../up", False), ("a/../b", False)])
+def test_the_tensorboard_folder_stays_inside_the_workdir(log_dir, ok):
+    from kuberl.api.validation import validate_manifest
+
+    doc = {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "t"},
+           "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "add-small"}, "tracking": {"tensorboard": {"logDir": log_dir}}}}
+    errors = [str(e) for e in validate_manifest(doc)]
+    assert (errors == []) is ok, errors
+    if not ok:
+        assert errors[0].startswith(f'spec.tracking.tensorboard.logDir: Invalid value: "{log_dir}"')
+        with pytest.raises(ValueError, match="logDir"):
+            RLExperiment.model_validate(doc)
