@@ -315,3 +315,17 @@ class TestBusReader:
                 await stuck
 
         assert asyncio.run(main()) == {"step": 7}
+
+
+class TestWatches:
+    def test_the_three_watches_are_filtered_on_the_experiment_label_by_the_server(self) -> None:
+        from kopf._cogs.structs.references import Resource
+
+        from kuberl.operator.main import configure_settings
+
+        settings = kopf.OperatorSettings()
+        configure_settings(settings, standalone=True, clusterwide=True)
+        for group, plural in (("", "pods"), ("apps", "statefulsets"), ("batch", "jobs")):
+            resource = Resource(group=group, version="v1", plural=plural)
+            assert list(settings.watching.label_selectors.collect(resource)) == ["kuberl.io/experiment"], plural
+        assert not list(settings.watching.label_selectors.collect(Resource(group="kuberl.io", version="v1alpha1", plural="rlexperiments")))
