@@ -715,6 +715,7 @@ _RP = "self.rollout"
 _TP = "self.trainer.parallelism"
 
 # spec.tracking lives in its own module, built on the pieces above (imported here, not at the top, for that reason).
+from kuberl.api.evaluation import EvalProgress, EvaluationSpec  # noqa: E402
 from kuberl.api.tracking import TrackingSpec  # noqa: E402
 
 
@@ -764,6 +765,7 @@ class RLExperimentSpec(KubeModel):
     failure_policy: FailurePolicySpec = Field(default_factory=FailurePolicySpec, description="Restarts and backoff.")
     tracking: TrackingSpec | None = Field(None, description="Experiment trackers (TensorBoard, W&B, MLflow) for every step's metrics; "
                                           "unset: metrics.jsonl only.")
+    evaluation: EvaluationSpec | None = Field(None, description="Held-out evaluation every N steps (reward, greedy and sampled pass@k); unset: none.")
     seed: int = Field(1, ge=0, description="Random seed (data order, sampling, init).")
     managed_by: str | None = Field(
         None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9._]+$",
@@ -837,6 +839,7 @@ class TrainingProgress(KubeModel):
     dropped_stale: int = Field(0, ge=0, description="Groups dropped for exceeding maxHeadOffpolicyness, all time.")
     failed_groups: int | None = Field(None, ge=0, description="Tickets that failed on every delivery (rollout.maxTicketAttempts), all time.")
     entropy: float | None = Field(None, ge=0, description="Policy entropy of the last step (token mean over trained tokens, at the sampling temperature).")
+    eval: EvalProgress | None = Field(None, description="The last finished held-out evaluation (spec.evaluation).")
     updated_at: str | None = Field(None, description="When the trainer last reported.")
 
 

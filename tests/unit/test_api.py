@@ -9,6 +9,7 @@ import pytest
 
 from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.allocation import parse_allocation
+from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     AGENT_INDIVIDUAL_UNSUPPORTED,
@@ -270,6 +271,14 @@ AGREEMENT_CASES = [
     ("mlflow token with a file store", {"tracking": {"mlflow": {"trackingUri": "file:///data/mlruns", "tokenSecret": {"name": "m"}}}},
      MLFLOW_TOKEN_NEEDS_SERVER),
     ("mlflow token without a server", {"tracking": {"mlflow": {"tokenSecret": {"name": "m"}}}}, MLFLOW_TOKEN_NEEDS_SERVER),
+    # spec.evaluation (kuberl/api/evaluation.py)
+    ("evaluation on a split", {"evaluation": {"split": "test", "everySteps": 5, "samplesPerPrompt": 8, "passAtK": [1, 8]}}, None),
+    ("evaluation greedy only", {"evaluation": {"path": "eval.jsonl", "samplesPerPrompt": 0, "passAtK": []}}, None),
+    ("evaluation with no source", {"evaluation": {"everySteps": 5}}, EVAL_ONE_SOURCE),
+    ("evaluation with split and path", {"evaluation": {"split": "test", "path": "eval.jsonl"}}, EVAL_ONE_SOURCE),
+    ("evaluation pass@k above the samples", {"evaluation": {"split": "test", "samplesPerPrompt": 4, "passAtK": [8]}}, EVAL_K_TOO_BIG),
+    ("evaluation default pass@1 with no samples", {"evaluation": {"split": "test", "samplesPerPrompt": 0}}, EVAL_K_TOO_BIG),
+    ("evaluation measuring nothing", {"evaluation": {"split": "test", "samplesPerPrompt": 0, "passAtK": [], "greedy": False}}, EVAL_NOTHING),
 ]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kuberl.api.evaluation import eval_status
 from kuberl.api.v1alpha1 import ConditionType, Phase, RLExperiment, RLExperimentStatus
 from kuberl.operator.builders.rollout import rollout_replicas
 from kuberl.operator.labels import EventReason, Reason, Role, selector_string
@@ -199,6 +200,7 @@ def _progress(exp: RLExperiment, progress: Mapping[str, Any] | None, old: Mappin
         "failedGroups": _int(progress["failed_groups"]) if progress.get("failed_groups") is not None else None,
         "entropy": _float(progress.get("entropy")),
         "updatedAt": _time_text(progress.get("time")),
+        "eval": eval_status(progress.get("eval"), _time_text),  # spec.evaluation's last round
     }
     out.update({k: v for k, v in optional.items() if v is not None and not (isinstance(v, float) and v < 0 and k != "reward")})
     return out

@@ -61,7 +61,7 @@ def add_small_item(rng: random.Random) -> tuple[str, str]:
 BUILTIN_TASKS = {"repeat-digit": repeat_digit_item, "add-small": add_small_item}
 
 
-def builtin_items(name: str, size: int, seed: int) -> list[Item]:
+def builtin_items(name: str, size: int, seed: int | str) -> list[Item]:
     """`size` items of a builtin task, the same for the same (name, size, seed)."""
     if name not in BUILTIN_TASKS:
         raise DatasetError(f"dataset.builtin: unknown task {name!r} (known: {', '.join(sorted(BUILTIN_TASKS))})")
@@ -204,3 +204,48 @@ def epoch_order(num_items: int, epoch: int, seed: int, shuffle: bool) -> list[in
     if shuffle:
         random.Random(f"{seed}:{epoch}").shuffle(order)
     return order
+
+
+DEFAULT_EVAL_BUILTIN_SIZE = 64
+
+
+def load_eval_items(spec: Any) -> list[Item]:
+    """The held-out items of `spec.evaluation` (an RLExperimentSpec's): a split of spec.dataset or a file.
+
+    A builtin task's split is generated from a seed of its own (the split's name), so it shares no draw
+    with the training items. Raises DatasetError naming the field when the split or file cannot be had.
+    """
+    ev, ds = spec.evaluation, spec.dataset
+    if ev is None:
+        raise DatasetError("spec.evaluation is not set")
+    if ev.split is not None and ev.split == ds.split:
+        raise DatasetError(f"evaluation.split {ev.split!r} is the split trained on (dataset.split): a held-out evaluation needs another split")
+    if ev.path is not None:
+        try:
+            rows = _read_rows(resolve_data_path(ds.model_copy(update={"path": ev.path})))
+        except DatasetError as exc:
+            raise DatasetError(str(exc).replace("dataset.path", "evaluation.path", 1)) from None
+        source = f"evaluation.path {ev.path}"
+    elif ds.builtin is not None:
+        return builtin_items(ds.builtin, ev.size or DEFAULT_EVAL_BUILTIN_SIZE, f"{spec.seed}:eval:{ev.split}")
+    elif ds.path is not None:
+        path = resolve_data_path(ds)
+        if not path.is_dir():
+            raise DatasetError(f"evaluation.split {ev.split!r}: dataset.path {str(path)!r} is a file, which has no splits; use evaluation.path")
+        try:
+            rows = _rows_from_hf(_load_from_disk(path), ev.split)
+        except DatasetError as exc:
+            raise DatasetError(f"evaluation.{str(exc).removeprefix('dataset.')}") from None
+        source = f"evaluation.split {ev.split} of {path}"
+    else:
+        try:
+            rows = _load_hub(ds.model_copy(update={"split": ev.split}))
+        except DatasetError as exc:
+            raise DatasetError(f"evaluation.split {ev.split!r}: {exc}") from None
+        source = f"evaluation.split {ev.split} of {ds.id}"
+    if ev.size is not None:
+        rows = rows[: ev.size]
+    items = rows_to_items(rows, ds.prompt_field, ds.answer_field, source)
+    if not items:
+        raise DatasetError(f"{source}: no rows")
+    return items

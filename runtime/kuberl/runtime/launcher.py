@@ -253,6 +253,8 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
                     last = report
                     info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
                             f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
+                    if ev := eval_text(report.get("eval")):
+                        info += f" | {ev}"
                     bar.update(task, completed=report.get("step", 0), total=report.get("total_steps") or total, info=info)
                     if plain and time.monotonic() - last_line > 5:  # CI and pipes: a line every few seconds
                         print(f"step {report.get('step', 0)}/{report.get('total_steps') or total} {info}", flush=True)
@@ -269,6 +271,15 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
         except TimeoutError:
             log.debug("progress: closing the bus connection timed out")
     return last
+
+
+def eval_text(ev: dict | None) -> str:
+    """The last held-out evaluation (progress `eval`, spec.evaluation) in one line; "" when there is none."""
+    if not isinstance(ev, dict):
+        return ""
+    ks = " ".join(f"pass@{k} {_fmt(v)}" for k, v in sorted((ev.get("pass_at_k") or {}).items(), key=lambda kv: int(kv[0])))
+    return (f"eval (step {ev.get('step')}, v{ev.get('policy_version')}, {ev.get('items')} items): reward {_fmt(ev.get('reward_mean'))} "
+            f"greedy {_fmt(ev.get('greedy_reward_mean'))} pass@1 greedy {_fmt(ev.get('pass_at_1_greedy'))} {ks}").rstrip()
 
 
 def _fmt(x: float | None) -> str:
@@ -405,6 +416,8 @@ def main(args) -> int:
     if report:
         print(f"kuberl run: step {report.get('step')}/{report.get('total_steps')}, policy version {report.get('policy_version')}, "
               f"last reward {_fmt(report.get('reward_mean'))}")
+        if ev := eval_text(report.get("eval")):
+            print(f"kuberl run: {ev}")
     if png:
         print(f"kuberl run: reward curve in {png}; metrics in {workdir / 'metrics.jsonl'}")
     if failure:

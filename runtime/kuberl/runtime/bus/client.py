@@ -26,6 +26,7 @@ from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.connection import open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
+from kuberl.runtime.bus.eval_queues import EvalQueues
 from kuberl.runtime.bus.lease import Lease
 from kuberl.runtime.bus.messages import (
     MessageError,
@@ -70,7 +71,7 @@ async def _best_effort(what: str, aw: Awaitable[Any]) -> None:
         log.debug("%s failed: %s", what, exc)
 
 
-class Bus(Topology):
+class Bus(EvalQueues, Topology):
     """A connection to one experiment's bus objects. Create with `await Bus.connect(...)`."""
 
     def __init__(self, nc: NATS, names: BusNames, *, max_payload: int, ticket_ack_wait: float | None,
@@ -481,12 +482,12 @@ class Bus(Topology):
         groups_unacked: delivered, awaiting ack; traj_bytes: stream size.
         """
         n = self.names
-        ts = await self._retry("stream info", lambda: self.js.stream_info(n.tickets_stream))
+        ts = await self._retry("stream info", lambda: self.js.stream_info(n.tickets_stream, subjects_filter=n.tickets_subject))
         tc = await self._retry("consumer info", lambda: self.js.consumer_info(n.tickets_stream, AGENTS_CONSUMER))
         gs = await self._retry("stream info", lambda: self.js.stream_info(n.traj_stream, subjects_filter=n.traj_subject))
         gc = await self._retry("consumer info", lambda: self.js.consumer_info(n.traj_stream, TRAINER_CONSUMER))
         return {
-            "tickets_pending": ts.state.messages,
+            "tickets_pending": (ts.state.subjects or {}).get(n.tickets_subject, 0),  # evaluation tickets not counted
             "tickets_waiting": tc.num_pending or 0,
             "tickets_in_flight": tc.num_ack_pending or 0,
             "groups_pending": (gs.state.subjects or {}).get(n.traj_subject, 0),

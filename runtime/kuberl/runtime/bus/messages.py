@@ -114,6 +114,30 @@ class TrajectoryGroup(_Message):
         return sum(len(s.input_ids) + len(s.output_ids) for s in self.samples)
 
 
+class EvalTicket(_Message):
+    """One held-out item to evaluate at a policy version (spec.evaluation); msg id = eval_id."""
+
+    eval_id: str = Field(min_length=1, description="s{step}-i{index}: deterministic, so re-issuing dedupes")
+    step: int = Field(ge=0, description="The training step whose weights are evaluated (the round)")
+    index: int = Field(ge=0, description="Held-out item index")
+    version: int = Field(ge=0, description="Policy version to evaluate (the agent waits for weights at least this new)")
+    samples: int = Field(ge=0, description="Sampled responses wanted")
+    greedy: bool = Field(description="Also one greedy (temperature 0) response")
+
+
+class EvalResult(_Message):
+    """The rewards of one EvalTicket's responses (no tokens); `failure` set when it failed on every delivery."""
+
+    eval_id: str = Field(min_length=1)
+    step: int = Field(ge=0)
+    index: int = Field(ge=0)
+    version: int = Field(ge=0, description="Policy version the agent served when it started the item")
+    rewards: list[float] = Field(default_factory=list, description="Reward of each sampled response")
+    greedy_reward: float | None = None
+    agent: str = ""
+    failure: str | None = None
+
+
 def encode(msg: BaseModel, *, compress_above: int | None = COMPRESS_ABOVE) -> bytes:
     """JSON bytes of a message, zlib-compressed when longer than `compress_above` (None = never)."""
     data = msg.model_dump_json().encode()
@@ -145,6 +169,14 @@ def decode_ticket(data: bytes) -> Ticket:
 
 def decode_group(data: bytes) -> TrajectoryGroup:
     return _decode(TrajectoryGroup, data)
+
+
+def decode_eval_ticket(data: bytes) -> EvalTicket:
+    return _decode(EvalTicket, data)
+
+
+def decode_eval_result(data: bytes) -> EvalResult:
+    return _decode(EvalResult, data)
 
 
 def decode_sample(data: bytes) -> Sample:

@@ -29,6 +29,10 @@ KV_KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 # Durable consumers.
 AGENTS_CONSUMER = "agents"
 TRAINER_CONSUMER = "trainer"
+# Held-out evaluation (spec.evaluation): its tickets and results ride the tickets stream on subjects of
+# their own, each read by its own durable consumer, so they never mix with training tickets or groups.
+EVAL_AGENTS_CONSUMER = "eval-agents"
+EVAL_TRAINER_CONSUMER = "eval-trainer"
 
 # Message headers of chunked trajectory groups (ours) and JetStream's dedupe id.
 H_MSG_ID = "Nats-Msg-Id"
@@ -47,6 +51,8 @@ class BusNames:
     experiment: str
     tickets_stream: str
     tickets_subject: str
+    eval_tickets_subject: str
+    eval_results_subject: str
     traj_stream: str
     traj_subject: str
     chunk_subject: str
@@ -77,6 +83,8 @@ class BusNames:
             experiment=experiment,
             tickets_stream=f"KUBERL_{e}_TICKETS",
             tickets_subject=f"{prefix}.tickets",
+            eval_tickets_subject=f"{prefix}.eval.tickets",
+            eval_results_subject=f"{prefix}.eval.results",
             traj_stream=f"KUBERL_{e}_TRAJ",
             traj_subject=f"{prefix}.traj",
             chunk_subject=f"{prefix}.traj.chunk",

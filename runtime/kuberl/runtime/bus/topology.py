@@ -6,6 +6,7 @@ chose; `_bind()` only checks they exist. Settings follow docs/design/contracts.m
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import nats.errors
@@ -14,7 +15,7 @@ from nats.js import api
 
 from kuberl.env import env_seconds
 from kuberl.runtime.bus.errors import BusError
-from kuberl.runtime.bus.names import AGENTS_CONSUMER, TRAINER_CONSUMER, BusNames
+from kuberl.runtime.bus.names import AGENTS_CONSUMER, EVAL_AGENTS_CONSUMER, EVAL_TRAINER_CONSUMER, TRAINER_CONSUMER, BusNames
 
 DUPLICATE_WINDOW = 3600.0  # contract: dedupe window of 1 h on both streams
 # Overrides it for streams created from now on (seconds). The fault tests shorten it to show that a
@@ -56,7 +57,7 @@ class Topology:
         common = {"retention": api.RetentionPolicy.WORK_QUEUE, "storage": api.StorageType.FILE,
                   "discard": api.DiscardPolicy.NEW, "duplicate_window": duplicate_window(), "num_replicas": 1}
         if which == "tickets":
-            return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject], **common)
+            return api.StreamConfig(name=n.tickets_stream, subjects=[n.tickets_subject, n.eval_tickets_subject, n.eval_results_subject], **common)
         return api.StreamConfig(name=n.traj_stream, subjects=[n.traj_subject, n.chunk_subject],
                                 max_bytes=self.max_bytes or -1, **common)
 
@@ -67,6 +68,11 @@ class Topology:
         if name == AGENTS_CONSUMER:
             return n.tickets_stream, api.ConsumerConfig(
                 ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.tickets_subject, **base)
+        if name == EVAL_AGENTS_CONSUMER:  # evaluation tickets: the same ack_wait as training tickets
+            return n.tickets_stream, api.ConsumerConfig(
+                ack_wait=self.ticket_ack_wait or DEFAULT_TICKET_ACK_WAIT, filter_subject=n.eval_tickets_subject, **base)
+        if name == EVAL_TRAINER_CONSUMER:  # evaluation results: small, acked as soon as they are counted
+            return n.tickets_stream, api.ConsumerConfig(ack_wait=DEFAULT_TICKET_ACK_WAIT, filter_subject=n.eval_results_subject, **base)
         # No filter: the trainer reads groups and their chunks in stream order.
         return n.traj_stream, api.ConsumerConfig(ack_wait=self.group_ack_wait or DEFAULT_GROUP_ACK_WAIT, **base)
 
@@ -81,6 +87,8 @@ class Topology:
                 except nats.js.errors.BadRequestError:  # created meanwhile by another role
                     info = await self.js.stream_info(cfg.name)
             else:
+                if set(cfg.subjects or []) - set(info.config.subjects or []):  # a stream from before evaluation subjects
+                    info = await self.js.update_stream(dataclasses.replace(info.config, subjects=cfg.subjects))
                 if explicit and info.config.max_bytes != cfg.max_bytes:
                     try:
                         info = await self.js.update_stream(cfg)
@@ -99,6 +107,12 @@ class Topology:
                     await self._add_consumer(stream, cfg)  # create-or-update: ack_wait may change
                 elif name == TRAINER_CONSUMER:
                     self.group_ack_wait = info.config.ack_wait  # keep it across reset_trainer_consumer
+        for name in (EVAL_AGENTS_CONSUMER, EVAL_TRAINER_CONSUMER):
+            stream, cfg = self._consumer_config(name)
+            try:
+                await self.js.consumer_info(stream, name)
+            except nats.js.errors.NotFoundError:
+                await self._add_consumer(stream, cfg)
         self._kv = await self.js.create_key_value(bucket=self.names.kv_bucket, history=1, storage=api.StorageType.FILE)
         self._obj = await self.js.create_object_store(bucket=self.names.weights_bucket, storage=api.StorageType.FILE)
 

@@ -25,6 +25,7 @@ from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import Item
+from kuberl.runtime.evaluation import run_eval_ticket
 from kuberl.runtime.inference.base import EngineError, InferenceEngine
 from kuberl.runtime.rollout.workflows import EpisodeContext, RolloutWorkflow
 
@@ -49,6 +50,7 @@ class AgentStats:
     failed_groups: int = 0  # tickets given up after rollout.maxTicketAttempts failed deliveries
     started_behind: int = 0  # tickets started on weights older than their issued_version (none newer to load)
     weight_updates: int = 0
+    evaluated: int = 0  # held-out evaluation tickets done (spec.evaluation)
     samples: int = 0
     reward_sum: float = 0.0
     started: float = 0.0
@@ -59,12 +61,13 @@ class RolloutAgent:
 
     def __init__(self, exp: RLExperiment, bus: Bus, engine: InferenceEngine, workflow: RolloutWorkflow, items: list[Item], *,
                  workdir: str | Path, agent_id: str | None = None, weights_cache: str | Path | None = None,
-                 log_every: float = 30.0) -> None:
+                 log_every: float = 30.0, evaluator: Any = None) -> None:
         self.exp = exp
         self.bus = bus
         self.engine = engine
         self.workflow = workflow
         self.items = items
+        self.evaluator = evaluator  # kuberl.runtime.evaluation.Evaluator: held-out tickets in slots training leaves free
         self.workdir = Path(workdir)
         self.agent_id = agent_id or default_agent_id()
         # bus mode: where downloaded weights go; the engine must see the same path (a shared emptyDir in a pod).
@@ -322,6 +325,11 @@ class RolloutAgent:
                      "(%.2f groups/s), mean reward %.3f, v%d, %d in flight", self.agent_id, s.published, s.rejected, s.failed,
                      s.failed_groups, s.started_behind, rate, mean, self.engine.version, len(self._episodes))
 
+    def _start(self, episode: Any, name: str, slots: asyncio.Semaphore) -> None:
+        task = asyncio.create_task(episode, name=name)
+        self._episodes.add(task)
+        task.add_done_callback(lambda t: (self._episodes.discard(t), slots.release()))
+
     async def run(self, max_tickets: int | None = None) -> AgentStats:
         """Take tickets until cancelled (or `max_tickets` are done); then cancel the episodes in flight."""
         self.stats.started = time.monotonic()
@@ -340,17 +348,19 @@ class RolloutAgent:
                     slots.release()
                     await self._engine_back()
                     continue
-                lease = await self.bus.pull_ticket(timeout=1.0)
+                lease = await self.bus.pull_ticket(timeout=1.0 if self.evaluator is None else 0.3)
                 self._progressed()
                 if lease is None:
+                    # No training ticket waiting: the free slot may take a held-out evaluation ticket.
+                    if self.evaluator is not None and (ev := await self.bus.pull_eval_ticket(timeout=0.3)) is not None:
+                        self._start(run_eval_ticket(self, ev), f"eval-{ev.value.eval_id}", slots)
+                        continue
                     slots.release()
                     continue
                 taken += 1
                 if lease.delivered > 1:  # the work queue gave it again: its holder died or handed it back
                     log.info("agent %s: ticket %s redelivered (delivery %d)", self.agent_id, lease.value.ticket_id, lease.delivered)
-                task = asyncio.create_task(self.run_ticket(lease), name=f"ticket-{lease.value.ticket_id}")
-                self._episodes.add(task)
-                task.add_done_callback(lambda t: (self._episodes.discard(t), slots.release()))
+                self._start(self.run_ticket(lease), f"ticket-{lease.value.ticket_id}", slots)
             if self._episodes:
                 await asyncio.gather(*list(self._episodes), return_exceptions=True)
         finally:

@@ -67,6 +67,7 @@ async def _run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: 
 
     from kuberl.runtime.bus import Bus
     from kuberl.runtime.data import load_items
+    from kuberl.runtime.evaluation import Evaluator
     from kuberl.runtime.inference.main import BUILTIN_MAX_MODEL_LEN
     from kuberl.runtime.models import resolve_model
     from kuberl.runtime.rollout.agent import RolloutAgent
@@ -80,13 +81,14 @@ async def _run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: 
         items = load_items(spec.dataset, seed=spec.seed)
         max_total = BUILTIN_MAX_MODEL_LEN if spec.model.builtin is not None else None
         workflow = make_workflow(spec, tokenizer, max_total_tokens=max_total)
+        evaluator = Evaluator.from_experiment(spec, tokenizer, max_total_tokens=max_total)  # None without spec.evaluation
         engine = make_engine(exp, model_path, engine_url)
     log.info("experiment %s: %d items, engine %s at %s, bus %s", exp.name, len(items), spec.rollout.engine, engine.url, bus_url)
     bus = await Bus.connect(bus_url, exp.name, max_payload=spec.bus.max_payload, name=f"kuberl-rollout-{os.getpid()}")
     health.bus, health.engine = bus, engine
     try:
         await engine.start()
-        agent = health.agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir)
+        agent = health.agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir, evaluator=evaluator)
         stats = await agent.run(max_tickets=max_tickets)
         log.info("agent stopped: %s", stats)
     finally:

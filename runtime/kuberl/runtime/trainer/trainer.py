@@ -30,6 +30,7 @@ from kuberl.runtime.algorithms import (
     shape_rewards,
 )
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
+from kuberl.runtime.evaluation import EvalSchedule, finish_evaluation
 from kuberl.runtime.tracking import Tracking
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
@@ -86,6 +87,8 @@ class Trainer:
         self.stop_reason: str | None = None
         self.last_numbers: dict[str, Any] = {}  # reward, speed, staleness of the last step, for progress
         self.tracking: Tracking | None = None  # spec.tracking's trackers, rank 0, from the first step's report
+        self.evals: EvalSchedule | None = None  # spec.evaluation's rounds (rank 0)
+        self.last_row: dict[str, Any] | None = None  # the last metrics.jsonl line
 
     # ------------------------------------------------------------------------------------------
     # set-up
@@ -132,6 +135,8 @@ class Trainer:
             shuffle=self.spec.dataset.shuffle, max_concurrent=self.spec.staleness.max_concurrent_rollouts,
             total_groups=self.total_steps * self.B,
         )
+        with spec_errors():  # spec.evaluation: its split or file missing or empty
+            self.evals = EvalSchedule.from_experiment(self.spec, self.total_steps) if self.info.is_main else None
         self.resumed_from = self._resume()
 
     def _total_steps(self, num_items: int) -> int:
@@ -196,6 +201,8 @@ class Trainer:
             digest = digest_state(self._full_params_everywhere())
             log.info("final weights sha256 %s", digest)  # every rank logs it: they must agree
             if self.stop_reason is None:
+                if self.info.is_main and self.evals is not None:  # the last step's evaluation, and any still open
+                    await finish_evaluation(self.evals, self.bus.bus, self.workdir, self.last_row, self.tracking, self.step, self.version)
                 await self.stage_report(None, done=True)
             if self.info.is_main:
                 log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
@@ -558,6 +565,10 @@ class Trainer:
             progress.update(self.last_numbers)
             row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
                    "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
+            if self.evals is not None:  # held-out evaluation: issue a due round, merge the finished ones (never waits)
+                row.update(await self.evals.poll(self.bus.bus, self.step, self.version))
+                progress["eval"] = self.evals.last
+            self.last_row = row
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             if self.tracking is None:  # rank 0 only: the other ranks returned above
@@ -579,7 +590,8 @@ class Trainer:
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
                 "staleness_max": None, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
-                "checkpoint": self.last_checkpoint, "time": time.time(), **self.last_numbers}
+                "checkpoint": self.last_checkpoint, "time": time.time(), "eval": getattr(getattr(self, "evals", None), "last", None),
+                **self.last_numbers}
 
     def _staleness(self, batch: RolloutBatch) -> dict[str, Any]:
         # Measured against the version the batch was trained at (before this step's bump).
