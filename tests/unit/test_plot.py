@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.runtime.plot import PlotError, parse_metrics, plot_metrics
+from kuberl.runtime.plot import PlotError, eval_series, parse_metrics, plot_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,6 +64,13 @@ def test_the_panels_and_their_lines(tmp_path):
     # A run without entropy or staleness (an old metrics.jsonl) gets the reward panel alone.
     bare = plot_metrics([{"step": s, "reward_mean": 0.1 * s} for s in (1, 2, 3)], tmp_path / "c.png")
     assert list(bare.panels) == ["reward"]
+
+
+def test_eval_curves_sit_at_the_evaluated_step_and_timings_are_no_curve():
+    rows = [{"step": 1, "reward_mean": 0.1},
+            {"step": 3, "reward_mean": 0.3, "evaluated_step": 2, "eval/pass_at_4": 0.5, "eval/reward_mean": 0.25, "eval_seconds": 9.0},
+            {"step": 4, "reward_mean": 0.4, "eval": {"pass@1": 0.75}}]
+    assert eval_series(rows) == {"eval/pass_at_4": ([2], [0.5]), "eval/reward_mean": ([2], [0.25]), "eval/pass@1": ([4], [0.75])}
 
 
 def test_a_step_written_twice_is_drawn_once_from_its_last_line(tmp_path):

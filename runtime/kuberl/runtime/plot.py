@@ -5,7 +5,7 @@
 
 One panel per kind of curve that has data: reward (mean per step and a moving average), entropy,
 staleness (mean and max policy-version lag), eval (every numeric value of a row's `eval` dict or of
-`eval_*` / `eval/*` keys). A step written twice (a trainer restarted from an older checkpoint redoes
+its `eval/*` keys, at its `evaluated_step`). A step written twice (a trainer restarted from an older checkpoint redoes
 steps) is drawn once, from its last line. For a cluster run the trainer's rank-0 pod must be running;
 a finished run's metrics.jsonl stays on the checkpoint volume (see docs/tracking.md).
 """
@@ -67,7 +67,8 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def eval_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
-    """Evaluation curves: a row's `eval` dict (flattened) and its `eval_*` / `eval/*` keys."""
+    """Evaluation curves: a row's `eval` dict (flattened) and its `eval/*` keys (kuberl.runtime.evaluation), at the
+    step that was evaluated (`evaluated_step`) when the row names it. `eval_seconds` and the like are no curve."""
     out: dict[str, tuple[list[int], list[float]]] = {}
 
     def add(name: str, step: int, value: Any) -> None:
@@ -80,9 +81,10 @@ def eval_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[f
             ys.append(v)
 
     for r in rows:
+        at = r["step"] if not isinstance(r.get("evaluated_step"), int) else r["evaluated_step"]
         for key, value in r.items():
-            if key == "eval" or key.startswith(("eval_", "eval/")):
-                add(key, r["step"], value)
+            if key == "eval" or key.startswith("eval/"):
+                add(key, at, value)
     return out
 
 
