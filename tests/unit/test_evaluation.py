@@ -149,15 +149,17 @@ async def test_finish_evaluates_the_last_step_and_waits_for_open_rounds(tmp_path
     s = EvalSchedule(EvaluationSpec(split="test", every_steps=4), num_items=2, total_steps=5)
     bus = EvalBus(answer=answer_all)
     last_row = {"step": 5, "reward_mean": 0.5}
-    metrics = await finish_evaluation(s, bus, tmp_path, last_row, None, step=5, version=5)
-    assert metrics["evaluated_step"] == 5
+    s.rounds[4] = EvalRound(step=4, version=4, items=2)  # a round still open when training ends
+    bus.results = [answer_all(t) for t in s.tickets(4, 4)]
+    rounds = await finish_evaluation(s, bus, tmp_path, last_row, None, step=5, version=5)
+    assert [m["evaluated_step"] for m in rounds] == [4, 5]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{**last_row, **metrics, "time": rows[0]["time"]}], "one more line of the last step, with its numbers and the round's"
+    assert rows == [{**last_row, **m, "time": r["time"]} for m, r in zip(rounds, rows)], "a line of the last step per round, the final one last"
 
 
 async def test_finish_gives_up_after_its_timeout():
     s = EvalSchedule(EvaluationSpec(split="test", every_steps=4), num_items=2, total_steps=5)
-    assert await s.finish(EvalBus(answer=None), step=5, version=5, timeout=0.2) == {} and 5 in s.rounds
+    assert await s.finish(EvalBus(answer=None), step=5, version=5, timeout=0.2) == [] and 5 in s.rounds
 
 
 # --- the trainer: eval never changes what is trained; its metrics land in the step's report -------
@@ -358,6 +360,8 @@ async def test_the_agent_takes_training_tickets_first_and_evaluates_with_free_sl
         async with asyncio.timeout(12):
             while len(results) < 2:
                 results += await trainer_bus.pull_eval_results(timeout=1.0)
+            while agent.stats.evaluated < 2:  # counted once its result is published and its ticket acked
+                await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert order == ["e0-i0-0", "s1-i0", "s1-i1"], "the training ticket first (concurrency 1), then the evaluation tickets"

@@ -116,18 +116,30 @@ class EvalSchedule:
             return
         rnd.results[result.index] = result  # a repeat (redelivered ticket) replaces the first
 
-    def finished(self) -> dict[str, Any]:
-        """Metrics of the rounds completed since the last call (the newest round's keys win) and forget them."""
-        out: dict[str, Any] = {}
+    def finished_rounds(self) -> list[dict[str, Any]]:
+        """Metrics of each round completed since the last call, oldest first; they are forgotten here."""
+        done = []
         for step in sorted(s for s, r in self.rounds.items() if r.complete):
-            out.update(self.rounds.pop(step).metrics(self.spec.pass_at_k, self.spec.correct_reward))
-            self.last = progress_view(out)
-            log.info("evaluation of step %d (v%d, %d items): %s", step, out["evaluated_policy_version"], out["evaluated_items"],
-                     " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in out.items() if k.startswith("eval/")))
+            m = self.rounds.pop(step).metrics(self.spec.pass_at_k, self.spec.correct_reward)
+            self.last = progress_view(m)
+            log.info("evaluation of step %d (v%d, %d items): %s", step, m["evaluated_policy_version"], m["evaluated_items"],
+                     " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.startswith("eval/")))
+            done.append(m)
+        return done
+
+    def finished(self) -> dict[str, Any]:
+        """The rounds completed since the last call, merged for one metrics line (the newest round's keys win)."""
+        out: dict[str, Any] = {}
+        for m in self.finished_rounds():
+            out.update(m)
         return out
 
     async def poll(self, bus: Any, step: int, version: int) -> dict[str, Any]:
         """Issue a due round, take the results that are there (no waiting); the metrics of completed rounds."""
+        await self._exchange(bus, step, version)
+        return self.finished()
+
+    async def _exchange(self, bus: Any, step: int, version: int) -> None:
         if not self._purged:  # rounds of an earlier trainer process are gone with it: drop their tickets and results
             await bus.purge_eval()
             self._purged = True
@@ -138,17 +150,18 @@ class EvalSchedule:
         for lease in await bus.pull_eval_results(timeout=0.0):
             self.add(lease.value)
             await lease.ack()
-        return self.finished()
 
-    async def finish(self, bus: Any, step: int, version: int, timeout: float = DEFAULT_FINISH_TIMEOUT) -> dict[str, Any]:
-        """After the last step: evaluate it if not done yet and wait (at most `timeout`) for every open round."""
-        out = await self.poll(bus, step, version)
+    async def finish(self, bus: Any, step: int, version: int, timeout: float = DEFAULT_FINISH_TIMEOUT) -> list[dict[str, Any]]:
+        """After the last step: evaluate it if not done yet and wait (at most `timeout`) for every open round;
+        the metrics of each round finished meanwhile, oldest first."""
+        await self._exchange(bus, step, version)
+        out = self.finished_rounds()
         deadline = time.monotonic() + timeout
         while self.rounds and time.monotonic() < deadline:
             for lease in await bus.pull_eval_results(timeout=1.0):
                 self.add(lease.value)
                 await lease.ack()
-            out.update(self.finished())
+            out += self.finished_rounds()
         if self.rounds:
             log.warning("evaluation rounds of steps %s did not finish within %.0f s (are rollout agents running?)", sorted(self.rounds), timeout)
         return out
@@ -241,15 +254,15 @@ async def run_eval_ticket(agent: Any, lease: Any) -> EvalResult | None:
 
 
 async def finish_evaluation(schedule: EvalSchedule, bus: Any, workdir: Any, last_row: dict[str, Any] | None, tracking: Any,
-                            step: int, version: int) -> dict[str, Any]:
-    """The trainer after its last step: wait for the open rounds (the last step's included); their metrics
-    go into one more metrics.jsonl line of that step (the last line of a step wins in `kuberl plot`) and to
-    the trackers."""
-    metrics = await schedule.finish(bus, step, version)
-    if metrics and last_row is not None:
-        row = {**last_row, **metrics, "time": time.time()}
+                            step: int, version: int) -> list[dict[str, Any]]:
+    """The trainer after its last step: wait for the open rounds (the last step's included); each round's
+    metrics go into one more metrics.jsonl line of that step (the last line of a step wins in `kuberl plot`:
+    the final round) and to the trackers."""
+    rounds = await schedule.finish(bus, step, version)
+    if last_row is not None:
         with open(f"{workdir}/metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if tracking is not None:
-            tracking.log(step, metrics)
-    return metrics
+            for metrics in rounds:
+                fh.write(json.dumps({**last_row, **metrics, "time": time.time()}) + "\n")
+        if tracking is not None and rounds:
+            tracking.log(step, {k: v for m in rounds for k, v in m.items()})
+    return rounds
