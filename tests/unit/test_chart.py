@@ -20,7 +20,7 @@ CHART = ROOT / "charts" / "kuberl"
 CRD_FILE = "kuberl.io_rlexperiments.yaml"
 KUBE_VERSION = "1.32"
 # Custom kinds the chart may render; kubernetes-validate knows built-in kinds only.
-CUSTOM_KINDS = {"ServiceMonitor", "KopfPeering", "ClusterKopfPeering"}
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "KopfPeering", "ClusterKopfPeering"}
 NAMESPACE = "kuberl-system"
 
 
@@ -54,6 +54,8 @@ def chart_crds() -> dict[str, dict]:
 VARIANTS = {
     "defaults": {},
     "namespaced with servicemonitor": {"watchNamespaces": ["team-a", "team-b"], "metrics": {"serviceMonitor": {"enabled": True}}},
+    "experiment podmonitor and dashboard": {"podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                                            "grafanaDashboard": {"enabled": True, "namespace": "monitoring"}},
     "standalone without metrics": {"peering": {"enabled": False}, "metrics": {"enabled": False}, "replicaCount": 1},
     "existing service account": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
     "private registry": {

@@ -132,13 +132,16 @@ class TestNetworkPolicies:
             assert len(guards) == 1, workload
 
     def test_engines_admit_only_this_experiments_pods_on_their_port(self) -> None:
-        [rule] = self.policies()[f"{self.exp.name}-rollout"]["spec"]["ingress"]
+        [rule, scrape] = self.policies()[f"{self.exp.name}-rollout"]["spec"]["ingress"]
         assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
         assert rule["from"] == [{"podSelector": {"matchLabels": {L.EXPERIMENT_LABEL: self.exp.name}}}]
+        # Prometheus: the agent's probe port (/metrics) only, never the engine's (tests/unit/test_prom.py).
+        assert scrape["ports"] == [{"protocol": "TCP", "port": 8001}]
 
     def test_trainer_admits_only_its_own_ranks(self) -> None:
-        [rule] = self.policies()[f"{self.exp.name}-trainer"]["spec"]["ingress"]
+        [rule, scrape] = self.policies()[f"{self.exp.name}-trainer"]["spec"]["ingress"]
         assert rule["from"] == [{"podSelector": {"matchLabels": {L.EXPERIMENT_LABEL: self.exp.name, L.ROLE_LABEL: "trainer"}}}]
+        assert scrape["ports"] == [{"protocol": "TCP", "port": 9400}]  # Prometheus: the metrics port only
 
     def test_another_experiments_pods_are_not_admitted_anywhere(self) -> None:
         other = {L.EXPERIMENT_LABEL: "someone-else", L.ROLE_LABEL: "rollout", L.APP_NAME_LABEL: "kuberl"}

@@ -12,6 +12,10 @@ Metric names are the metrics.jsonl keys (`reward_mean`, `loss`, `entropy`, `stal
 `samples_per_second`, ...); nested dicts become `timings/train.collect`. Non-numeric values and
 NaN/inf are left out. The run ids of W&B and MLflow are kept in <workdir>/tracking.json, so a
 trainer that restarts from a checkpoint goes on writing to the same run.
+
+Prometheus (kuberl.runtime.prom) is not one of spec.tracking's trackers: whenever $KUBERL_METRICS_PORT
+is set (the trainer Job sets it), `from_spec` starts its HTTP server, with or without spec.tracking,
+and `log` sets its gauges in the caller's thread (cheap, no I/O).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.api.tracking import TrackingSpec
+from kuberl.runtime.prom import TrainerMetrics, metrics_port, serve_trainer_metrics
 
 log = logging.getLogger("kuberl.tracking")
 
@@ -259,8 +264,11 @@ class _Worker:
 class Tracking:
     """The selected trackers of one run (trainer rank 0). `log` never blocks; `close` waits up to `timeout`."""
 
-    def __init__(self, backends: list[Any], retry_seconds: float = RETRY_SECONDS) -> None:
+    def __init__(self, backends: list[Any], retry_seconds: float = RETRY_SECONDS, prometheus: TrainerMetrics | None = None,
+                 prometheus_server: Any = None) -> None:
         self.workers = [_Worker(b, retry_seconds) for b in backends]
+        self.prometheus = prometheus  # the /metrics gauges (set in log), served by prometheus_server
+        self.prometheus_server = prometheus_server
 
     @classmethod
     def from_spec(cls, spec: TrackingSpec | None, *, workdir: str | Path, name: str, namespace: str,
@@ -280,11 +288,21 @@ class Tracking:
                                               experiment=spec.mlflow.experiment_name or f"{namespace}/{name}", params=run_params(config)))
         if backends:
             log.info("tracking: %s", ", ".join(b.name for b in backends))
-        return cls(backends, retry_seconds)
+        prometheus = server = None
+        port = metrics_port()  # a bad value is a configuration error: raised, not ignored
+        if port is not None:
+            prometheus = TrainerMetrics()
+            server = serve_trainer_metrics(prometheus, port)
+        return cls(backends, retry_seconds, prometheus=prometheus, prometheus_server=server)
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         metrics = flatten_metrics(row)
         wall = row.get("time") or time.time()
+        if self.prometheus is not None:
+            try:
+                self.prometheus.observe(step, row)
+            except Exception as exc:  # never the trainer's failure
+                log.warning("tracking: prometheus metrics not set for step %d (%s: %s)", step, type(exc).__name__, exc)
         for w in self.workers:
             w.inbox.put((step, metrics, wall))
 
@@ -296,6 +314,10 @@ class Tracking:
             w.thread.join(max(0.0, deadline - time.monotonic()))
             if w.thread.is_alive():
                 log.warning("tracking: %s did not finish within %.0f s; leaving it", w.backend.name, timeout)
+        if self.prometheus_server is not None:
+            self.prometheus_server.shutdown()
+            self.prometheus_server.server_close()
+            self.prometheus_server = None
 
 
 def run_params(spec: dict[str, Any]) -> dict[str, Any]:

@@ -8,24 +8,34 @@ Called by builders.build_children and the kopf handlers (O2). Three policies, by
   endpoints (/collective_rpc, /pause, weight reload), behind the engine API key as well (rollout.py,
   runtime/inference/engine_auth.py); the agent beside them uses 127.0.0.1, which no policy filters,
   and kubelet probes (the engine's /health, the agent's probe port) are admitted by the CNIs that
-  enforce policies, so the agent's probe port is not listed.
+  enforce policies. The agent's probe port also serves /metrics (Prometheus): it is admitted from
+  the scrapers' namespaces (below).
 - trainer: from this experiment's trainer pods only, every port (torchrun's rendezvous store and
-  the NCCL/gloo ports, which are chosen at run time).
+  the NCCL/gloo ports, which are chosen at run time); its metrics port from the scrapers' namespaces.
+Scrapers: the metrics ports only (read-only counters, no other port), from the namespaces named in
+$KUBERL_METRICS_NAMESPACES (comma-separated, read when the policies are built; set it with the chart's
+extraEnv), or from every namespace when it is unset.
 Policies select ingress only: egress (the bus, a model hub, an external NATS) stays open.
 """
 
 from __future__ import annotations
 
+import os
+import re
+
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import Obj, metadata, with_spec_hash
+from kuberl.operator.builders.trainer import METRICS_PORT as TRAINER_METRICS_PORT
 
 # The namespace the operator's pods run in; `kuberl operator` sets it once at start-up from
 # $POD_NAMESPACE (the chart passes it) through configure_operator_namespace(). Unset (an operator
 # running outside the cluster, which no policy can admit anyway): the experiment's own namespace.
 OPERATOR_NAMESPACE: str | None = None
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+METRICS_NAMESPACES_ENV = "KUBERL_METRICS_NAMESPACES"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def configure_operator_namespace(namespace: str | None) -> str | None:
@@ -56,6 +66,26 @@ def operator_peer(exp: RLExperiment) -> Obj:
             "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)}}
 
 
+def metrics_namespaces() -> list[str] | None:
+    """$KUBERL_METRICS_NAMESPACES as namespace names; None (every namespace) when unset or empty."""
+    raw = os.environ.get(METRICS_NAMESPACES_ENV, "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    bad = [n for n in names if not _DNS_LABEL.match(n)]
+    if bad:
+        raise ValueError(f"${METRICS_NAMESPACES_ENV} must be comma-separated namespace names, got {', '.join(map(repr, bad))}")
+    return names or None
+
+
+def metrics_scrape_rule(ports: list[int]) -> Obj:
+    """Ingress on the metrics ports only, from the scrapers' namespaces (module docstring)."""
+    names = metrics_namespaces()
+    if names is None:
+        peers = [{"namespaceSelector": {}}]
+    else:
+        peers = [{"namespaceSelector": {"matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": names}]}}]
+    return {"from": peers, "ports": [_port(p) for p in ports]}
+
+
 def build_network_policy(exp: RLExperiment) -> Obj | None:
     """Ingress to the bus pods (see the module docstring); None with an external bus."""
     if exp.spec.bus.external is not None:
@@ -71,14 +101,16 @@ def build_network_policy(exp: RLExperiment) -> Obj | None:
 
 
 def build_rollout_network_policy(exp: RLExperiment) -> Obj:
-    """Ingress to the engines: their port, from this experiment's pods only."""
+    """Ingress to the rollout pods: the engine port from this experiment's pods only; the agent's probe port (/metrics) from the scrapers."""
     return _policy(exp, naming.rollout_network_policy_name(exp), L.Role.ROLLOUT, [
         {"from": [{"podSelector": {"matchLabels": L.experiment_labels(exp)}}], "ports": [_port(naming.ENGINE_PORT)]},
+        metrics_scrape_rule([naming.AGENT_HEALTH_PORT]),
     ])
 
 
 def build_trainer_network_policy(exp: RLExperiment) -> Obj:
-    """Ingress to the trainer pods: from this experiment's trainer pods only, on any port."""
+    """Ingress to the trainer pods: from this experiment's trainer pods on any port; the metrics port from the scrapers."""
     return _policy(exp, naming.trainer_network_policy_name(exp), L.Role.TRAINER, [
         {"from": [{"podSelector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}}]},
+        metrics_scrape_rule([TRAINER_METRICS_PORT]),
     ])

@@ -42,7 +42,8 @@ ENGINE_API_KEY_KEY = "apiKey"  # the key of the engine Secret's value
 def agent_probes() -> Obj:
     """The agent's port and probes (runtime/rollout/health.py): liveness restarts an agent whose loop
     stalled or blocked; readiness holds while its bus is down or its engine does not answer (the
-    readiness handler waits up to 5 s for the engine's /health)."""
+    readiness handler waits up to 5 s for the engine's /health). The same port serves /metrics (kuberl.runtime.prom):
+    the chart's PodMonitor scrapes it by its name, `probes`."""
     def get(path: str) -> Obj:
         return {"httpGet": {"path": path, "port": "probes"}, "timeoutSeconds": 10}
 

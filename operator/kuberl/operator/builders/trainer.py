@@ -42,6 +42,11 @@ CONFIG_ERROR_EXIT_CODE = 2
 # torchrun itself exits 1 whatever its ranks exit with; this module runs torchrun and passes a rank's
 # exit code 2 on, so that the podFailurePolicy below can see it.
 TORCHRUN = ["python", "-m", "kuberl.runtime.trainer.torchrun"]
+# Rank 0's Prometheus endpoint (/metrics, kuberl.runtime.prom): $KUBERL_METRICS_PORT, the port named
+# `metrics` that the chart's PodMonitor scrapes. The other ranks serve none (their port stays closed).
+METRICS_PORT = 9400
+METRICS_PORT_NAME = "metrics"
+METRICS_PORT_ENV = "KUBERL_METRICS_PORT"
 
 
 def trainer_command(exp: RLExperiment) -> list[str]:
@@ -96,10 +101,12 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
             *runtime_env(exp),
             *tracking_env(exp),
+            {"name": METRICS_PORT_ENV, "value": str(METRICS_PORT)},
         ],
         mounts=[{"name": "checkpoints", "mountPath": WORKDIR}, *data_mounts],
         resources=container_resources(t, t.accelerator),
-        ports=[{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"}],
+        ports=[{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"},
+               {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}],
     )
     job = {
         "apiVersion": "batch/v1",

@@ -1,4 +1,5 @@
-"""The rollout agent's probe endpoints, on a port of their own: GET /healthz (liveness), GET /readyz (readiness).
+"""The rollout agent's probe endpoints, on a port of their own: GET /healthz (liveness), GET /readyz (readiness),
+and GET /metrics (Prometheus text: the agent's counters, read at scrape time; kuberl.runtime.prom.AgentCollector).
 
 Kubelet probes come from the node, so in a pod the server listens on every address ($KUBERL_AGENT_HEALTH_PORT,
 set by the rollout StatefulSet); `kuberl run` leaves the variable unset and starts none. 200 "ok" or
@@ -14,6 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kuberl.runtime.prom import agent_registry
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,16 @@ def health_app(state: AgentHealth) -> web.Application:
         ok, why = await state.ready()
         return web.Response(status=200 if ok else 503, text=why)
 
+    registry = agent_registry(lambda: state.agent)
+
+    async def metrics(_: web.Request) -> web.Response:
+        # Read in the agent's own loop: the counters are consistent with each other, and cheap to read.
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -76,7 +87,7 @@ async def start_health_server(state: AgentHealth, port: int, host: str = "0.0.0.
     runner = web.AppRunner(health_app(state), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    log.info("probe endpoints on %s:%d (/healthz, /readyz)", host, port)
+    log.info("probe endpoints on %s:%d (/healthz, /readyz, /metrics)", host, port)
     return runner
 
 

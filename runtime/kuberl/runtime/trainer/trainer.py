@@ -554,6 +554,9 @@ class Trainer:
         await self.bus.refresh_buffered(len(self.buffer))
         await self.bus.put_tickets(self.book.state())
         progress = self._progress_base(done=done)
+        if self.tracking is None:  # rank 0 only: the other ranks returned above; from the first report (/metrics before step 1)
+            self.tracking = Tracking.from_spec(self.spec.tracking, workdir=self.workdir, name=self.exp.name, namespace=self.exp.namespace,
+                                               config=self.spec.to_manifest())
         if stats is not None:
             self.recent.append((stats["samples"], stats["step_seconds"]))
             secs = sum(s for _, s in self.recent)
@@ -571,9 +574,6 @@ class Trainer:
             self.last_row = row
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            if self.tracking is None:  # rank 0 only: the other ranks returned above
-                self.tracking = Tracking.from_spec(self.spec.tracking, workdir=self.workdir, name=self.exp.name, namespace=self.exp.namespace,
-                                                   config=self.spec.to_manifest())
             self.tracking.log(self.step, row)  # never blocks; a tracker that is down is logged once, training goes on
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
             log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
