@@ -305,3 +305,53 @@ def test_bad_scrape_namespaces_are_refused(monkeypatch):
     monkeypatch.setenv(network.METRICS_NAMESPACES_ENV, "monitoring,Not_A_Namespace")
     with pytest.raises(ValueError, match="Not_A_Namespace"):
         network.build_trainer_network_policy(experiment())
+
+
+# -- the trainer's own hook: stage_report ------------------------------------------------------------
+
+
+async def test_the_trainer_serves_metrics_from_its_first_report_on_rank_0(tmp_path, monkeypatch):
+    """The real Trainer.stage_report, without spec.tracking: /metrics answers before step 1, then shows the step."""
+    import torch
+
+    from kuberl.runtime.trainer.dist import DistInfo
+    from kuberl.runtime.trainer.tickets import TicketBook
+    from kuberl.runtime.trainer.trainer import Trainer
+    from tests.unit.test_tracking import ReportBus, stats
+
+    monkeypatch.setenv(METRICS_PORT_ENV, "0")
+    t = Trainer(experiment(), bus_url="nats://unused:4222", workdir=tmp_path)
+    t.info = DistInfo(0, 1, 0, torch.device("cpu"))
+    t.book, t.bus, t.total_steps, t.step = TicketBook(20, 2, 0, total_groups=6), ReportBus(), 3, 0
+    await t.stage_report(None)  # the report before step 1
+    try:
+        port = t.tracking.prometheus_server.server_port
+
+        def scrape() -> dict[str, list]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                return scrape_text(resp.read().decode())
+
+        assert "kuberl_trainer_step" in scrape()
+        t.step = t.version = 1
+        await t.stage_report({**stats(1), "tokens": 40.0, "timings": {"train.collect": 0.5, "train.publish_weights": 0.25}})
+        s = scrape()
+        assert value(s, "kuberl_trainer_step") == 1 and value(s, "kuberl_trainer_reward_mean") == 0.1
+        assert value(s, "kuberl_trainer_samples_per_second") == 8.0 and value(s, "kuberl_trainer_tokens_per_second") == 40.0
+        assert value(s, "kuberl_trainer_weight_sync_seconds") == 0.25
+    finally:
+        t.tracking.close(timeout=5)
+
+
+async def test_other_ranks_serve_no_metrics(tmp_path, monkeypatch):
+    import torch
+
+    from kuberl.runtime.trainer.dist import DistInfo
+    from kuberl.runtime.trainer.trainer import Trainer
+    from tests.unit.test_tracking import stats
+
+    monkeypatch.setenv(METRICS_PORT_ENV, "0")
+    t = Trainer(experiment(), bus_url="nats://unused:4222", workdir=tmp_path)
+    t.info = DistInfo(1, 2, 1, torch.device("cpu"))
+    t.step = 1
+    await t.stage_report(stats(1))
+    assert t.tracking is None
