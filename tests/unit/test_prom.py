@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import helm_python as helm
+import promql_parser  # kuberl[test]: parses the dashboard's queries as Prometheus would
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -191,35 +192,81 @@ async def test_agent_reward_mean_is_nan_before_any_sample(tmp_path):
 
 # -- the dashboard against what the code exposes --------------------------------------------------
 
-METRIC = re.compile(r"\b(kuberl_[a-z0-9_]+)\b(\{[^}]*\})?")
-MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)")
 # Labels Prometheus adds to every target (pod discovery) and the PodMonitor's relabelings add.
 TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance", "experiment", "role"}
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": ".*", "$experiment": ".*"}
+LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)\)$")
+LEGEND_LABEL = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_queries() -> list[tuple[str, str, str | None, str]]:
+    """(where, PromQL with Grafana's variables filled in, label its result must carry or None, legend)."""
     dash = json.loads(DASHBOARD.read_text())
-    out = [(f"variable {v['name']}", v["query"]["query"]) for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    out = []
+
+    def fill(expr: str) -> str:
+        for var, val in GRAFANA_VARIABLES.items():
+            expr = expr.replace(var, val)
+        assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
+        return expr
+
+    for v in dash["templating"]["list"]:
+        if isinstance(v.get("query"), dict):
+            m = LABEL_VALUES.match(v["query"]["query"])
+            assert m, f"variable {v['name']}: {v['query']['query']!r} is no label_values(selector, label)"
+            out.append((f"variable {v['name']}", fill(m["selector"]), m["label"], ""))
     for panel in dash["panels"]:
         for target in panel.get("targets", []):
-            out.append((panel["title"], target["expr"]))
+            out.append((panel["title"], fill(target["expr"]), None, target.get("legendFormat", "")))
     return out
 
 
-def test_every_dashboard_query_names_metrics_and_labels_the_code_exposes(trainer_scrape, agent_scrape):
+def query_labels(node, exposed: dict[str, list], where: str, used: set[str]) -> set[str]:
+    """Check every selector of a parsed query against `exposed`; the labels its result carries."""
+    if isinstance(node, promql_parser.VectorSelector):
+        assert node.name in exposed, f"{where}: {node.name} is not exposed by the trainer or the agents"
+        used.add(node.name)
+        labels = set().union(*(lab for lab, _ in exposed[node.name])) | TARGET_LABELS
+        for m in node.matchers.matchers:
+            assert m.name in labels, f"{where}: {node.name} has no label {m.name!r}"
+        return labels
+    if isinstance(node, promql_parser.MatrixSelector):
+        return query_labels(node.vector_selector, exposed, where, used)
+    if isinstance(node, promql_parser.AggregateExpr):
+        inner = query_labels(node.expr, exposed, where, used)
+        if node.modifier is None:
+            return set()
+        grouping = set(node.modifier.labels)
+        if node.modifier.type == promql_parser.AggModifierType.By:
+            assert grouping <= inner, f"{where}: grouped by {sorted(grouping - inner)}, which the series lack"
+            return grouping
+        return inner - grouping
+    if isinstance(node, promql_parser.Call):
+        return set().union(*(query_labels(a, exposed, where, used) for a in node.args))
+    if isinstance(node, promql_parser.BinaryExpr):
+        return query_labels(node.lhs, exposed, where, used) | query_labels(node.rhs, exposed, where, used)
+    if isinstance(node, promql_parser.ParenExpr):
+        return query_labels(node.expr, exposed, where, used)
+    assert isinstance(node, (promql_parser.NumberLiteral, promql_parser.StringLiteral)), f"{where}: unexpected {type(node).__name__}"
+    return set()
+
+
+def test_every_dashboard_query_parses_and_names_metrics_and_labels_the_code_exposes(trainer_scrape, agent_scrape):
     exposed = {**trainer_scrape, **agent_scrape}
     queries = dashboard_queries()
     assert len(queries) > 20
-    used = set()
-    for where, expr in queries:
-        refs = METRIC.findall(expr)
-        assert refs, f"{where}: {expr!r} queries no kuberl metric"
-        for name, selector in refs:
-            used.add(name)
-            assert name in exposed, f"{where}: {name} is not exposed by the trainer or the agents"
-            labels = set().union(*(lab for lab, _ in exposed[name])) | TARGET_LABELS
-            for label, _op in MATCHER.findall(selector or ""):
-                assert label in labels, f"{where}: {name} has no label {label!r}"
+    used: set[str] = set()
+    for where, expr, label, legend in queries:
+        try:
+            tree = promql_parser.parse(expr)
+        except Exception as exc:
+            raise AssertionError(f"{where}: {expr!r} is no PromQL: {exc}") from None
+        names: set[str] = set()
+        result = query_labels(tree, exposed, where, names)
+        assert names, f"{where}: {expr!r} queries no kuberl metric"
+        used |= names
+        for name in ([label] if label else []) + LEGEND_LABEL.findall(legend):
+            assert name in result, f"{where}: {expr!r} has no label {name!r} (legend or variable)"
     # Every family the code exports has a panel (a new metric needs one, or a reason to be left out).
     families = {re.sub(r"_total$", "", n) for n in exposed if n.startswith("kuberl_") and not n.endswith("_created")}
     panelled = {re.sub(r"_total$", "", n) for n in used}
