@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from kuberl.api.v1alpha1 import KubeModel, _cel
+from kuberl.api.base import KubeModel, _cel
 
 EVAL_ONE_SOURCE = "set exactly one of evaluation.split or evaluation.path"
 EVAL_K_TOO_BIG = "every evaluation.passAtK value must be at most evaluation.samplesPerPrompt"

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from pydantic import Field, model_validator
 
-from kuberl.api.v1alpha1 import KubeModel, SecretKeyRef, _cel
+from kuberl.api.base import KubeModel, SecretKeyRef, _cel
 
 # The environment variables the trainer reads the credentials from (the libraries' own names).
 WANDB_API_KEY_ENV = "WANDB_API_KEY"

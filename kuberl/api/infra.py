@@ -1,0 +1,86 @@
+"""What connects and keeps a run: weight sync, the bus, checkpoints, training length and the failure policy."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kuberl.api.base import KubeModel, Quantity, ResourceRequirements, SecretKeyRef, _cel, _check_quantity
+
+
+class WeightSyncSpec(KubeModel):
+    mode: Literal["disk", "bus"] = Field(
+        "disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store.")
+
+
+class EmbeddedBusSpec(KubeModel):
+    replicas: Literal[1, 3, 5] = Field(1, description="NATS servers (JetStream clusters need an odd count).")
+    storage: Quantity = Field("10Gi", description="JetStream file storage per server.")
+    storage_class_name: str | None = Field(None, description="StorageClass of the JetStream volumes.")
+    image: str | None = Field(None, description="NATS image; default nats:2.15-alpine.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="NATS container resources.")
+
+
+class ExternalBusSpec(KubeModel):
+    url: str = Field(description="NATS URL, e.g. nats://nats.nats.svc:4222.", pattern=r"^(nats|tls|ws|wss)://\S+$")
+    credentials_secret: SecretKeyRef | None = Field(None, description="Secret with a NATS credentials file (key default: token).")
+
+
+class BusSpec(KubeModel):
+    """The trajectory bus: NATS JetStream, run by the operator (embedded) or yours (external)."""
+
+    model_config = _cel(("!(has(self.embedded) && has(self.external))", "set bus.embedded or bus.external, not both"))
+    embedded: EmbeddedBusSpec | None = Field(None, description="Run a NATS JetStream StatefulSet for this experiment (the default).")
+    external: ExternalBusSpec | None = Field(None, description="Use an existing NATS with JetStream.")
+    max_payload: Quantity = Field("8Mi", description="Largest message; trajectory groups above it are chunked.")
+
+    @model_validator(mode="after")
+    def _one(self) -> BusSpec:
+        if self.embedded is not None and self.external is not None:
+            raise ValueError("set bus.embedded or bus.external, not both")
+        if self.embedded is None and self.external is None:
+            self.embedded = EmbeddedBusSpec()  # documented: embedded is the default bus
+        _check_quantity(self.max_payload, "bus.maxPayload")
+        if self.embedded is not None:
+            _check_quantity(self.embedded.storage, "bus.embedded.storage")
+        return self
+
+
+class CheckpointSpec(KubeModel):
+    model_config = _cel(("!has(self.existingClaim) || !has(self.storageClassName)", "checkpoint.storageClassName has no effect with checkpoint.existingClaim"))
+    size: Quantity = Field("50Gi", description="Size of the checkpoint PVC.")
+    storage_class_name: str | None = Field(None, description="StorageClass of the checkpoint PVC (ReadWriteMany for weight sync over disk).")
+    existing_claim: str | None = Field(None, description="Use this PVC instead of creating one.")
+    every_steps: int = Field(10, ge=1, le=1_000_000, description="Checkpoint every N training steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (oldest deleted first).")
+    retain_policy: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description="Retain: the checkpoint PVC the operator creates outlives the experiment (not owned by it), so a re-created "
+        "experiment of the same name resumes from it; Delete: it is garbage-collected with the experiment.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> CheckpointSpec:
+        _check_quantity(self.size, "checkpoint.size")
+        if self.existing_claim is not None and self.storage_class_name is not None:
+            raise ValueError("checkpoint.storageClassName has no effect with checkpoint.existingClaim")
+        return self
+
+
+class TrainingSpec(KubeModel):
+    model_config = _cel(("has(self.totalSteps) || has(self.epochs)", "set training.totalSteps or training.epochs"))
+    total_steps: int | None = Field(None, ge=1, le=100_000_000, description="Stop after this many training steps (wins over epochs).")
+    epochs: int | None = Field(None, ge=1, le=100_000, description="Stop after this many passes over the data set.")
+
+    @model_validator(mode="after")
+    def _one(self) -> TrainingSpec:
+        if self.total_steps is None and self.epochs is None:
+            raise ValueError("set training.totalSteps or training.epochs")
+        return self
+
+
+class FailurePolicySpec(KubeModel):
+    max_restarts: int = Field(3, ge=0, le=1000, description="Trainer restarts (from the last checkpoint) before the experiment fails.")
+    backoff_seconds: int = Field(30, ge=0, le=86400, description="Wait before a restart; doubles each time.")
+

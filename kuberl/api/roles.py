@@ -1,0 +1,138 @@
+"""The two roles' specs: rollout (engines with agents, autoscaling) and trainer (backend, parallelism)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kuberl.api.base import AcceleratorSpec, AcceleratorType, FieldError, KubeModel, _cel
+from kuberl.api.pods import SchedulingSpec
+
+
+class AutoscalingSpec(KubeModel):
+    model_config = _cel(("self.minReplicas <= self.maxReplicas", "rollout.autoscaling.minReplicas must be <= maxReplicas"))
+    enabled: bool = Field(False, description="Let the operator scale rollout replicas from bus signals.")
+    min_replicas: int = Field(1, ge=0, le=1024, description="Lower bound.")
+    max_replicas: int = Field(1, ge=1, le=1024, description="Upper bound.")
+    cooldown_seconds: int = Field(120, ge=0, le=86400, description="Minimum time between two scaling decisions.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("rollout.autoscaling.minReplicas must be <= maxReplicas")
+        return self
+
+
+class EngineName(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+# The runtime-npu image carries torch_npu but no inference engine: an Ascend rollout must name an
+# image that has one (e.g. a vllm-ascend build with the KubeRL runtime installed).
+ASCEND_IMAGE_RULE = "!has(self.accelerator) || !has(self.accelerator.type) || self.accelerator.type != 'ascend' || has(self.image)"
+ASCEND_IMAGE_MESSAGE = ("rollout.image is required with rollout.accelerator.type ascend: the default runtime-npu image has no "
+                        "inference engine; use an image with vllm-ascend and the KubeRL runtime (see docs/guides/ascend.md)")
+
+
+class RolloutSpec(SchedulingSpec):
+    """Inference: a StatefulSet of engine + rollout-agent pods."""
+
+    # Only an explicit replicas is checked here: unset, it comes from `allocation` (checked there)
+    # or starts at minReplicas. The accelerator-count rule lives on the spec, which sees `allocation`.
+    model_config = _cel(
+        ("!self.autoscaling.enabled || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+         "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas", ".replicas"),
+        (ASCEND_IMAGE_RULE, ASCEND_IMAGE_MESSAGE, ".image"),
+    )
+    engine: EngineName = Field(
+        EngineName.VLLM,
+        description="Inference engine: vllm or sglang. Default: from `allocation` when set, else vllm (the engine KubeRL tests run for real).",
+    )
+    replicas: int = Field(
+        1, ge=0, le=1024,
+        description="Engine replicas (pods); the /scale subresource sets this. Default: from `allocation` when set, "
+                    "else autoscaling.minReplicas when autoscaling is on, else 1.",
+    )
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Elastic rollout capacity.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Tensor parallelism inside one engine. Default: from `allocation` when set, else 1.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline parallelism inside one engine. Default: from `allocation` when set, else 1.")
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per replica.")
+    engine_args: list[str] = Field(default_factory=list, max_length=64, description="Extra command-line arguments for the engine server.")
+    concurrency: int = Field(32, ge=1, le=4096, description="Groups one agent generates at once.")
+    max_ticket_attempts: int = Field(
+        3, ge=1, le=100,
+        description="Deliveries of one ticket whose workflow or reward raises before it becomes a failed group "
+        "(counted in status.progress.failedGroups, its slot given back) instead of being retried forever.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> RolloutSpec:
+        a = self.autoscaling
+        if a.enabled and "replicas" in self.model_fields_set and not (a.min_replicas <= self.replicas <= a.max_replicas):
+            raise ValueError("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas")
+        if a.enabled and "replicas" not in self.model_fields_set:
+            # Left unset on purpose (not in model_fields_set) so that `allocation` may still fill it.
+            object.__setattr__(self, "replicas", a.min_replicas)
+        if self.accelerator.type == AcceleratorType.ASCEND and not self.image:
+            raise ValueError(ASCEND_IMAGE_MESSAGE)
+        return self
+
+
+# Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
+# the trainer's own exit-2 refusal (runtime/kuberl/runtime/trainer/trainer.py) stays as a second line of defence.
+MEGATRON_UNSUPPORTED = ("trainer.backend megatron is not implemented yet: use trainer.backend fsdp (FSDP2, data parallel); "
+                        "tensor, pipeline and expert parallel come with the megatron backend (README: support table)")
+CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "
+                       "FSDP2 trains data parallel over nodes * accelerator.count")
+ALLOCATION_MEGATRON_UNSUPPORTED = "allocation: the megatron backend is not implemented yet: use fsdp:d<N> (e.g. vllm:d2+fsdp:d4)"
+ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: use fsdp:d<N> without c (e.g. vllm:d2+fsdp:d4)"
+TPE_NEED_MEGATRON = ("tensor, pipeline and expert parallelism need trainer.backend megatron, which is not implemented yet: "
+                     "use trainer.parallelism.data only")
+
+
+class ParallelismSpec(KubeModel):
+    """Trainer parallel dims; each defaults to `allocation` when set, else 1."""
+
+    data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
+    tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (megatron).")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (megatron).")
+    context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size; above 1 is refused (not implemented yet).")
+    expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE, megatron).")
+
+
+class TrainerSpec(SchedulingSpec):
+    """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
+
+    # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
+    backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp", description="fsdp (FSDP2). megatron (megatron-core) is refused: not implemented yet. Default: from `allocation` when set, else fsdp.")
+    nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
+    micro_batch_tokens: int = Field(16384, ge=64, description="Tokens per forward/backward micro-batch (packed).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * max(self.accelerator.count, 1)
+
+    def check(self) -> None:
+        """Cross-field rules; RLExperimentSpec calls this once `allocation` has filled the fields."""
+        p = self.parallelism
+        if p.data is not None and p.data * p.tensor * p.pipeline * p.context != self.world_size:
+            raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
+        if self.backend != "megatron" and (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
+            raise ValueError(TPE_NEED_MEGATRON)
+        if self.backend == "megatron":
+            raise FieldError("spec.trainer.backend", self.backend, MEGATRON_UNSUPPORTED)
+        if p.context != 1:
+            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_UNSUPPORTED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Infrastructure: weight sync, bus, checkpoint, lifecycle
+# ---------------------------------------------------------------------------------------------
+

@@ -1,0 +1,156 @@
+"""What is trained on: the model, the data set and the rollout workflow (rlvr, multi-turn, custom, agent)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kuberl.api.base import KubeModel, SecretKeyRef, VolumeRef, _cel
+
+
+class ModelSpec(KubeModel):
+    """The policy model: a Hugging Face id, a path (on a PVC or the local disk), or a builtin test model."""
+
+    model_config = _cel(
+        ("[has(self.id), has(self.path), has(self.builtin)].filter(x, x).size() == 1", "set exactly one of model.id, model.path or model.builtin"),
+        ("!has(self.volume) || has(self.path)", "model.volume needs model.path (the folder inside the claim)"),
+    )
+    id: str | None = Field(None, description="Hugging Face model id, e.g. Qwen/Qwen2.5-1.5B-Instruct.", min_length=1)
+    path: str | None = Field(None, description="Folder with config.json and safetensors: inside `volume` if set, else a local path.", min_length=1)
+    volume: VolumeRef | None = Field(None, description="PVC that holds the model; `path` is relative to it.")
+    builtin: Literal["tiny-qwen2", "tiny-qwen2-instruct"] | None = Field(
+        None, description="A tiny Qwen2 built locally (random init, locally trained tokenizer): for tests and the quickstart. "
+        "tiny-qwen2-instruct is shaped like Qwen2.5-Instruct (tied embeddings, its generation_config sampling defaults).",
+    )
+    revision: str = Field("main", description="Hub revision (branch, tag or commit) when `id` is set.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Weights dtype for training and inference.")
+    hub_token_secret: SecretKeyRef | None = Field(None, description="Secret with a Hugging Face token, for gated or private models.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if sum(x is not None for x in (self.id, self.path, self.builtin)) != 1:
+            raise ValueError("set exactly one of model.id, model.path or model.builtin")
+        if self.volume is not None and self.path is None:
+            raise ValueError("model.volume needs model.path (the folder inside the claim)")
+        return self
+
+
+class DatasetSpec(KubeModel):
+    """Prompts and reference answers: a Hugging Face data set, files on a path, or a builtin synthetic task."""
+
+    model_config = _cel(
+        ("[has(self.id), has(self.path), has(self.builtin)].filter(x, x).size() == 1", "set exactly one of dataset.id, dataset.path or dataset.builtin"),
+        ("!has(self.volume) || has(self.path)", "dataset.volume needs dataset.path"),
+    )
+    id: str | None = Field(None, description="Hugging Face data set id, e.g. openai/gsm8k.", min_length=1)
+    config: str | None = Field(None, description="Data set configuration name, e.g. main.")
+    split: str = Field("train", description="Split to train on.")
+    path: str | None = Field(None, description="A .jsonl/.json/.parquet file or a saved data set folder (inside `volume` if set).", min_length=1)
+    volume: VolumeRef | None = Field(None, description="PVC that holds the data set; `path` is relative to it.")
+    builtin: Literal["repeat-digit", "add-small"] | None = Field(
+        None, description="A synthetic verifiable task generated locally (no download): repeat-digit, add-small."
+    )
+    size: int | None = Field(None, ge=1, le=10_000_000, description="Use at most this many items (builtin: generate this many).")
+    prompt_field: str = Field("question", description="Field holding the prompt.", min_length=1)
+    answer_field: str = Field("answer", description="Field holding the reference answer.", min_length=1)
+    shuffle: bool = Field(True, description="Shuffle items each epoch (seeded by spec.seed).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if sum(x is not None for x in (self.id, self.path, self.builtin)) != 1:
+            raise ValueError("set exactly one of dataset.id, dataset.path or dataset.builtin")
+        if self.volume is not None and self.path is None:
+            raise ValueError("dataset.volume needs dataset.path")
+        return self
+
+
+class WorkflowType(StrEnum):
+    RLVR = "rlvr"  # single turn: prompt -> answer -> verifiable reward
+    MULTI_TURN = "multi-turn"  # retry with feedback until correct or maxTurns; reward discounted per turn
+    CUSTOM = "custom"  # a user class with one async method per episode (workflow.class)
+    AGENT = "agent"  # a user agent function driving an OpenAI client against the agent's local proxy (workflow.agent)
+
+
+class AgentExportStyle(StrEnum):
+    CONCAT = "concat"  # one sequence per episode: calls that extend each other share one prefix
+    INDIVIDUAL = "individual"  # one sample per call (needs groups of varying size: not implemented yet)
+
+
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+AGENT_INDIVIDUAL_UNSUPPORTED = (
+    "workflow.exportStyle individual (one sample per call) is not implemented yet: the trainer trains groups of "
+    "exactly samplesPerPrompt sequences; use concat (one sequence per episode)"
+)
+
+
+class SandboxSpec(KubeModel):
+    """Limits of the sandboxed Python tool (tool-integrated reasoning): one process per call, no network."""
+
+    timeout_seconds: float = Field(5.0, gt=0.0, le=300.0, description="Wall-clock limit per code run; the process is killed past it.")
+    cpu_seconds: int = Field(5, ge=1, le=300, description="CPU-time limit per code run (RLIMIT_CPU).")
+    memory_mib: int = Field(512, ge=32, le=65536, description="Address-space limit per code run, MiB (RLIMIT_AS).")
+    max_output_chars: int = Field(2000, ge=64, le=100000, description="Characters of stdout/stderr fed back to the model.")
+
+
+class WorkflowSpec(KubeModel):
+    """How a rollout agent turns one data set item into a trajectory group (AReaL's RolloutWorkflow)."""
+
+    model_config = _cel(
+        ("self.type == 'multi-turn' || self.maxTurns == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"),
+        ("self.type != 'custom' || has(self.class)", "workflow.type custom needs workflow.class (package.module:Class)"),
+        ("!has(self.class) || self.type == 'custom'", "workflow.class needs workflow.type custom"),
+        ("self.type != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
+        ("!has(self.agent) || self.type == 'agent'", "workflow.agent needs workflow.type agent"),
+        ("!has(self.exportStyle) || self.exportStyle == 'concat'", AGENT_INDIVIDUAL_UNSUPPORTED),
+    )
+    type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn), multi-turn, custom (workflow.class) or agent (workflow.agent).")
+    max_turns: int = Field(1, ge=1, le=32, description="Turns per episode (multi-turn).")
+    turn_discount: float = Field(1.0, gt=0.0, le=1.0, description="Reward multiplier per extra turn (multi-turn), e.g. 0.9.")
+    reward: str = Field(
+        "math",
+        description="Reward function: a registered name (math, exact-match, repeat-digit) or an import path `package.module:function`.",
+        pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+    )
+    use_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+    workflow_class: str | None = Field(
+        None, alias="class", pattern=_IMPORT_PATH,
+        description="custom: `package.module:Class` with `async arun_episode(engine, item, ctx)` (docs/agents.md); "
+                    "its code comes from the runtime image or rollout.image.",
+    )
+    agent: str | None = Field(
+        None, pattern=_IMPORT_PATH,
+        description="agent: `package.module:function(client, item)` run once per episode with an OpenAI client pointed at "
+                    "the agent's local proxy; returns a reward, or None to let workflow.reward score the final answer.",
+    )
+    export_style: AgentExportStyle | None = Field(
+        None, description="agent: how an episode's calls become samples; concat (the default) = one sequence per episode.",
+    )
+    episode_timeout_seconds: float = Field(
+        600.0, gt=0.0, le=86400.0,
+        description="agent/custom: an episode running longer fails (its reason logged and counted) and frees its slot.",
+    )
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="Limits of the sandboxed Python tool (agent workflows that run code).")
+
+    @model_validator(mode="after")
+    def _turns(self) -> WorkflowSpec:
+        if self.type != WorkflowType.MULTI_TURN and self.max_turns != 1:
+            raise ValueError("workflow.maxTurns > 1 needs workflow.type multi-turn")
+        if self.type == WorkflowType.CUSTOM and self.workflow_class is None:
+            raise ValueError("workflow.type custom needs workflow.class (package.module:Class)")
+        if self.workflow_class is not None and self.type != WorkflowType.CUSTOM:
+            raise ValueError("workflow.class needs workflow.type custom")
+        if self.type == WorkflowType.AGENT and self.agent is None:
+            raise ValueError("workflow.type agent needs workflow.agent (package.module:function)")
+        if self.agent is not None and self.type != WorkflowType.AGENT:
+            raise ValueError("workflow.agent needs workflow.type agent")
+        if self.export_style not in (None, AgentExportStyle.CONCAT):
+            raise ValueError(AGENT_INDIVIDUAL_UNSUPPORTED)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm and staleness
+# ---------------------------------------------------------------------------------------------
+
