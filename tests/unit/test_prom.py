@@ -306,7 +306,12 @@ def test_podmonitor_scrapes_the_ports_the_operator_gives_the_pods():
     assert ports["metrics"] == METRICS_PORT and ports["probes"] == naming.AGENT_HEALTH_PORT
     for e in endpoints:
         assert e["path"] == "/metrics"
-        assert {r["targetLabel"] for r in e["relabelings"]} == {"experiment", "role"}
+        assert {r.get("targetLabel") for r in e["relabelings"]} >= {"experiment", "role"}
+    # Only rank 0 serves: the trainer pods of nodes 1.. (Indexed Job label) are dropped, node 0 kept.
+    (trainer_ep,) = [e for e in endpoints if e["port"] == "metrics"]
+    (drop,) = [r for r in trainer_ep["relabelings"] if r.get("action") == "drop"]
+    assert drop["sourceLabels"] == ["__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index"]
+    assert [i for i in ("0", "1", "2", "10") if re.fullmatch(drop["regex"], i)] == ["1", "2", "10"]
 
 
 def test_podmonitor_namespaces_default_to_the_watched_ones():
