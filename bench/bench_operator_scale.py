@@ -152,12 +152,14 @@ async def write_progress(bus_url: str, runs: dict[str, str], stop: asyncio.Event
     await nc.close()
 
 
-def wait(what: str, fn: Any, timeout: float, log_tail: Any = None) -> None:
+def wait(what: str, fn: Any, timeout: float, log_tail: Any = None, every: float = 5.0) -> None:
+    """Poll `fn` every `every` seconds: each poll lists every experiment, which costs the (single-threaded,
+    in-process) emulator as much as the operator's own requests at N=1000."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if fn():
             return
-        time.sleep(1)
+        time.sleep(every)
     tail = f"\n--- operator log ---\n{log_tail()}" if log_tail else ""
     raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
 

@@ -329,3 +329,30 @@ class TestWatches:
             resource = Resource(group=group, version="v1", plural=plural)
             assert list(settings.watching.label_selectors.collect(resource)) == ["kuberl.io/experiment"], plural
         assert not list(settings.watching.label_selectors.collect(Resource(group="kuberl.io", version="v1alpha1", plural="rlexperiments")))
+
+
+class TestReconcileSlots:
+    def test_no_more_reconciles_apply_at_once_than_the_limit(self, monkeypatch) -> None:
+        monkeypatch.setattr(h.CONFIG, "max_reconciles", 2)
+        running, most = 0, 0
+
+        async def fake(body, status, memo, logger) -> None:
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            await asyncio.sleep(0.05)
+            running -= 1
+
+        monkeypatch.setattr(handlers, "_reconcile", fake)
+
+        async def main() -> None:
+            bodies = [manifest(f"slot{i}") for i in range(6)]
+            await asyncio.gather(*(handlers.on_reconcile(body=b, status={}, memo=kopf.Memo(), logger=LOG) for b in bodies))
+
+        asyncio.run(main())
+        assert most == 2
+
+    def test_a_bad_limit_is_a_clear_error(self, monkeypatch) -> None:
+        monkeypatch.setenv("KUBERL_OPERATOR_MAX_RECONCILES", "0")
+        with pytest.raises(ValueError, match="KUBERL_OPERATOR_MAX_RECONCILES must be a positive integer"):
+            h.env_count("KUBERL_OPERATOR_MAX_RECONCILES", 16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,16 @@ log = logging.getLogger("kuberl.operator")
 BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND}
 
 
+def env_count(name: str, default: int) -> int:
+    """A positive integer from the environment; anything else is a clear error at start-up."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+    return int(text)
+
+
 @dataclass
 class OperatorConfig:
     """Process-wide knobs (environment variables, so tests can shorten them)."""
@@ -76,6 +87,7 @@ class OperatorConfig:
     status_interval: float = field(default_factory=lambda: env_seconds("KUBERL_STATUS_INTERVAL", 30.0))
     prerequisite_interval: float = 60.0  # the monitor re-reads the user's Secrets/PVCs this often (a reconcile always)
     token_cache_seconds: float = 300.0  # the bus token (Secret) is re-read this often
+    max_reconciles: int = field(default_factory=lambda: env_count("KUBERL_OPERATOR_MAX_RECONCILES", 16))  # concurrent child applies
     kube: KubeClient | None = None
     bus: BusReader = field(default_factory=BusReader)
     nodes: tuple[float, list[dict[str, Any]]] | None = None
