@@ -1,5 +1,5 @@
 """Held-out evaluation (spec.evaluation): pass@k, rounds, the trainer's schedule and report, the agents'
-episodes, the held-out items and the status. The real bus and a real `kuberl run`: tests/integration/test_evaluation.py.
+episodes, the held-out items and the status. The real bus and a real `kuberl run`: tests/integration/test_evaluation_run.py.
 """
 
 from __future__ import annotations
