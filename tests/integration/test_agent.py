@@ -175,8 +175,10 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
 
     # No stop token: the call runs the whole budget, so the update can land mid-generation.
     sampling = SamplingConfig(n=1, max_new_tokens=460, temperature=1.0, top_p=1.0, stop_token_ids=[], max_total_tokens=512)
-    # How long ~460 tokens take depends on the machine's load: try shorter waits until the update lands mid-call.
-    for delay in (0.2, 0.1, 0.05, 0.02, 0.01):
+    # How long ~460 tokens take depends on the machine's load: the wait before the update adapts, shorter
+    # when the call had finished first, longer when the update landed before any token was generated.
+    delay, tries = 0.2, []
+    for _ in range(10):
         await load(engine, vllm_server.model_dir, 0)
         wf = AgentWorkflow(agent, tok, sampling, exact_match_reward, timeout_seconds=300, name="test")
         try:
@@ -187,6 +189,8 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
                 await asyncio.sleep(0.01)
             await asyncio.sleep(delay)
             if task.done():
+                tries.append(f"{delay:.3f}s: finished first")
+                delay /= 2
                 continue
             await load(engine, vllm_server.other_weights, 1)
             (s,) = await asyncio.wait_for(task, 300)
@@ -194,8 +198,10 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
             await wf.aclose()
         if set(s.versions) == {0, 1}:
             break
+        tries.append(f"{delay:.3f}s: versions {sorted(set(s.versions))}")
+        delay = delay * 2 if set(s.versions) == {1} else delay / 2
     else:
-        pytest.fail("no attempt caught the call mid-generation")
+        pytest.fail(f"no attempt caught the call mid-generation: {tries}")
     assert s.num_turns == 1 and len(s.output_ids) == 460 and s.reward == 1.0 and all(s.loss_mask)
     switch = s.versions.index(1)
     assert set(s.versions[:switch]) == {0} and set(s.versions[switch:]) == {1}
