@@ -21,6 +21,7 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         report(args, after - before, paths, finished, len(running), seconds, cpu1 - cpu0, rss0, rss1, final, alive)
     finally:
         nats_server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
