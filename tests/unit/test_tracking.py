@@ -337,3 +337,17 @@ def test_the_tensorboard_folder_stays_inside_the_workdir(log_dir, ok):
         assert errors[0].startswith(f'spec.tracking.tensorboard.logDir: Invalid value: "{log_dir}"')
         with pytest.raises(ValueError, match="logDir"):
             RLExperiment.model_validate(doc)
+
+
+def test_steps_still_waiting_at_the_end_get_a_few_more_tries(monkeypatch):
+    """A tracker that is down when training ends (W&B's service slow to start on a loaded machine) is tried
+    again a few times before close gives up, instead of once."""
+    import kuberl.runtime.tracking as tracking
+
+    monkeypatch.setattr(tracking, "CLOSE_RETRY_SECONDS", 0.01)
+    fl = Flaky()  # fails to start twice: the close's own try and its first retry
+    tr = Tracking([fl], retry_seconds=3600.0)  # no retry before the end: only the close's
+    for s in range(1, 4):
+        tr.log(s, row(s))
+    tr.close(timeout=30)
+    assert fl.starts == 3 and [s for s, _ in fl.seen] == [1, 2, 3] and fl.closed

@@ -40,6 +40,8 @@ log = logging.getLogger("kuberl.tracking")
 
 MAX_PENDING = 100_000  # steps a tracker keeps while it is down (oldest dropped first)
 RETRY_SECONDS = 60.0  # a tracker that failed is retried at most this often
+CLOSE_RETRIES = 3  # at the end of training, steps still waiting get this many more tries ...
+CLOSE_RETRY_SECONDS = 2.0  # ... this far apart (within Tracking.close's timeout)
 IDS_FILE = "tracking.json"
 _SKIP = frozenset({"step", "time"})
 _NAME_BAD = re.compile(r"[^\w.\-/ :]")  # MLflow's allowed metric-name characters; the others become "_"
@@ -222,6 +224,11 @@ class _Worker:
                 self.pending.append(item)
             self._flush(force=closing)
             if closing:
+                for _ in range(CLOSE_RETRIES):  # a tracker down at the end (e.g. W&B's service slow to start) gets a few more tries
+                    if not self.pending:
+                        break
+                    time.sleep(CLOSE_RETRY_SECONDS)
+                    self._flush(force=True)
                 self._close()
                 return
 
