@@ -6,7 +6,6 @@ never carry the queue label, so the trainer Job is no Kueue workload of its own.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +18,7 @@ from kuberl.operator import lifecycle as h
 from kuberl.operator.builders import common
 from kuberl.operator.kube import KubeClient
 from kuberl.testing.emulator_server import EmulatorServer, default_crds
+from tests.unit.operator_run import run
 
 NS = "team-k"
 LOG = logging.getLogger("test")
@@ -60,14 +60,6 @@ def operator(emu: EmulatorServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[N
     common.configure_images(None)
     yield
 
-
-def run(coro: Any) -> Any:
-    async def once() -> Any:
-        try:
-            return await coro
-        finally:
-            await h.CONFIG.kube.close()
-    return asyncio.run(once())
 
 
 def create(name: str, labels: dict[str, str] | None = None, **spec: Any) -> None:

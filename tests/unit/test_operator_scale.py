@@ -24,6 +24,7 @@ from kuberl.operator.kube import KubeClient
 from kuberl.operator.progress import BusReader, kv_bucket
 from kuberl.operator.rules import at_rest, status_write_due
 from kuberl.testing.emulator_server import EmulatorServer, cpu_node, default_crds
+from tests.unit.operator_run import run
 
 NS = "scale"
 LOG = logging.getLogger("test")
@@ -61,14 +62,6 @@ def operator(emu: EmulatorServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[C
     monkeypatch.setattr(h.CONFIG, "status_interval", 30.0)
     yield bus
 
-
-def run(coro: Any) -> Any:
-    async def with_fresh_session() -> Any:
-        try:
-            return await coro
-        finally:
-            await h.CONFIG.kube.close()  # the aiohttp session belongs to this event loop
-    return asyncio.run(with_fresh_session())
 
 
 def requests(emu: EmulatorServer) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from kuberl.operator.builders import rollout as rollout_builder
 from kuberl.operator.builders import trainer as trainer_builder
 from kuberl.operator.kube import KubeClient
 from kuberl.testing.emulator_server import EmulatorServer, default_crds
+from tests.unit.operator_run import run
 
 NS = "team-a"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -43,14 +44,6 @@ def operator(emu: EmulatorServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[N
     asyncio.run(h.CONFIG.kube.close())
     common.configure_images(None)
 
-
-def run(coro: Any) -> Any:
-    async def with_fresh_session() -> Any:
-        try:
-            return await coro
-        finally:
-            await h.CONFIG.kube.close()  # the aiohttp session belongs to this event loop
-    return asyncio.run(with_fresh_session())
 
 
 def manifest(name: str, labels: dict[str, str] | None = None) -> dict:
