@@ -243,28 +243,43 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
         with Progress(*columns, disable=plain, refresh_per_second=2) as bar:
             task = bar.add_task("training", total=total, info="starting roles (engine warm-up takes ~30 s on CPU)")
             last_line = 0.0
-            while not stop.is_set():
+
+            async def read() -> dict | None:
                 try:  # a Bus call rides out an outage for minutes: never wait past the supervisor's verdict
-                    report = await asyncio.wait_for(bus.get_state("progress"), timeout=PROGRESS_READ_SECONDS)
+                    return await asyncio.wait_for(bus.get_state("progress"), timeout=PROGRESS_READ_SECONDS)
                 except (BusError, TimeoutError) as exc:  # the bus is restarting (the supervisor brings it back, or stops us)
                     log.debug("progress unavailable: %s", exc)
-                    report = None
+                    return None
+
+            def show(report: dict, final: bool = False) -> None:
+                nonlocal last_line
+                info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
+                        f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
+                if ev := eval_text(report.get("eval")):
+                    info += f" | {ev}"
+                bar.update(task, completed=report.get("step", 0), total=report.get("total_steps") or total, info=info)
+                if plain and (final or time.monotonic() - last_line > 5):  # CI and pipes: a line every few seconds
+                    print(f"step {report.get('step', 0)}/{report.get('total_steps') or total} {info}", flush=True)
+                    last_line = time.monotonic()
+
+            while not stop.is_set():
+                report = await read()
                 if report and report != last:
                     last = report
-                    info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
-                            f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
-                    if ev := eval_text(report.get("eval")):
-                        info += f" | {ev}"
-                    bar.update(task, completed=report.get("step", 0), total=report.get("total_steps") or total, info=info)
-                    if plain and time.monotonic() - last_line > 5:  # CI and pipes: a line every few seconds
-                        print(f"step {report.get('step', 0)}/{report.get('total_steps') or total} {info}", flush=True)
-                        last_line = time.monotonic()
+                    show(report, final=bool(report.get("done")))
                     if report.get("done"):
                         break
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
+            if not (last or {}).get("done"):
+                # Stopped by the supervisor: the trainer may have exited between two reads, after writing its
+                # final report (the last step, the final evaluation round). One more read, so that it is not lost.
+                report = await read()
+                if report and report != last:
+                    last = report
+                    show(report, final=True)
     finally:
         try:
             await asyncio.wait_for(bus.close(), timeout=PROGRESS_READ_SECONDS)
