@@ -7,6 +7,8 @@ trained (logp), pi_prox = the pre-update policy (proximal_logp), pi_behave = the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kuberl.runtime.algorithms.config import AlgorithmConfig
@@ -106,6 +108,53 @@ def ppo_actor_loss(
     (k3 estimate of KL(pi_prox || pi_theta)), kl (when in the loss), advantage_mean,
     tokens, sequences.
     """
+    _check_shapes(logp, proximal_logp, behavior_logp, advantages, loss_mask, ref_logp, cfg)
+    f = _flat_tokens(logp, proximal_logp, behavior_logp, advantages, loss_mask, seq_ids, cfg)
+    log_ratio, behave_log_w = _log_ratios(f, cfg)
+    ratio = torch.exp(log_ratio)
+    pg, clip_mask = _clipped_pg(f, ratio, cfg)
+    weight = torch.exp(behave_log_w)
+    pg, dropped = _behaviour_weighted(pg, weight, f, cfg)
+
+    kl = None
+    if cfg.kl_in_loss:
+        kl = kl_penalty(f.lp, ref_logp.reshape(-1), f.mask, cfg.kl_kind)
+        pg = pg + cfg.kl_coef * kl
+
+    pg = torch.where(f.mask, pg, f.zero)
+    if denominator is None:
+        denominator = loss_denominator(loss_mask, cfg, seq_ids)
+    elif denominator <= 0:
+        raise ValueError(f"denominator: must be > 0, got {denominator}")
+    if cfg.aggregation == "seq-mean-token-mean":
+        per_seq = _segment_sum(pg, f.ids, f.n_seq) / f.tokens_per_seq.clamp(min=1.0)
+        loss = per_seq.sum() / denominator
+    else:
+        loss = pg.sum() / denominator
+
+    with torch.no_grad():
+        stats = _loss_stats(loss, f, log_ratio, ratio, weight, dropped, clip_mask, kl, cfg)
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """ppo_actor_loss's inputs flattened to the tokens [L]; only lp carries gradients."""
+
+    mask: torch.Tensor  # bool, the loss tokens
+    ids: torch.Tensor  # dense sequence index of each token
+    n_seq: int
+    lp: torch.Tensor  # log pi_theta
+    behave: torch.Tensor  # log pi_behave
+    prox: torch.Tensor  # log pi_prox (= behave when the loss is not decoupled)
+    adv: torch.Tensor
+    zero: torch.Tensor
+    maskf: torch.Tensor  # mask as lp's dtype
+    tokens_per_seq: torch.Tensor
+
+
+def _check_shapes(logp: torch.Tensor, proximal_logp: torch.Tensor | None, behavior_logp: torch.Tensor, advantages: torch.Tensor,
+                  loss_mask: torch.Tensor, ref_logp: torch.Tensor | None, cfg: AlgorithmConfig) -> None:
     shapes = {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "loss_mask": loss_mask}
     if cfg.decoupled:
         if proximal_logp is None:
@@ -119,6 +168,9 @@ def ppo_actor_loss(
         if t.shape != logp.shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
 
+
+def _flat_tokens(logp: torch.Tensor, proximal_logp: torch.Tensor | None, behavior_logp: torch.Tensor, advantages: torch.Tensor,
+                 loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, cfg: AlgorithmConfig) -> _Tokens:
     mask, ids, n_seq = _flatten(loss_mask, seq_ids)
     lp = logp.reshape(-1)
     behave = behavior_logp.detach().reshape(-1)
@@ -127,23 +179,37 @@ def ppo_actor_loss(
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     maskf = mask.to(lp.dtype)
     tokens_per_seq = _segment_sum(maskf, ids, n_seq)
+    return _Tokens(mask=mask, ids=ids, n_seq=n_seq, lp=lp, behave=behave, prox=prox, adv=adv, zero=zero, maskf=maskf,
+                   tokens_per_seq=tokens_per_seq)
 
+
+def _log_ratios(f: _Tokens, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """log r_t = log pi_theta/pi_prox and log w_t = log pi_prox/pi_behave per token (GSPO: their sequence means)."""
+    mask, lp, prox, behave, zero = f.mask, f.lp, f.prox, f.behave, f.zero
     # Masked positions get log-ratio 0 so padding garbage can never produce inf/nan (even times 0).
     log_ratio = torch.where(mask, lp - prox, zero).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     behave_log_w = torch.where(mask, prox - behave, zero).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if cfg.ratio_level == "sequence":
-        count = tokens_per_seq.clamp(min=1.0)
-        log_ratio = (_segment_sum(log_ratio, ids, n_seq) / count)[ids]
-        behave_log_w = (_segment_sum(behave_log_w, ids, n_seq) / count)[ids]
-    ratio = torch.exp(log_ratio)
+        count = f.tokens_per_seq.clamp(min=1.0)
+        log_ratio = (_segment_sum(log_ratio, f.ids, f.n_seq) / count)[f.ids]
+        behave_log_w = (_segment_sum(behave_log_w, f.ids, f.n_seq) / count)[f.ids]
+    return log_ratio, behave_log_w
 
+
+def _clipped_pg(f: _Tokens, ratio: torch.Tensor, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) per token, and where the clipped term won."""
+    adv, mask = f.adv, f.mask
     clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * clipped
     pg = torch.maximum(pg_unclipped, pg_clipped)
     clip_mask = (pg_clipped.detach() > pg_unclipped.detach()) & mask
+    return pg, clip_mask
 
-    weight = torch.exp(behave_log_w)
+
+def _behaviour_weighted(pg: torch.Tensor, weight: torch.Tensor, f: _Tokens, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """pg times the behaviour weight (masked or capped over cfg.behavior_weight_cap), and the tokens over the cap."""
+    mask, zero = f.mask, f.zero
     dropped = torch.zeros_like(mask)
     if cfg.decoupled:
         cap = cfg.behavior_weight_cap
@@ -152,55 +218,43 @@ def ppo_actor_loss(
             dropped = (weight > cap) & mask
             applied = torch.where(dropped, zero, weight) if cfg.behavior_weight_mode == "mask" else weight.clamp(max=cap)
         pg = pg * applied
+    return pg, dropped
 
-    kl = None
-    if cfg.kl_in_loss:
-        kl = kl_penalty(lp, ref_logp.reshape(-1), mask, cfg.kl_kind)
-        pg = pg + cfg.kl_coef * kl
 
-    pg = torch.where(mask, pg, zero)
-    if denominator is None:
-        denominator = loss_denominator(loss_mask, cfg, seq_ids)
-    elif denominator <= 0:
-        raise ValueError(f"denominator: must be > 0, got {denominator}")
-    if cfg.aggregation == "seq-mean-token-mean":
-        per_seq = _segment_sum(pg, ids, n_seq) / tokens_per_seq.clamp(min=1.0)
-        loss = per_seq.sum() / denominator
-    else:
-        loss = pg.sum() / denominator
-
-    with torch.no_grad():
-        # One device-to-host copy for all stats (on a GPU each float() would be a sync).
-        d = log_ratio.detach()
-        raw = {
-            "loss": loss.detach().to(torch.float64),
-            "clip_sum": clip_mask.sum(),
-            "ratio_sum": (ratio.detach() * maskf).sum(),
-            "ratio_max": torch.where(mask, ratio.detach(), zero).max() if mask.numel() else zero,
-            "weight_sum": (weight * maskf).sum(),
-            "weight_max": torch.where(mask, weight, zero).max() if mask.numel() else zero,
-            "dropped_sum": dropped.sum(),
-            "kl3_sum": ((torch.exp(d) - d - 1.0) * maskf).sum(),
-            "adv_sum": (adv * maskf).sum(),
-            "tokens": mask.sum(),
-            "sequences": (tokens_per_seq > 0).sum(),
-            "kl_sum": kl.sum() if kl is not None else zero,
-        }
-        v = dict(zip(raw, torch.stack([x.to(torch.float64) for x in raw.values()]).tolist()))
-        safe = max(v["tokens"], 1.0)
-        stats = {
-            "loss": v["loss"],
-            "clip_fraction": v["clip_sum"] / safe,
-            "ratio_mean": v["ratio_sum"] / safe,
-            "ratio_max": v["ratio_max"] if v["tokens"] else 0.0,
-            "behavior_weight_mean": v["weight_sum"] / safe if cfg.decoupled else 1.0,
-            "behavior_weight_max": v["weight_max"] if cfg.decoupled and v["tokens"] else 1.0,
-            "behavior_masked_fraction": v["dropped_sum"] / safe,
-            "approx_kl": v["kl3_sum"] / safe,
-            "advantage_mean": v["adv_sum"] / safe,
-            "tokens": v["tokens"],
-            "sequences": v["sequences"],
-        }
-        if kl is not None:
-            stats["kl"] = v["kl_sum"] / safe
-    return loss, stats
+def _loss_stats(loss: torch.Tensor, f: _Tokens, log_ratio: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor,
+                clip_mask: torch.Tensor, kl: torch.Tensor | None, cfg: AlgorithmConfig) -> dict[str, float]:
+    mask, maskf, zero, adv = f.mask, f.maskf, f.zero, f.adv
+    # One device-to-host copy for all stats (on a GPU each float() would be a sync).
+    d = log_ratio.detach()
+    raw = {
+        "loss": loss.detach().to(torch.float64),
+        "clip_sum": clip_mask.sum(),
+        "ratio_sum": (ratio.detach() * maskf).sum(),
+        "ratio_max": torch.where(mask, ratio.detach(), zero).max() if mask.numel() else zero,
+        "weight_sum": (weight * maskf).sum(),
+        "weight_max": torch.where(mask, weight, zero).max() if mask.numel() else zero,
+        "dropped_sum": dropped.sum(),
+        "kl3_sum": ((torch.exp(d) - d - 1.0) * maskf).sum(),
+        "adv_sum": (adv * maskf).sum(),
+        "tokens": mask.sum(),
+        "sequences": (f.tokens_per_seq > 0).sum(),
+        "kl_sum": kl.sum() if kl is not None else zero,
+    }
+    v = dict(zip(raw, torch.stack([x.to(torch.float64) for x in raw.values()]).tolist()))
+    safe = max(v["tokens"], 1.0)
+    stats = {
+        "loss": v["loss"],
+        "clip_fraction": v["clip_sum"] / safe,
+        "ratio_mean": v["ratio_sum"] / safe,
+        "ratio_max": v["ratio_max"] if v["tokens"] else 0.0,
+        "behavior_weight_mean": v["weight_sum"] / safe if cfg.decoupled else 1.0,
+        "behavior_weight_max": v["weight_max"] if cfg.decoupled and v["tokens"] else 1.0,
+        "behavior_masked_fraction": v["dropped_sum"] / safe,
+        "approx_kl": v["kl3_sum"] / safe,
+        "advantage_mean": v["adv_sum"] / safe,
+        "tokens": v["tokens"],
+        "sequences": v["sequences"],
+    }
+    if kl is not None:
+        stats["kl"] = v["kl_sum"] / safe
+    return stats
