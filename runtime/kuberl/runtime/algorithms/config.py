@@ -95,92 +95,138 @@ def resolve_algorithm(spec: AlgorithmSpec) -> AlgorithmConfig:
     if not isinstance(spec, AlgorithmSpec):
         raise TypeError(f"resolve_algorithm needs an AlgorithmSpec, got {type(spec).__name__}")
     name = AlgorithmName(spec.name).value
-    notes: list[str] = []
     # `ppo` (with a value critic) never gets here: AlgorithmSpec refuses it (PPO_UNSUPPORTED); gae() in
     # advantages.py is ready for when the trainer has a critic.
-
-    eps_low = spec.eps_clip if spec.eps_clip is not None else PPO_EPS
-    eps_high = spec.eps_clip_high if spec.eps_clip_high is not None else eps_low
-    estimator: Estimator = "grpo"
-    baseline: Baseline = "group"
-    std_norm: StdNorm = "group" if spec.normalize_advantages else "none"
-    aggregation: Aggregation = "token-mean"
-    ratio_level: RatioLevel = "token"
-    dynamic = bool(spec.dynamic_sampling)
-    overlong: OverlongPenaltySpec = spec.overlong_penalty.model_copy(update={"enabled": bool(spec.overlong_penalty.enabled)})
-    kl_in_reward = False
-    kl_kind: KLKind = "k3"
-
-    if name == AlgorithmName.DRGRPO:
-        estimator, std_norm, aggregation = "drgrpo", "none", "seq-mean-token-sum-norm"
-        if spec.normalize_advantages:
-            notes.append("drgrpo: advantages are not divided by the group std (algorithm.normalizeAdvantages ignored)")
-    elif name == AlgorithmName.DAPO:
-        if spec.eps_clip is None:
-            eps_low = DAPO_EPS_LOW
-        if spec.eps_clip_high is None:
-            eps_high = DAPO_EPS_HIGH if spec.eps_clip is None else eps_low * DAPO_EPS_HIGH / DAPO_EPS_LOW
-        notes.append(f"dapo: clip-higher epsClip={eps_low:g}, epsClipHigh={eps_high:g} (unset values: DAPO's 0.2 and 0.28, or epsClip * 1.4)")
-        if spec.dynamic_sampling is None:
-            dynamic = True
-            notes.append("dapo: dynamic sampling on (set algorithm.dynamicSampling false to turn it off)")
-        if spec.overlong_penalty.enabled is None:
-            overlong = overlong.model_copy(update={"enabled": True})
-            notes.append(f"dapo: overlong penalty on (buffer {overlong.buffer_tokens} tokens, penalty {overlong.penalty})")
-    elif name == AlgorithmName.GSPO:
-        ratio_level, aggregation = "sequence", "seq-mean-token-mean"
-        if spec.eps_clip is None:
-            eps_low = GSPO_EPS_LOW
-        if spec.eps_clip_high is None:
-            eps_high = GSPO_EPS_HIGH if spec.eps_clip is None else eps_low
-        notes.append(f"gspo: sequence-ratio clip epsClip={eps_low:g}, epsClipHigh={eps_high:g}")
-    elif name == AlgorithmName.RLOO:
-        estimator, baseline, std_norm = "rloo", "loo", "none"
-        if spec.normalize_advantages:
-            notes.append("rloo: leave-one-out advantages are not divided by a std (algorithm.normalizeAdvantages ignored)")
-    elif name == AlgorithmName.REINFORCE_PP:
-        estimator, baseline = "reinforce++", "batch"
-        std_norm = "batch" if spec.normalize_advantages else "none"
-        if spec.kl_coef > 0:
-            kl_in_reward, kl_kind = True, "k1"
-    elif name == AlgorithmName.LITEPPO:
-        estimator, baseline = "liteppo", "group"
-        std_norm = "batch" if spec.normalize_advantages else "none"
-
-    if overlong.enabled and overlong.buffer_tokens > spec.max_new_tokens and overlong.buffer_tokens == OverlongPenaltySpec().buffer_tokens:
-        # The default ramp (64 tokens) does not fit short generations; keep DAPO's proportion L_cache = L_max / 5.
-        overlong = overlong.model_copy(update={"buffer_tokens": max(1, spec.max_new_tokens // 5)})
-        notes.append(f"overlong penalty: bufferTokens {overlong.buffer_tokens} (maxNewTokens / 5; the default 64 exceeds maxNewTokens)")
+    p = _Preset.of(spec)
+    preset = _PRESETS.get(AlgorithmName(name))
+    if preset is not None:
+        preset(spec, p)
+    _fit_overlong_buffer(spec, p)
 
     cfg = AlgorithmConfig(
         name=name,
         group_size=spec.samples_per_prompt,
         reward_bias=spec.reward_bias,
         reward_scaling=spec.reward_scaling,
-        overlong_penalty=overlong.enabled,
-        overlong_buffer=overlong.buffer_tokens,
-        overlong_penalty_factor=overlong.penalty,
+        overlong_penalty=p.overlong.enabled,
+        overlong_buffer=p.overlong.buffer_tokens,
+        overlong_penalty_factor=p.overlong.penalty,
         max_new_tokens=spec.max_new_tokens,
-        estimator=estimator,
-        baseline=baseline,
-        std_norm=std_norm,
+        estimator=p.estimator,
+        baseline=p.baseline,
+        std_norm=p.std_norm,
         gamma=spec.gamma,
         batch_adv_norm=spec.batch_advantage_norm,
-        aggregation=aggregation,
-        ratio_level=ratio_level,
-        eps_low=eps_low,
-        eps_high=eps_high,
+        aggregation=p.aggregation,
+        ratio_level=p.ratio_level,
+        eps_low=p.eps_low,
+        eps_high=p.eps_high,
         decoupled=spec.decoupled_loss,
         behavior_weight_cap=spec.behavior_weight_cap,
         behavior_weight_mode=spec.behavior_weight_mode,
         kl_coef=spec.kl_coef,
-        kl_in_reward=kl_in_reward,
-        kl_kind=kl_kind,
-        dynamic_sampling=dynamic,
-        notes=tuple(notes),
+        kl_in_reward=p.kl_in_reward,
+        kl_kind=p.kl_kind,
+        dynamic_sampling=p.dynamic,
+        notes=tuple(p.notes),
     )
     _check(cfg)
     return cfg
+
+
+@dataclass
+class _Preset:
+    """The fields a named algorithm may set, starting from the spec (GRPO's settings where it says nothing)."""
+
+    eps_low: float
+    eps_high: float
+    dynamic: bool
+    overlong: OverlongPenaltySpec
+    std_norm: StdNorm
+    estimator: Estimator = "grpo"
+    baseline: Baseline = "group"
+    aggregation: Aggregation = "token-mean"
+    ratio_level: RatioLevel = "token"
+    kl_in_reward: bool = False
+    kl_kind: KLKind = "k3"
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, spec: AlgorithmSpec) -> _Preset:
+        eps_low = spec.eps_clip if spec.eps_clip is not None else PPO_EPS
+        return cls(
+            eps_low=eps_low,
+            eps_high=spec.eps_clip_high if spec.eps_clip_high is not None else eps_low,
+            dynamic=bool(spec.dynamic_sampling),
+            overlong=spec.overlong_penalty.model_copy(update={"enabled": bool(spec.overlong_penalty.enabled)}),
+            std_norm="group" if spec.normalize_advantages else "none",
+        )
+
+
+def _drgrpo(spec: AlgorithmSpec, p: _Preset) -> None:
+    p.estimator, p.std_norm, p.aggregation = "drgrpo", "none", "seq-mean-token-sum-norm"
+    if spec.normalize_advantages:
+        p.notes.append("drgrpo: advantages are not divided by the group std (algorithm.normalizeAdvantages ignored)")
+
+
+def _dapo(spec: AlgorithmSpec, p: _Preset) -> None:
+    if spec.eps_clip is None:
+        p.eps_low = DAPO_EPS_LOW
+    if spec.eps_clip_high is None:
+        p.eps_high = DAPO_EPS_HIGH if spec.eps_clip is None else p.eps_low * DAPO_EPS_HIGH / DAPO_EPS_LOW
+    p.notes.append(f"dapo: clip-higher epsClip={p.eps_low:g}, epsClipHigh={p.eps_high:g} (unset values: DAPO's 0.2 and 0.28, or epsClip * 1.4)")
+    if spec.dynamic_sampling is None:
+        p.dynamic = True
+        p.notes.append("dapo: dynamic sampling on (set algorithm.dynamicSampling false to turn it off)")
+    if spec.overlong_penalty.enabled is None:
+        p.overlong = p.overlong.model_copy(update={"enabled": True})
+        p.notes.append(f"dapo: overlong penalty on (buffer {p.overlong.buffer_tokens} tokens, penalty {p.overlong.penalty})")
+
+
+def _gspo(spec: AlgorithmSpec, p: _Preset) -> None:
+    p.ratio_level, p.aggregation = "sequence", "seq-mean-token-mean"
+    if spec.eps_clip is None:
+        p.eps_low = GSPO_EPS_LOW
+    if spec.eps_clip_high is None:
+        p.eps_high = GSPO_EPS_HIGH if spec.eps_clip is None else p.eps_low
+    p.notes.append(f"gspo: sequence-ratio clip epsClip={p.eps_low:g}, epsClipHigh={p.eps_high:g}")
+
+
+def _rloo(spec: AlgorithmSpec, p: _Preset) -> None:
+    p.estimator, p.baseline, p.std_norm = "rloo", "loo", "none"
+    if spec.normalize_advantages:
+        p.notes.append("rloo: leave-one-out advantages are not divided by a std (algorithm.normalizeAdvantages ignored)")
+
+
+def _reinforce_pp(spec: AlgorithmSpec, p: _Preset) -> None:
+    p.estimator, p.baseline = "reinforce++", "batch"
+    p.std_norm = "batch" if spec.normalize_advantages else "none"
+    if spec.kl_coef > 0:
+        p.kl_in_reward, p.kl_kind = True, "k1"
+
+
+def _liteppo(spec: AlgorithmSpec, p: _Preset) -> None:
+    p.estimator, p.baseline = "liteppo", "group"
+    p.std_norm = "batch" if spec.normalize_advantages else "none"
+
+
+# What each named algorithm changes; grpo is the spec as it stands.
+_PRESETS = {
+    AlgorithmName.DRGRPO: _drgrpo,
+    AlgorithmName.DAPO: _dapo,
+    AlgorithmName.GSPO: _gspo,
+    AlgorithmName.RLOO: _rloo,
+    AlgorithmName.REINFORCE_PP: _reinforce_pp,
+    AlgorithmName.LITEPPO: _liteppo,
+}
+
+
+def _fit_overlong_buffer(spec: AlgorithmSpec, p: _Preset) -> None:
+    overlong = p.overlong
+    if overlong.enabled and overlong.buffer_tokens > spec.max_new_tokens and overlong.buffer_tokens == OverlongPenaltySpec().buffer_tokens:
+        # The default ramp (64 tokens) does not fit short generations; keep DAPO's proportion L_cache = L_max / 5.
+        p.overlong = overlong.model_copy(update={"buffer_tokens": max(1, spec.max_new_tokens // 5)})
+        p.notes.append(f"overlong penalty: bufferTokens {p.overlong.buffer_tokens} (maxNewTokens / 5; the default 64 exceeds maxNewTokens)")
 
 
 def _check(cfg: AlgorithmConfig) -> None:
