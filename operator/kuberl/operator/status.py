@@ -231,12 +231,20 @@ class _Verdict:
 
 def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, old: Mapping[str, Any], roles: _Roles) -> _Verdict:
     """Pending -> Initializing -> Running -> Succeeded | Failed, and Suspended: the first rule that holds wins."""
-    generation = _generation(exp)
+    problems = explain_unrunnable(exp, observed)
+    return (_failed_verdict(exp, observed, progress, old, problems)
+            or _finished_verdict(exp, observed, progress, old)
+            or _suspended_verdict(exp, observed, roles)
+            or _running_verdict(exp, observed, progress, old, roles, problems))
+
+
+def _failed_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, old: Mapping[str, Any],
+                    problems: list[Problem]) -> _Verdict | None:
+    """Rules 1-2: failed now (an invalid spec, a configuration error, the trainer failed for good)."""
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
     restarts = _restarts(observed, old)
     job_failed = _job_condition(job, "Failed")
-    problems = explain_unrunnable(exp, observed)
     invalid = [p for p in problems if p.reason == Reason.VALIDATION_FAILED]
     # 1. A spec that cannot be built fails until it is edited.
     if invalid:
@@ -255,6 +263,13 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
         msg = (f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) "
                f"after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts")
         return _Verdict(Phase.FAILED, Reason.MAX_RESTARTS_EXCEEDED, msg, False, failed=(Reason.MAX_RESTARTS_EXCEEDED, msg))
+    return None
+
+
+def _finished_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, old: Mapping[str, Any]) -> _Verdict | None:
+    """Rules 3-4: training finished now, or a finished phase that stays finished."""
+    generation = _generation(exp)
+    job = observed.trainer
     # 3. Training finished.
     if _job_condition(job, "Complete") or (progress and progress.get("done")):
         return _Verdict(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, "training finished", False, complete=True)
@@ -271,6 +286,12 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
         reason = CONFIGURATION_ERROR if kept == CONFIGURATION_ERROR else Reason(kept) if kept in Reason._value2member_map_ else Reason.TRAINER_FAILED
         msg = failed_cond.get("message", "") if failed_cond else "the experiment failed"
         return _Verdict(Phase.FAILED, reason, msg, False, failed=(reason, msg))
+    return None
+
+
+def _suspended_verdict(exp: RLExperiment, observed: ObservedChildren, roles: _Roles) -> _Verdict | None:
+    """Rule 5: spec.suspend."""
+    job = observed.trainer
     # 5. Suspended: Suspending while pods still stop.
     if exp.spec.suspend:
         running = roles.rollout[0] + roles.trainer[0] + roles.bus[0] + _int(((job or {}).get("status") or {}).get("active"))
@@ -279,6 +300,16 @@ def _verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[st
                             suspended=(Reason.SUSPENDING, f"{running} pods still stopping"))
         return _Verdict(Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true: all pods stopped, training resumes from the last checkpoint", False,
                         suspended=(Reason.SUSPENDED, "spec.suspend is true"))
+    return None
+
+
+def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Mapping[str, Any] | None, old: Mapping[str, Any], roles: _Roles,
+                     problems: list[Problem]) -> _Verdict:
+    """Rules 6-9: pending on the user or on children, restarting the trainer, or up (or on the way)."""
+    job = observed.trainer
+    max_restarts = exp.spec.failure_policy.max_restarts
+    restarts = _restarts(observed, old)
+    job_failed = _job_condition(job, "Failed")
     started = bool(old.get("startTime"))
     crash = next((p for p in observed.pod_problems if p.reason == "CrashLoopBackOff"), None)
     degraded = (Reason.CRASH_LOOP, f"pod {crash.pod} container {crash.container} keeps crashing: {crash.message}".rstrip(": ")) if crash else None
