@@ -73,11 +73,10 @@ from kuberl.api.roles import (
 )
 from kuberl.api.status import CheckpointStatus, Condition, ConditionType, Phase, RLExperimentStatus, RoleStatus, TrainingProgress
 from kuberl.api.tracking import TrackingSpec
-from kuberl.api.workflow import AGENT_INDIVIDUAL_UNSUPPORTED, AgentExportStyle, DatasetSpec, ModelSpec, SandboxSpec, WorkflowSpec, WorkflowType
+from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, SandboxSpec, WorkflowSpec, WorkflowType
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
-    "AGENT_INDIVIDUAL_UNSUPPORTED",
     "ALLOCATION_CONTEXT_UNSUPPORTED",
     "ALLOCATION_MEGATRON_UNSUPPORTED",
     "ALLOCATION_PATTERN",

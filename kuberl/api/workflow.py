@@ -75,14 +75,10 @@ class WorkflowType(StrEnum):
 
 class AgentExportStyle(StrEnum):
     CONCAT = "concat"  # one sequence per episode: calls that extend each other share one prefix
-    INDIVIDUAL = "individual"  # one sample per call (needs groups of varying size: not implemented yet)
+    INDIVIDUAL = "individual"  # one sample per call, sharing the episode reward (groups of varying size)
 
 
 _IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-AGENT_INDIVIDUAL_UNSUPPORTED = (
-    "workflow.exportStyle individual (one sample per call) is not implemented yet: the trainer trains groups of "
-    "exactly samplesPerPrompt sequences; use concat (one sequence per episode)"
-)
 
 
 class SandboxSpec(KubeModel):
@@ -103,11 +99,14 @@ class WorkflowSpec(KubeModel):
         ("!has(self.class) || self.type == 'custom'", "workflow.class needs workflow.type custom"),
         ("self.type != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
         ("!has(self.agent) || self.type == 'agent'", "workflow.agent needs workflow.type agent"),
-        ("!has(self.exportStyle) || self.exportStyle == 'concat'", AGENT_INDIVIDUAL_UNSUPPORTED),
+        ("!has(self.exportStyle) || self.type == 'agent'", "workflow.exportStyle needs workflow.type agent"),
     )
     type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn), multi-turn, custom (workflow.class) or agent (workflow.agent).")
     max_turns: int = Field(1, ge=1, le=32, description="Turns per episode (multi-turn).")
-    turn_discount: float = Field(1.0, gt=0.0, le=1.0, description="Reward multiplier per extra turn (multi-turn), e.g. 0.9.")
+    turn_discount: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="Reward multiplier per extra turn (multi-turn), e.g. 0.9; agent with exportStyle individual: per call before the last.",
+    )
     reward: str = Field(
         "math",
         description="Reward function: a registered name (math, exact-match, repeat-digit) or an import path `package.module:function`.",
@@ -125,7 +124,8 @@ class WorkflowSpec(KubeModel):
                     "the agent's local proxy; returns a reward, or None to let workflow.reward score the final answer.",
     )
     export_style: AgentExportStyle | None = Field(
-        None, description="agent: how an episode's calls become samples; concat (the default) = one sequence per episode.",
+        None, description="agent: how an episode's calls become samples; concat (the default) = one sequence per episode; "
+                          "individual = one sample per call, each with the episode reward (times turnDiscount per later call).",
     )
     episode_timeout_seconds: float = Field(
         600.0, gt=0.0, le=86400.0,
@@ -145,8 +145,8 @@ class WorkflowSpec(KubeModel):
             raise ValueError("workflow.type agent needs workflow.agent (package.module:function)")
         if self.agent is not None and self.type != WorkflowType.AGENT:
             raise ValueError("workflow.agent needs workflow.type agent")
-        if self.export_style not in (None, AgentExportStyle.CONCAT):
-            raise ValueError(AGENT_INDIVIDUAL_UNSUPPORTED)
+        if self.export_style is not None and self.type != WorkflowType.AGENT:
+            raise ValueError("workflow.exportStyle needs workflow.type agent")
         return self
 
 

@@ -12,7 +12,6 @@ from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
-    AGENT_INDIVIDUAL_UNSUPPORTED,
     ALLOCATION_CONTEXT_UNSUPPORTED,
     ALLOCATION_MEGATRON_UNSUPPORTED,
     ASCEND_IMAGE_MESSAGE,
@@ -250,8 +249,9 @@ AGREEMENT_CASES = [
     ("agent workflow without an agent", {"workflow": {"type": "agent"}}, "workflow.type agent needs workflow.agent (package.module:function)"),
     ("an agent without the agent workflow", {"workflow": {"type": "rlvr", "agent": "my.agent:run"}}, "workflow.agent needs workflow.type agent"),
     ("agent workflow with concat samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "concat"}}, None),
-    ("agent workflow with individual samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "individual"}},
-     AGENT_INDIVIDUAL_UNSUPPORTED),
+    ("agent workflow with individual samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "individual"}}, None),
+    ("an export style without the agent workflow", {"workflow": {"type": "rlvr", "exportStyle": "individual"}},
+     "workflow.exportStyle needs workflow.type agent"),
     ("ascend rollout without an image", {"rollout": {"accelerator": {"type": "ascend"}}}, ASCEND_IMAGE_MESSAGE),
     ("ascend rollout with an image", {"rollout": {"image": "r/vllm-ascend:1", "accelerator": {"type": "ascend"}}}, None),
     ("pod template overrides", {"trainer": {"podTemplate": {"labels": {"team": "a"}, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],

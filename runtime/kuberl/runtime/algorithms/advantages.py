@@ -91,8 +91,13 @@ def dynamic_sampling_keep(rewards) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig, group_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Sequence advantages A[g, i] for shaped rewards r[g, i] ([G groups, n responses]).
+
+    Ragged groups (the agent workflow's exportStyle individual: one sample per model call, so groups of
+    varying size): `rewards` flat [N] in group-major order and `group_sizes` [G] (summing to N); the same
+    table applies with mean, std and n taken over each group's own samples; returns [N]. With [G, n]
+    rewards, `group_sizes` (if given) must all be n.
 
     baseline (cfg.baseline)        std (cfg.std_norm)           algorithms
       group:  r - mean_i r[g]       group: / (std_i r[g] + eps)   grpo, dapo, gspo
@@ -104,8 +109,12 @@ def compute_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Ten
     under the group and loo baselines. Computed in float64, returned as float32.
     """
     r = _as_tensor(rewards, "rewards")
+    if r.dim() == 1:
+        return _ragged_advantages(r, cfg, group_sizes)
     if r.dim() != 2:
         raise ValueError(f"rewards: expected shape [groups, samples_per_prompt], got {tuple(r.shape)}")
+    if group_sizes is not None and (len(group_sizes) != r.shape[0] or any(k != r.shape[1] for k in group_sizes)):
+        raise ValueError(f"group_sizes: {list(group_sizes)} do not match rewards of shape {tuple(r.shape)}")
     if r.numel() == 0:
         raise ValueError(f"rewards: empty batch {tuple(r.shape)}")
     _check_finite(r, "rewards")
@@ -133,6 +142,49 @@ def compute_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Ten
 
     if cfg.std_norm == "group":
         centred = centred / (r.std(dim=1, keepdim=True, unbiased=False) + ADV_EPS)
+    elif cfg.std_norm == "batch":
+        centred = centred / (r.std(unbiased=False) + ADV_EPS)
+    elif cfg.std_norm != "none":
+        raise ValueError(f"advantage std normalization {cfg.std_norm!r} is not group, batch or none")
+    return centred.to(torch.float32)
+
+
+def _ragged_advantages(r: torch.Tensor, cfg: AlgorithmConfig, group_sizes: Sequence[int] | None) -> torch.Tensor:
+    """compute_advantages over groups of varying size: r [N] flat (group-major), group_sizes [G]."""
+    if group_sizes is None:
+        raise ValueError(f"rewards: expected shape [groups, samples_per_prompt], got {tuple(r.shape)}; "
+                         "flat rewards need group_sizes (samples per group, group-major)")
+    sizes = torch.as_tensor(list(group_sizes), dtype=torch.long)
+    if sizes.numel() == 0 or (sizes < 1).any() or int(sizes.sum()) != r.numel():
+        raise ValueError(f"group_sizes: {sizes.tolist()} must be >= 1 each and sum to the {r.numel()} rewards")
+    _check_finite(r, "rewards")
+    if cfg.baseline in ("group", "loo") and (sizes < 2).any():
+        raise ValueError(f"rewards: {cfg.name} needs >= 2 samples per group, got group sizes {sizes.tolist()}")
+    r = r.to(torch.float64)
+    gid = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)  # [N]: each sample's group
+    n = sizes.to(torch.float64)
+    sums = torch.zeros(sizes.numel(), dtype=torch.float64).index_add_(0, gid, r)
+    mean = (sums / n)[gid]
+
+    if cfg.baseline == "group":
+        centred = r - mean
+    elif cfg.baseline == "loo":
+        centred = r - (sums[gid] - r) / (n[gid] - 1)
+    elif cfg.baseline == "batch":
+        centred = r - r.mean()
+    elif cfg.baseline == "none":
+        centred = r.clone()
+    else:
+        raise ValueError(f"advantage baseline {cfg.baseline!r} is not group, loo, batch or none")
+
+    if cfg.baseline in ("group", "loo"):  # exact zeros for constant groups, as in the [G, n] path
+        big = torch.full((sizes.numel(),), -torch.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amax")
+        small = torch.full((sizes.numel(),), torch.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amin")
+        centred = torch.where((big == small)[gid], torch.zeros_like(centred), centred)
+
+    if cfg.std_norm == "group":
+        var = torch.zeros_like(sums).index_add_(0, gid, (r - mean) ** 2) / n  # population variance per group
+        centred = centred / (var.sqrt()[gid] + ADV_EPS)
     elif cfg.std_norm == "batch":
         centred = centred / (r.std(unbiased=False) + ADV_EPS)
     elif cfg.std_norm != "none":
@@ -180,9 +232,11 @@ def discounted_token_returns(token_rewards: torch.Tensor, loss_mask: torch.Tenso
 
 
 def compute_token_advantages(
-    rewards: torch.Tensor, loss_mask: torch.Tensor, cfg: AlgorithmConfig, *, kl: torch.Tensor | None = None
+    rewards: torch.Tensor, loss_mask: torch.Tensor, cfg: AlgorithmConfig, *, kl: torch.Tensor | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Token advantages [N, T] for shaped rewards [G, n]; rows of loss_mask in group-major order (g*n + i).
+    Ragged groups: rewards flat [N] with `group_sizes` (see compute_advantages).
 
     Every estimator but reinforce++ with per-token terms is `broadcast_to_tokens(compute_advantages(r))`.
     reinforce++ with the KL in the reward (cfg.kl_in_reward; `kl` = per-token log pi_old - log pi_ref,
@@ -194,7 +248,7 @@ def compute_token_advantages(
     Then, with cfg.batch_adv_norm (AReaL's adv_norm {mean_level: batch, std_level: batch}):
         A_t = (A_t - mean(A)) / (std(A) + eps), mean and population std over all loss tokens of the batch.
     """
-    adv = _token_advantages(rewards, loss_mask, cfg, kl=kl)
+    adv = _token_advantages(rewards, loss_mask, cfg, kl=kl, group_sizes=group_sizes)
     if cfg.batch_adv_norm:
         adv = batch_normalize_advantages(adv, loss_mask)
     return adv
@@ -215,7 +269,8 @@ def batch_normalize_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor
 
 
 def _token_advantages(
-    rewards: torch.Tensor, loss_mask: torch.Tensor, cfg: AlgorithmConfig, *, kl: torch.Tensor | None = None
+    rewards: torch.Tensor, loss_mask: torch.Tensor, cfg: AlgorithmConfig, *, kl: torch.Tensor | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     r = _as_tensor(rewards, "rewards")
     mask = loss_mask.bool()
@@ -223,7 +278,7 @@ def _token_advantages(
         raise ValueError(f"loss_mask: expected [N={r.numel()}, T] rows in group-major order, got {tuple(mask.shape)}")
     token_level = cfg.estimator == "reinforce++" and (cfg.kl_in_reward or cfg.gamma < 1.0)
     if not token_level:
-        return broadcast_to_tokens(compute_advantages(r, cfg).flatten(), mask)
+        return broadcast_to_tokens(compute_advantages(r, cfg, group_sizes).flatten(), mask)
 
     if cfg.kl_in_reward and kl is None:
         raise ValueError("kl: reinforce++ with algorithm.klCoef > 0 puts the KL in the reward; pass per-token kl")

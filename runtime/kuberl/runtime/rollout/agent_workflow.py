@@ -4,8 +4,12 @@ Per ticket the workflow runs samplesPerPrompt episodes; each gets its own proxy 
 (openai_proxy.py) and calls `function(client, item)` (also `ctx=AgentContext` if it takes `ctx`) with a
 real `openai` client pointed at it: AsyncOpenAI for `async def` agents, OpenAI (run in a thread) else.
 The agent returns its reward, or None to let workflow.reward score the final answer. The episode's
-calls become one sample ("concat"): the calls that extend each other share one prefix; the tokens
-between them (tool outputs, user turns, template glue) are in the sample with loss_mask 0, version -1.
+calls become samples per workflow.exportStyle:
+- concat (the default): one sample; the calls that extend each other share one prefix; the tokens
+  between them (tool outputs, user turns, template glue) are in the sample with loss_mask 0, version -1.
+- individual (AReaL's style): one sample per call; its prompt is the call's whole context (tool outputs
+  included, never trained), its output exactly what the engine generated (loss_mask 1); call k of K
+  gets reward * workflow.turnDiscount ** (K - 1 - k). A group then holds >= samplesPerPrompt samples.
 A failing agent (raises, times out, returns a non-number, makes no call) fails its episode: the reason
 is logged and counted in `stats`, and the ticket fails with EpisodeFailed, which the rollout agent's
 poison-ticket rule retries and then publishes as a failed group (its slot goes back); the run goes on.
@@ -93,6 +97,17 @@ def concat_sample(calls: list[CallRecord], reward: float) -> tuple[Sample, int]:
     return sample, len(calls) - len(chain)
 
 
+def individual_samples(calls: list[CallRecord], reward: float, turn_discount: float = 1.0) -> list[Sample]:
+    """One sample per call (exportStyle individual): its prompt = the call's full context, its output = what the
+    engine generated for it (loss_mask 1, its logprobs and versions). Every call shares the episode reward,
+    discounted backwards from the last call: call k of K gets reward * turn_discount ** (K - 1 - k)."""
+    last = len(calls) - 1
+    return [Sample(input_ids=list(c.prompt_ids), output_ids=list(c.output_ids), logprobs=list(c.logprobs), versions=list(c.versions),
+                   loss_mask=[1] * len(c.output_ids), reward=reward * turn_discount ** (last - k), num_turns=1,
+                   finish_reason=c.finish_reason)
+            for k, c in enumerate(calls)]
+
+
 def check_reward(value: Any) -> float:
     """The agent's return value as a reward: a finite real number (bool counts as 0/1)."""
     if isinstance(value, bool):
@@ -129,7 +144,8 @@ class AgentWorkflow:
     """Runs an agent function once per episode against the local OpenAI-compatible proxy."""
 
     def __init__(self, agent_fn: Any, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
-                 timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent") -> None:
+                 timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent",
+                 export_style: str = "concat", turn_discount: float = 1.0) -> None:
         if not callable(agent_fn):
             raise WorkflowError(f"workflow.agent: {name!r} is a {type(agent_fn).__name__}, not a function")
         self.agent_fn = agent_fn
@@ -146,6 +162,12 @@ class AgentWorkflow:
         self.reward_name = reward_name
         self.timeout = timeout_seconds
         self.sandbox = sandbox or SandboxSpec()
+        if export_style not in ("concat", "individual"):
+            raise WorkflowError(f"workflow.exportStyle: {export_style!r} is not concat or individual")
+        if not 0.0 < turn_discount <= 1.0:
+            raise WorkflowError(f"workflow.turnDiscount: {turn_discount!r} is not in (0, 1]")
+        self.export_style = export_style
+        self.turn_discount = turn_discount
         self.stats = AgentWorkflowStats()
         self.proxy: OpenAIProxy | None = None
         self._proxy_lock = asyncio.Lock()
@@ -158,7 +180,7 @@ class AgentWorkflow:
         w = setup.spec.workflow
         fn = import_path(w.agent or "", "workflow.agent")
         return cls(fn, setup.tokenizer, setup.sampling, setup.reward_fn, reward_name=w.reward, timeout_seconds=w.episode_timeout_seconds,
-                   sandbox=w.sandbox, name=w.agent or "agent")
+                   sandbox=w.sandbox, name=w.agent or "agent", export_style=str(w.export_style or "concat"), turn_discount=w.turn_discount)
 
     async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
         async with self._proxy_lock:
@@ -220,8 +242,9 @@ class AgentWorkflow:
         # closed session refuses.
         return await loop.run_in_executor(self._threads, functools.partial(self.agent_fn, sync_client, item, **kwargs))
 
-    async def run_episode(self, engine: InferenceEngine, item: Item, episode: str) -> Sample:
-        """One agent episode -> one sample; EpisodeFailed for the agent's faults, EngineError for the engine's."""
+    async def run_episode(self, engine: InferenceEngine, item: Item, episode: str) -> list[Sample]:
+        """One agent episode -> its samples (one for concat, one per call for individual); EpisodeFailed for the
+        agent's faults, EngineError for the engine's."""
         proxy = await self._proxy_for(engine)
         session = proxy.open_session()
         base_url = proxy.base_url(session)
@@ -254,12 +277,15 @@ class AgentWorkflow:
                 raise EpisodeFailed("reward", f"workflow.reward {self.reward_name} failed on the final answer: {exc}") from exc
         else:
             reward = check_reward(result)
+        if self.export_style == "individual":
+            return individual_samples(calls, reward, self.turn_discount)
         sample, left_out = concat_sample(calls, reward)
         self.stats.calls_outside_sample += left_out
-        return sample
+        return [sample]
 
     async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: Any) -> list[Sample] | None:
-        """samplesPerPrompt episodes at once; EpisodeFailed if any failed (the trainer trains full groups only)."""
+        """samplesPerPrompt episodes at once, their samples in episode order; EpisodeFailed if any failed (the
+        trainer trains full groups only)."""
         ticket = getattr(ctx, "ticket_id", "") or "episode"
         results = await asyncio.gather(*(self.run_episode(engine, item, f"{ticket}/{i}") for i in range(self.sampling.n)),
                                        return_exceptions=True)
@@ -276,4 +302,4 @@ class AgentWorkflow:
             # The rollout agent's poison-ticket rule takes it from here: the ticket is tried again up to
             # rollout.maxTicketAttempts, then published as a failed group with this reason (metrics, status).
             raise EpisodeFailed(failures[0].kind, f"{len(failures)} of {len(results)} agent episodes failed; first: {failures[0]}")
-        return list(results)  # type: ignore[arg-type]
+        return [s for r in results for s in r]  # type: ignore[union-attr]

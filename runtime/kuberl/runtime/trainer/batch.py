@@ -2,7 +2,9 @@
 
 Pure tensor code used by the Trainer's stages (no bus, no torch.distributed). Rows are samples in
 group-major order (g * n + i), columns the response tokens (everything after the prompt), padded to
-the longest response: the [N, T] layout `kuberl.runtime.algorithms` expects.
+the longest response: the [N, T] layout `kuberl.runtime.algorithms` expects. Groups of varying size
+(the agent workflow's exportStyle individual, `ragged=True`) keep that row order; their rewards are
+flat [N] and `group_sizes` says where each group's rows are.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class BatchError(ValueError):
 
 @dataclass
 class RolloutBatch:
-    """B groups of n samples, flattened group-major; per-token tensors are [N, T] over response tokens."""
+    """B groups of n samples (or of group_sizes[g] samples), flattened group-major; per-token tensors are [N, T]."""
 
     group_ids: list[str]
     prompts: list[list[int]]
@@ -28,16 +30,17 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # [N, T] float, 1 where the policy generated the token
     behave_logp: torch.Tensor  # [N, T] log pi_behave, the engine's logprobs
     versions: torch.Tensor  # [N, T] long, -1 where not generated
-    rewards: torch.Tensor  # [G, n] raw rewards
+    rewards: torch.Tensor  # [G, n] raw rewards; flat [N] when the groups are ragged
     head_versions: list[int]  # per group: min version of its generated tokens
     prox_logp: torch.Tensor | None = None  # [N, T] log pi_prox, recomputed before the update
     ref_logp: torch.Tensor | None = None  # [N, T] log pi_ref, only with a KL term
     advantages: torch.Tensor | None = None  # [N, T]
     extra: dict[str, Any] = field(default_factory=dict)
+    group_sizes: list[int] = field(default_factory=list)  # samples per group (all n unless ragged)
 
     @property
     def num_groups(self) -> int:
-        return self.rewards.shape[0]
+        return len(self.group_ids)
 
     @property
     def num_samples(self) -> int:
@@ -48,8 +51,8 @@ class RolloutBatch:
         return [len(p) + len(o) for p, o in zip(self.prompts, self.outputs)]
 
     def response_lengths(self) -> torch.Tensor:
-        """Generated tokens per sample, [G, n], over all turns (what the overlong penalty and Dr.GRPO measure
-        against maxNewTokens, which a multi-turn episode shares across its turns)."""
+        """Generated tokens per sample, [G, n] ([N] when ragged), over all turns (what the overlong penalty and
+        Dr.GRPO measure against maxNewTokens, which a multi-turn episode shares across its turns)."""
         return self.loss_mask.sum(dim=1).reshape(self.rewards.shape)
 
 
@@ -63,16 +66,29 @@ def head_version(group: Any) -> int:
     return min(found) if found else -1
 
 
-def build_batch(groups: Sequence[Any], group_size: int) -> RolloutBatch:
-    """Check and stack trajectory groups (TrajectoryGroup objects or their dicts) into a RolloutBatch."""
+def group_size_error(count: int, group_size: int, ragged: bool) -> str | None:
+    """Why a group of `count` samples cannot be trained on, or None. Fixed groups hold exactly group_size
+    samples; ragged ones (one sample per agent call) at least group_size (every episode makes a call)."""
+    if ragged:
+        return None if count >= group_size else f"has {count} samples, fewer than its algorithm.samplesPerPrompt={group_size} episodes"
+    return None if count == group_size else f"has {count} samples, algorithm.samplesPerPrompt is {group_size}"
+
+
+def build_batch(groups: Sequence[Any], group_size: int, *, ragged: bool = False) -> RolloutBatch:
+    """Check and stack trajectory groups (TrajectoryGroup objects or their dicts) into a RolloutBatch.
+
+    `ragged`: groups may hold more than group_size samples (exportStyle individual); rewards are then flat [N]
+    unless every group happens to hold exactly group_size.
+    """
     if not groups:
         raise BatchError("build_batch: no groups")
     prompts, outputs, masks, logps, versions, rewards, heads, ids = [], [], [], [], [], [], [], []
     for g in groups:
         gid = _get(g, "group_id")
         samples = _get(g, "samples")
-        if len(samples) != group_size:
-            raise BatchError(f"group {gid}: has {len(samples)} samples, algorithm.samplesPerPrompt is {group_size}")
+        why = group_size_error(len(samples), group_size, ragged)
+        if why is not None:
+            raise BatchError(f"group {gid}: {why}")
         row = []
         for k, s in enumerate(samples):
             out = list(_get(s, "output_ids"))
@@ -91,6 +107,8 @@ def build_batch(groups: Sequence[Any], group_size: int) -> RolloutBatch:
         heads.append(head_version(g))
         ids.append(gid)
     T = max(1, max(len(o) for o in outputs))
+    sizes = [len(row) for row in rewards]
+    uniform = all(k == group_size for k in sizes)
 
     def pad(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
         out = torch.full((len(rows), T), value, dtype=dtype)
@@ -106,8 +124,9 @@ def build_batch(groups: Sequence[Any], group_size: int) -> RolloutBatch:
         loss_mask=pad(masks, 0, torch.float32),
         behave_logp=pad(logps, 0.0, torch.float32),
         versions=pad(versions, -1, torch.long),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
+        rewards=torch.tensor(rewards if uniform else [x for row in rewards for x in row], dtype=torch.float32),
         head_versions=heads,
+        group_sizes=sizes,
     )
 
 
@@ -131,11 +150,19 @@ def plan_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens:
     return plans
 
 
-def minibatch_rows(num_groups: int, group_size: int, minibatches: int) -> list[list[int]]:
-    """Rows of each PPO minibatch: whole groups, split as evenly as possible (group-major rows)."""
+def minibatch_rows(num_groups: int, group_size: int | Sequence[int], minibatches: int) -> list[list[int]]:
+    """Rows of each PPO minibatch: whole groups, split as evenly as possible by group count (group-major rows).
+    `group_size`: samples per group, or each group's count when they differ (RolloutBatch.group_sizes)."""
     minibatches = min(minibatches, num_groups)
     bounds = [round(k * num_groups / minibatches) for k in range(minibatches + 1)]
-    return [list(range(bounds[k] * group_size, bounds[k + 1] * group_size)) for k in range(minibatches)]
+    if isinstance(group_size, int):
+        return [list(range(bounds[k] * group_size, bounds[k + 1] * group_size)) for k in range(minibatches)]
+    if len(group_size) != num_groups:
+        raise BatchError(f"minibatch_rows: {len(group_size)} group sizes for {num_groups} groups")
+    starts = [0]
+    for k in group_size:
+        starts.append(starts[-1] + k)
+    return [list(range(starts[bounds[k]], starts[bounds[k + 1]])) for k in range(minibatches)]
 
 
 def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, rank: int, world: int) -> list[list[int] | None]:

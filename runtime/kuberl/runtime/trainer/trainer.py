@@ -34,7 +34,7 @@ from kuberl.runtime.evaluation import EvalSchedule, finish_evaluation
 from kuberl.runtime.tracking import Tracking
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, minibatch_rows, response_logprobs, shard_micro_batches
+from kuberl.runtime.trainer.batch import RolloutBatch, build_batch, group_size_error, minibatch_rows, response_logprobs, shard_micro_batches
 from kuberl.runtime.trainer.bus_io import TrainerBusIO
 from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
 from kuberl.runtime.trainer.tickets import SeenGroups, TicketBook
@@ -64,6 +64,7 @@ class Trainer:
         with spec_errors():
             self.cfg = resolve_algorithm(self.spec.algorithm)
         self.B, self.n = self.spec.algorithm.batch_size, self.cfg.group_size
+        self.ragged = self.spec.workflow.export_style == "individual"  # one sample per agent call: groups of >= n samples
         self.eta = self.spec.staleness.max_head_offpolicyness
         self.max_steps = max_steps
         # Give up (failed) when no trajectory arrives for this long; None = wait forever.
@@ -263,7 +264,7 @@ class Trainer:
         if plan.get("groups") is None:  # an operator's checkpoint request, answered between steps
             await self.stage_checkpoint(request=plan["checkpoint_request"])
             return True
-        batch = build_batch(plan["groups"], self.n)
+        batch = build_batch(plan["groups"], self.n, ragged=self.ragged)
         self.stage_prox_logp(batch)
         lap("train.prox_logp")
         self.stage_advantages(batch)
@@ -331,8 +332,8 @@ class Trainer:
             self.dropped_stale += 1
             log.info("dropped group %s: head version %d < %d - %d", group.group_id, group.head_version, self.version, self.eta)
             return False
-        if len(group.samples) != self.n:
-            log.warning("group %s has %d samples, algorithm.samplesPerPrompt is %d: treated as rejected", group.group_id, len(group.samples), self.n)
+        if (why := group_size_error(len(group.samples), self.n, self.ragged)) is not None:
+            log.warning("group %s %s: treated as rejected", group.group_id, why)
             self.book.on_rejected()
             return False
         return True
@@ -435,7 +436,7 @@ class Trainer:
         kl = None
         if self.cfg.kl_in_reward:
             kl = batch.prox_logp - batch.ref_logp
-        batch.advantages = compute_token_advantages(shaped, batch.loss_mask, self.cfg, kl=kl)
+        batch.advantages = compute_token_advantages(shaped, batch.loss_mask, self.cfg, kl=kl, group_sizes=batch.group_sizes)
 
     def stage_ppo_update(self, batch: RolloutBatch) -> dict[str, float]:
         """train.ppo_update: algorithm.ppoMinibatches optimizer steps of the decoupled PPO loss."""
@@ -445,7 +446,7 @@ class Trainer:
         sums: dict[str, float] = {}
         token_total = 0.0
         grad_norms, losses = [], []
-        for rows in minibatch_rows(batch.num_groups, self.n, self.spec.algorithm.ppo_minibatches):
+        for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
             denom = loss_denominator(batch.loss_mask[rows], self.cfg)
             mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size)
             mb_loss = 0.0
