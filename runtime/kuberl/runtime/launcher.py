@@ -334,6 +334,32 @@ def plot_rewards(metrics: Path, out: Path) -> Path | None:
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prepared = _prepare(args)
+    if isinstance(prepared, int):
+        return prepared
+    exp, manifest, workdir = prepared
+    from kuberl.runtime.supervisor import BusProcess, Supervisor
+
+    server, bus_url = _start_bus(args, exp, workdir)
+    run = LocalRun(exp, manifest, workdir, bus_url)
+    try:
+        run.plan(gpus=local_gpu_count())
+    except SystemExit:
+        if server is not None:
+            server.stop()
+        raise
+    for role in run.roles:
+        role.start()
+    bus_proc = BusProcess(server) if server is not None else None
+    supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
+    print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
+    report, failure, interrupted = _supervise(run, supervisor, bus_proc, workdir)
+    return _finish(run, workdir, report, failure, interrupted)
+
+
+def _prepare(args) -> tuple[RLExperiment, Path, Path] | int:
+    """Load the experiment, make its workdir, write the run's manifest and build/fetch the model once:
+    (experiment, manifest, workdir), or the exit code of a spec the run cannot start with."""
     try:
         exp = load_experiment(args.file)
     except Exception as exc:  # pydantic.ValidationError and YAML errors: print, don't trace
@@ -343,7 +369,7 @@ def main(args) -> int:
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)  # a fresh run; --resume keeps checkpoints and the bus state
     workdir.mkdir(parents=True, exist_ok=True)
-    from kuberl.runtime.supervisor import BusProcess, Supervisor, route_logs
+    from kuberl.runtime.supervisor import route_logs
 
     route_logs(workdir / "logs" / "launcher.log")  # tracebacks go to the file, not the terminal
     manifest = prepare_manifest(exp, workdir, args.max_steps)
@@ -358,7 +384,11 @@ def main(args) -> int:
     except ConfigError as exc:
         print(f"kuberl run: configuration error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    return exp, manifest, workdir
 
+
+def _start_bus(args, exp: RLExperiment, workdir: Path) -> tuple[Any, str]:
+    """The bus URL (--bus-url, else spec.bus.external), or a nats-server of the run's own: (server or None, URL)."""
     server = None
     bus_url = args.bus_url
     if bus_url is None and exp.spec.bus.external is not None:
@@ -369,20 +399,12 @@ def main(args) -> int:
         server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB", log_path=str(workdir / "logs" / "nats-server.log"))
         bus_url = server.url
         print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
+    return server, bus_url
 
-    run = LocalRun(exp, manifest, workdir, bus_url)
-    try:
-        run.plan(gpus=local_gpu_count())
-    except SystemExit:
-        if server is not None:
-            server.stop()
-        raise
-    for role in run.roles:
-        role.start()
-    bus_proc = BusProcess(server) if server is not None else None
-    supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
-    print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
 
+def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> tuple[dict | None, str | None, bool]:
+    """Show progress and supervise the roles until training ends, a role fails or the user stops the run;
+    then stop every role and the bus. Returns (the last progress report, the failure, interrupted)."""
     failure: str | None = None
     interrupted = False
     loop = asyncio.new_event_loop()
@@ -426,7 +448,11 @@ def main(args) -> int:
         if bus_proc is not None:
             bus_proc.stop()
         loop.close()
+    return report, failure, interrupted
 
+
+def _finish(run: LocalRun, workdir: Path, report: dict | None, failure: str | None, interrupted: bool) -> int:
+    """Plot the reward curve, print the last report and the outcome; the exit code."""
     png = plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
     if report:
         print(f"kuberl run: step {report.get('step')}/{report.get('total_steps')}, policy version {report.get('policy_version')}, "
