@@ -358,7 +358,8 @@ class TestRollout:
         env = env_of(containers(build_rollout_statefulset(make_experiment()))["rollout-agent"])
         assert env["KUBERL_ENGINE_URL"] == "http://127.0.0.1:8000"
         assert env["KUBERL_BUS_URL"] == "nats://exp-bus.team-a.svc:4222"
-        assert env["KUBERL_BUS_TOKEN"] == {"secretKeyRef": {"name": "exp-bus-credentials", "key": "token"}}
+        assert env["KUBERL_BUS_USER"] == "rollout" and "KUBERL_BUS_TOKEN" not in env
+        assert env["KUBERL_BUS_PASSWORD"] == {"secretKeyRef": {"name": "exp-bus-credentials", "key": "rollout-password"}}
         assert env["KUBERL_AGENT_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["KUBERL_WORKDIR"] == "/checkpoints"
 
@@ -511,11 +512,13 @@ class TestBus:
         assert claim["resources"]["requests"]["storage"] == "20Gi" and claim["storageClassName"] == "fast"
         assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "exp-bus-headless"
 
-    def test_the_secret_holds_the_token_and_a_config_with_token_auth_and_max_payload(self) -> None:
+    def test_the_secret_holds_the_token_a_password_per_role_and_a_config_with_users_and_max_payload(self) -> None:
         secret = build_bus_secret(make_experiment(bus={"maxPayload": "4Mi"}), TOKEN)
         assert secret["stringData"]["token"] == TOKEN
         conf = secret["stringData"]["nats.conf"]
-        assert f'token: "{TOKEN}"' in conf and "max_payload: 4194304" in conf and "jetstream {" in conf
+        assert "users = [" in conf and "token:" not in conf and "max_payload: 4194304" in conf and "jetstream {" in conf
+        for role in ("trainer", "rollout", "operator"):
+            assert f'"user": "{role}", "password": "{secret["stringData"][f"{role}-password"]}"' in conf
         assert "cluster {" not in conf  # one server: no routes
 
     def test_three_servers_get_routes_to_each_other(self) -> None:

@@ -26,6 +26,7 @@ from kuberl.operator.builders import (
     build_children,
     build_rollout_statefulset,
     build_trainer_job,
+    bus_auth,
 )
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.builders.immutable import keep_immutable_fields
@@ -132,7 +133,8 @@ async def _bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
         token = decode_secret_value(await kube().get("Secret", exp.namespace, ref.name), ref.key) if ref else None
         return exp.spec.bus.external.url, token
     secret = await kube().get("Secret", exp.namespace, naming.bus_secret_name(exp))
-    return naming.bus_url(exp), decode_secret_value(secret, "token")
+    password = decode_secret_value(secret, bus_auth.password_key(bus_auth.OPERATOR))  # absent: a Secret from before bus users
+    return naming.bus_url(exp), (bus_auth.OPERATOR, password) if password else decode_secret_value(secret, "token")
 
 
 async def current_nodes() -> list[dict[str, Any]]:

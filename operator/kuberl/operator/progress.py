@@ -17,6 +17,9 @@ import time
 from typing import Any
 
 log = logging.getLogger("kuberl.operator.progress")
+# How the operator authenticates to a bus: a token (an external bus's credentials Secret), a
+# (user, password) pair (the embedded bus's `operator` user, builders.bus_auth) or nothing.
+Credentials = str | tuple[str, str] | None
 KEY_PROGRESS = "progress"
 KEY_CONTROL = "control"
 
@@ -37,6 +40,12 @@ async def _quiet_event() -> None:
     return None
 
 
+def _auth(credentials: Credentials) -> dict[str, str]:
+    if isinstance(credentials, tuple):
+        return {"user": credentials[0], "password": credentials[1]}
+    return {"token": credentials} if credentials else {}
+
+
 class BusReader:
     """One shared NATS connection per bus (url, token): every experiment on one NATS URL with the same
     credentials reads through the same connection. Connects are serialised per key only (a bus that
@@ -44,15 +53,15 @@ class BusReader:
     round trip (no stream-info lookup per read). Reads progress, writes control requests."""
 
     def __init__(self, connect_timeout: float = 2.0, failure_backoff: float = 10.0):
-        self._conns: dict[tuple[str, str | None], Any] = {}
-        self._kvs: dict[tuple[str, str | None], dict[str, Any]] = {}
-        self._failed_at: dict[tuple[str, str | None], float] = {}
-        self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
+        self._conns: dict[tuple[str, Credentials], Any] = {}
+        self._kvs: dict[tuple[str, Credentials], dict[str, Any]] = {}
+        self._failed_at: dict[tuple[str, Credentials], float] = {}
+        self._locks: dict[tuple[str, Credentials], asyncio.Lock] = {}
         self.connect_timeout = connect_timeout
         self.failure_backoff = failure_backoff  # a bus that is still starting must not slow every tick
         self.connects = 0  # connection attempts made (the scale tests and the benchmark read it)
 
-    async def _connection(self, key: tuple[str, str | None]) -> Any | None:
+    async def _connection(self, key: tuple[str, Credentials]) -> Any | None:
         import nats
 
         async with self._locks.setdefault(key, asyncio.Lock()):
@@ -65,7 +74,7 @@ class BusReader:
                     return None
                 self.connects += 1
                 try:
-                    nc = await nats.connect(key[0], token=key[1], connect_timeout=self.connect_timeout,
+                    nc = await nats.connect(key[0], **_auth(key[1]), connect_timeout=self.connect_timeout,
                                             max_reconnect_attempts=1, allow_reconnect=False, name="kuberl-operator",
                                             error_cb=_quiet, disconnected_cb=_quiet_event, closed_cb=_quiet_event)
                 except Exception as exc:  # noqa: BLE001 - nats-py raises many kinds; all mean 'no bus now'
@@ -75,7 +84,7 @@ class BusReader:
                 self._conns[key] = nc
             return nc
 
-    async def _kv(self, url: str, token: str | None, experiment: str, run: str = "") -> Any | None:
+    async def _kv(self, url: str, token: Credentials, experiment: str, run: str = "") -> Any | None:
         from nats.js.errors import BucketNotFoundError
 
         key = (url, token)
@@ -98,7 +107,7 @@ class BusReader:
         kvs[bucket] = kv
         return kv
 
-    async def _forget(self, key: tuple[str, str | None]) -> None:
+    async def _forget(self, key: tuple[str, Credentials]) -> None:
         self._kvs.pop(key, None)
         nc = self._conns.pop(key, None)
         if nc is not None:
@@ -107,7 +116,7 @@ class BusReader:
             except Exception as exc:  # noqa: BLE001 - closing a broken connection may fail; it is gone either way
                 log.debug("closing the bus connection: %s", exc)
 
-    async def read(self, url: str, token: str | None, experiment: str, key: str = KEY_PROGRESS, *,
+    async def read(self, url: str, token: Credentials, experiment: str, key: str = KEY_PROGRESS, *,
                    run: str = "") -> dict[str, Any] | None:
         """The JSON value of a KV key (default: progress) of `experiment`'s `run`, or None."""
         from nats.js.errors import KeyNotFoundError
@@ -130,7 +139,7 @@ class BusReader:
             return None
         return value if isinstance(value, dict) else None
 
-    async def request_checkpoint(self, url: str, token: str | None, experiment: str, request_id: str, *, run: str = "") -> bool:
+    async def request_checkpoint(self, url: str, token: Credentials, experiment: str, request_id: str, *, run: str = "") -> bool:
         """Ask the trainer for a checkpoint (control.checkpoint_request); False if the bus is unreachable."""
         kv = await self._kv(url, token, experiment, run)
         if kv is None:

@@ -20,7 +20,7 @@ from kuberl.api.v1alpha1 import (
 )
 from kuberl.operator import labels as L
 from kuberl.operator import naming
-from kuberl.operator.builders import pinning
+from kuberl.operator.builders import bus_auth, pinning
 from kuberl.operator.builders.common import (
     Obj,
     container_security_context,
@@ -103,7 +103,8 @@ def _quote(text: str) -> str:
 
 
 def render_nats_conf(exp: RLExperiment, token: str) -> str:
-    """nats.conf: client port, monitoring, max_payload, token auth, JetStream storage, cluster routes (> 1 server).
+    """nats.conf: client port, monitoring, max_payload, one user per role (bus_auth: trainer, rollout,
+    operator, each with its subject permissions), JetStream storage, cluster routes (> 1 server).
 
     The server name comes from the command line (`--name $(POD_NAME)`): NATS's `$VAR` substitution
     parses values, and a pod name such as `12-bus-0` would not survive it.
@@ -120,7 +121,9 @@ def render_nats_conf(exp: RLExperiment, token: str) -> str:
         f"lame_duck_duration: \"{LAME_DUCK_SECONDS}s\"",
         f"pid_file: {_quote(PID_FILE)}",
         "authorization {",
-        f"  token: {_quote(token)}",
+        "  users = [",
+        *(f"    {user_entry(exp, token, role)}" for role in bus_auth.ROLES),
+        "  ]",
         "}",
         "jetstream {",
         f"  store_dir: {_quote(JETSTREAM_DIR)}",
@@ -142,16 +145,25 @@ def render_nats_conf(exp: RLExperiment, token: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def user_entry(exp: RLExperiment, token: str, role: str) -> str:
+    """One `users` entry of nats.conf: the role's name, password and permissions (JSON, which NATS reads)."""
+    entry = {"user": role, "password": bus_auth.role_password(token, role),
+             "permissions": bus_auth.permissions(role, bus_auth.bus_objects(exp))}
+    return json.dumps(entry, separators=(", ", ": "))
+
+
 def build_bus_secret(exp: RLExperiment, token: str) -> Obj:
-    """Secret `{exp}-bus-credentials`: key `token` (clients) and `nats.conf` (the servers)."""
+    """Secret `{exp}-bus-credentials`: `token` (the random secret the passwords derive from, read by the
+    operator only), `{role}-password` for each role (each pod mounts its own key only) and `nats.conf`."""
     if not token or any(c.isspace() or c in "\"\\" for c in token):
         raise ValueError("bus token must be a non-empty string without whitespace, quotes or backslashes")
+    passwords = {bus_auth.password_key(role): bus_auth.role_password(token, role) for role in bus_auth.ROLES}
     return pinning.stamp({
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": metadata(exp, naming.bus_secret_name(exp), L.Component.BUS),
         "type": "Opaque",
-        "stringData": {"token": token, NATS_CONF_KEY: render_nats_conf(exp, token)},
+        "stringData": {bus_auth.TOKEN_KEY: token, **passwords, NATS_CONF_KEY: render_nats_conf(exp, token)},
     }, exp)
 
 

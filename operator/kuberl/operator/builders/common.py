@@ -21,6 +21,7 @@ from kuberl.api.v1alpha1 import (
 )
 from kuberl.operator import labels as L
 from kuberl.operator import naming
+from kuberl.operator.builders import bus_auth
 
 CONFIG_MOUNT_DIR = "/etc/kuberl"
 CONFIG_KEY = "experiment.yaml"
@@ -159,25 +160,27 @@ def secret_env(name: str, secret: str, key: str) -> Obj:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def bus_env(exp: RLExperiment) -> list[Obj]:
-    """KUBERL_BUS_URL, KUBERL_BUS_RUN (the run that scopes every bus name: namespace and uid) and
-    KUBERL_BUS_TOKEN (from the embedded bus Secret or external credentialsSecret)."""
+def bus_env(exp: RLExperiment, role: str) -> list[Obj]:
+    """KUBERL_BUS_URL, KUBERL_BUS_RUN (the run that scopes every bus name: namespace and uid) and the
+    credentials: on the embedded bus KUBERL_BUS_USER = `role` and KUBERL_BUS_PASSWORD from that role's
+    key of the bus Secret only (builders.bus_auth); on an external bus KUBERL_BUS_TOKEN from its credentialsSecret."""
     env: list[Obj] = [{"name": "KUBERL_BUS_URL", "value": naming.bus_url(exp)}]
     run = naming.bus_run(exp)
     if run:
         env.append({"name": "KUBERL_BUS_RUN", "value": run})
     external = exp.spec.bus.external
     if external is None:
-        env.append(secret_env("KUBERL_BUS_TOKEN", naming.bus_secret_name(exp), "token"))
+        env.append({"name": bus_auth.USER_ENV, "value": role})
+        env.append(secret_env(bus_auth.PASSWORD_ENV, naming.bus_secret_name(exp), bus_auth.password_key(role)))
     elif external.credentials_secret is not None:
         ref = external.credentials_secret
         env.append(secret_env("KUBERL_BUS_TOKEN", ref.name, ref.key))
     return env
 
 
-def runtime_env(exp: RLExperiment) -> list[Obj]:
-    """Env of every runtime container: bus, workdir, caches, hub token where set."""
-    env = bus_env(exp) + [
+def runtime_env(exp: RLExperiment, role: str) -> list[Obj]:
+    """Env of every runtime container of `role` (trainer, rollout): bus, workdir, caches, hub token where set."""
+    env = bus_env(exp, role) + [
         {"name": "KUBERL_WORKDIR", "value": WORKDIR},
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
-from kuberl.operator.builders import pinning
+from kuberl.operator.builders import bus_auth, pinning
 from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
@@ -107,7 +107,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
     """StatefulSet `{exp}-rollout`; `replicas` (the autoscaler's choice) overrides spec.rollout.replicas."""
     spec = exp.spec.rollout
     name = naming.rollout_name(exp)
-    env = runtime_env(exp)
+    env = runtime_env(exp, bus_auth.ROLLOUT)
     data_vols, data_mounts = data_volumes(exp)
     read_only = workdir_read_only(exp)
     health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}

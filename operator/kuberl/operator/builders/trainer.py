@@ -17,7 +17,7 @@ from __future__ import annotations
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import labels as L
 from kuberl.operator import naming
-from kuberl.operator.builders import pinning
+from kuberl.operator.builders import bus_auth, pinning
 from kuberl.operator.builders.common import (
     CONFIG_PATH,
     WORKDIR,
@@ -99,7 +99,7 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             # Declared here (the Job controller adds it too) so $(JOB_COMPLETION_INDEX) in the command
             # expands from a variable the pod spec itself names.
             {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
-            *runtime_env(exp),
+            *runtime_env(exp, bus_auth.TRAINER),
             *tracking_env(exp),
             {"name": METRICS_PORT_ENV, "value": str(METRICS_PORT)},
         ],

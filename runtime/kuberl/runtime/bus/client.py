@@ -24,7 +24,7 @@ from nats.js import api
 
 from kuberl.runtime.bus import weights as weights_io
 from kuberl.runtime.bus.chunks import ChunkAssembler
-from kuberl.runtime.bus.connection import open_connection, redact
+from kuberl.runtime.bus.connection import bus_credentials, open_connection, redact
 from kuberl.runtime.bus.errors import BusError, BusFullError, GroupTooLargeError
 from kuberl.runtime.bus.eval_queues import EvalQueues
 from kuberl.runtime.bus.lease import Lease
@@ -105,12 +105,14 @@ class Bus(EvalQueues, Topology):
 
     @classmethod
     async def connect(cls, url: str | None, experiment: str, *, token: str | None = None,
+                      user: str | None = None, password: str | None = None,
                       max_payload: int | str | None = None, create: bool = True, ticket_ack_wait: float | None = None,
                       group_ack_wait: float | None = None, max_bytes: int | str | None = None,
                       connect_timeout: float = 30.0, publish_timeout: float = 30.0, name: str | None = None) -> Bus:
         """Connect and create (or, with create=False, only bind) the experiment's streams, consumers and buckets.
 
-        url None = $KUBERL_BUS_URL; token None = $KUBERL_BUS_TOKEN (unset = no auth).
+        url None = $KUBERL_BUS_URL; token None = $KUBERL_BUS_TOKEN; user/password None = $KUBERL_BUS_USER and
+        $KUBERL_BUS_PASSWORD (the embedded bus: one NATS user per role); none of them set = no auth.
         max_payload: cap on message size (default and ceiling: the server's max_payload).
         ticket_ack_wait: seconds before an agent's unacked ticket goes to another agent (default 30).
         group_ack_wait: the trainer acks only after a checkpoint covers a group, so this is long (default
@@ -130,15 +132,18 @@ class Bus(EvalQueues, Topology):
                 raise ValueError(f"{what} must be > 0 seconds, got {v!r}")
         payload_cap = parse_max_payload(max_payload) if max_payload is not None else None
         stream_bytes = parse_size(max_bytes, "max_bytes") if max_bytes is not None else None
-        token = token if token is not None else (os.environ.get("KUBERL_BUS_TOKEN") or None)
+        token, user, password = bus_credentials(token, user, password)
         hooks: list[Callable[[], None]] = []
+        denied: list[Callable[[str], None]] = []
         nc = await open_connection(url, token, connect_timeout, name or f"kuberl-{experiment}-{os.getpid()}",
-                                   on_reconnect=lambda: [h() for h in hooks])
+                                   on_reconnect=lambda: [h() for h in hooks], user=user, password=password,
+                                   on_denied=lambda m: [d(m) for d in denied])
         try:
             limit = min(nc.max_payload, payload_cap) if payload_cap else nc.max_payload
             bus = cls(nc, names, max_payload=limit, ticket_ack_wait=ticket_ack_wait, group_ack_wait=group_ack_wait,
                       max_bytes=stream_bytes, publish_timeout=publish_timeout, url=redact(url))
             hooks.append(bus._on_reconnect)
+            denied.append(bus.outage.on_denied)
             await bus._check_jetstream()
             bus._may_create = create
             await (bus._create() if create else bus._bind())
@@ -361,13 +366,13 @@ class Bus(EvalQueues, Topology):
                 await _best_effort("unsubscribe", sub.unsubscribe())
             self._subs.clear()
             for stream in (n.tickets_stream, n.traj_stream):
-                try:
-                    await self.js.delete_stream(stream)
+                try:  # through _retry: a NATS user that may not delete it gets a BusError saying so
+                    await self._retry(f"delete stream {stream}", lambda s=stream: self.js.delete_stream(s))
                 except nats.js.errors.NotFoundError:
                     pass
             for delete, bucket in ((self.js.delete_key_value, n.kv_bucket), (self.js.delete_object_store, n.weights_bucket)):
                 try:
-                    await delete(bucket)
+                    await self._retry(f"delete bucket {bucket}", lambda d=delete, b=bucket: d(b))
                 except nats.js.errors.NotFoundError:
                     pass
             await self._create()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from nats.aio.client import Client as NATS
 from kuberl.runtime.bus.errors import BusError
 
 log = logging.getLogger(__name__)
+TOKEN_ENV, USER_ENV, PASSWORD_ENV = "KUBERL_BUS_TOKEN", "KUBERL_BUS_USER", "KUBERL_BUS_PASSWORD"
 
 
 def redact(url: str) -> str:
@@ -29,15 +31,36 @@ def redact(url: str) -> str:
     return url
 
 
+def bus_credentials(token: str | None, user: str | None, password: str | None) -> tuple[str | None, str | None, str | None]:
+    """(token, user, password): those given, else $KUBERL_BUS_TOKEN, $KUBERL_BUS_USER, $KUBERL_BUS_PASSWORD.
+    A token or a user with its password, not both: ValueError names what is wrong (never a value)."""
+    token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    user = user if user is not None else (os.environ.get(USER_ENV) or None)
+    password = password if password is not None else (os.environ.get(PASSWORD_ENV) or None)
+    if token and (user or password):
+        raise ValueError(f"bus credentials: set a token ({TOKEN_ENV}) or a user and password ({USER_ENV}, {PASSWORD_ENV}), not both")
+    if bool(user) != bool(password):
+        raise ValueError(f"bus credentials: {USER_ENV} and {PASSWORD_ENV} go together; only {'the user' if user else 'the password'} is set")
+    return token, user, password
+
+
 async def open_connection(url: str, token: str | None, wait: float, name: str,
-                          on_reconnect: Callable[[], None] | None = None) -> NATS:
-    """Connect, retrying for `wait` seconds; then reconnect forever on later disconnects
-    (calling `on_reconnect` each time the connection is back)."""
+                          on_reconnect: Callable[[], None] | None = None, *, user: str | None = None,
+                          password: str | None = None, on_denied: Callable[[str], None] | None = None) -> NATS:
+    """Connect with a token or a user and password (or neither), retrying for `wait` seconds; then
+    reconnect forever on later disconnects (calling `on_reconnect` each time the connection is back).
+    `on_denied(message)` hears of each publish or subscription the server refused (a NATS user's
+    permissions): the server only says so asynchronously, the refused request itself gets no answer."""
     nc = NATS()
     last: list[BaseException] = []
     state = {"logged": 0.0}
 
     async def error_cb(exc: BaseException) -> None:
+        if _is_permission_error(exc):
+            log.debug("bus %s: %s", redact(url), exc)
+            if on_denied is not None:
+                on_denied(str(exc))
+            return
         last[:] = [exc]
         if _is_auth_error(exc):
             state["auth"] = 1.0  # later attempts may only see the server hang up: remember the cause
@@ -64,6 +87,8 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
     }
     if token:
         opts["token"] = token
+    if user:
+        opts["user"], opts["password"] = user, password
     try:
         await asyncio.wait_for(nc.connect(**opts), timeout=wait)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
@@ -74,10 +99,14 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
             log.debug("closing the failed connection: %s", close_exc)
         hint = ""
         if state.get("auth") or _is_auth_error(err):
-            hint = ": authorization failed, check KUBERL_BUS_TOKEN"
+            hint = f": authorization failed, check {'KUBERL_BUS_USER and KUBERL_BUS_PASSWORD' if user else 'KUBERL_BUS_TOKEN'}"
         raise BusError(f"cannot reach the bus at {redact(url)} within {wait:.0f}s ({type(err).__name__}: {err}){hint}") from None
     return nc
 
 
 def _is_auth_error(exc: BaseException) -> bool:
     return isinstance(exc, nats.errors.AuthorizationError) or "authorization" in str(exc).lower()
+
+
+def _is_permission_error(exc: BaseException) -> bool:
+    return "permissions violation" in str(exc).lower()

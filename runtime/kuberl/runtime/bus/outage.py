@@ -53,6 +53,14 @@ class Outage:
         self.outage = outage_seconds() if outage is None else outage
         self.back_at = 0.0  # monotonic time of the last reconnect
         self.reconnects = 0
+        self.denied: tuple[float, str] | None = None  # (monotonic time, message) of the last refusal
+
+    def on_denied(self, message: str) -> None:
+        """The server refused a publish or subscription (the NATS user's permissions)."""
+        self.denied = (time.monotonic(), message)
+
+    def denied_since(self, started: float) -> str | None:
+        return self.denied[1] if self.denied is not None and self.denied[0] >= started else None
 
     def on_reconnect(self) -> None:
         self.back_at = time.monotonic()
@@ -103,6 +111,9 @@ async def retry(outage: Outage, url: str, what: str, fn: Callable[[], Awaitable[
                     log.debug("re-creating streams failed: %s", exc)
             failure = "no stream answers (deleted?)"
         except TRANSIENT as exc:
+            if (denied := outage.denied_since(started)) is not None:  # a refused request is never answered
+                raise BusError(f"{what}: the bus at {url} refused it ({denied.removeprefix('nats: ')}): "
+                               "this role's NATS user may not do that") from None
             failure = type(exc).__name__
         except nats.js.errors.NotFoundError:
             raise
