@@ -183,7 +183,11 @@ class HTTPServerEngine:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout), headers=self._headers)
+            # No connection cap (aiohttp's default is 100): the agent's concurrency is the cap. With one, the
+            # generations past 100 would queue in this process, not the engine's scheduler, and /pause (a weight
+            # update) would wait behind running generations for a free connection.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout), headers=self._headers,
+                                                  connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict | list:

@@ -1,0 +1,70 @@
+"""The agent's HTTP client to its engine caps nothing: every generation reaches the engine, and a weight
+update's /pause is sent at once even while every generation is still running.
+
+A loopback aiohttp server stands in for the engine's HTTP front (the behaviour under test is the client's
+connection pool, not the engine): it holds each /v1/completions request until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from kuberl.runtime.inference.base import GenerateRequest
+from kuberl.runtime.inference.vllm import VLLMEngine
+
+IN_FLIGHT = 150  # more than aiohttp's default pool of 100 connections
+
+
+async def serve_holding():
+    arrived, paused, release = [], asyncio.Event(), asyncio.Event()
+
+    async def completions(request: web.Request) -> web.Response:
+        arrived.append(await request.json())
+        await release.wait()
+        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+
+    async def pause(request: web.Request) -> web.Response:
+        paused.set()
+        return web.json_response({"status": "paused"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/pause", pause)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", arrived, paused, release
+
+
+def test_every_generation_reaches_the_engine_and_a_pause_is_not_queued_behind_them() -> None:
+    async def scenario():
+        runner, url, arrived, paused, release = await serve_holding()
+        engine = VLLMEngine(url=url)
+        try:
+            req = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=1)
+            gens = [asyncio.create_task(engine.generate(req)) for _ in range(IN_FLIGHT)]
+            for _ in range(200):
+                if len(arrived) == IN_FLIGHT:
+                    break
+                await asyncio.sleep(0.025)
+            seen = len(arrived)
+            try:
+                await asyncio.wait_for(engine._pause_server(), timeout=5)  # every generation still held by the server
+            except TimeoutError:
+                pass  # queued behind the generations for a connection: asserted below
+            release.set()
+            results = await asyncio.gather(*gens)
+            return seen, paused.is_set(), results
+        finally:
+            release.set()
+            await engine.close()
+            await runner.cleanup()
+
+    seen, paused, results = asyncio.run(scenario())
+    assert seen == IN_FLIGHT, f"only {seen} of {IN_FLIGHT} generations reached the engine: the client's connection pool capped them"
+    assert paused
+    assert all(r.output_ids == [7] for r in results)
