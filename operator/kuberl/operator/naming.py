@@ -16,7 +16,7 @@ BUS_CLIENT_PORT = 4222
 BUS_CLUSTER_PORT = 6222
 BUS_MONITOR_PORT = 8222
 ENGINE_PORT = 8000
-AGENT_HEALTH_PORT = 8001  # the rollout agent's probe endpoints (/healthz, /readyz), kubelet only
+AGENT_HEALTH_PORT = 8001  # the rollout agent's probe endpoints (/healthz, /readyz) and its Prometheus /metrics
 TRAINER_MASTER_PORT = 29500
 
 # Length limits that bind child names. A StatefulSet's pods carry the label
