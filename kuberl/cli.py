@@ -31,10 +31,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plot_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="A run's workdir (or its metrics.jsonl), or the name of a cluster experiment")
+    p.add_argument("target", help="A run's workdir (or its metrics.jsonl), or the name of a cluster experiment (read from its bus)")
     p.add_argument("-o", "--output", default=None, help="PNG to write (default: <workdir>/curves.png, or ./<experiment>-curves.png)")
     p.add_argument("-n", "--namespace", default=None, help="Namespace of a cluster experiment (default: default)")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig for a cluster experiment (default: kubectl's)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for a cluster experiment (default: kubectl's: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", default=None, help="kubeconfig context for a cluster experiment (default: the current one)")
 
 
 def _validate_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,9 @@
-"""`kuberl plot`: a run's metrics.jsonl to a PNG of reward / entropy / staleness (/ eval) panels, from a workdir or a
-cluster run's trainer (kubectl exec, here a stand-in kubectl on PATH); bad input fails with the line it is on."""
+"""`kuberl plot`: a run's metrics.jsonl to a PNG of reward / entropy / staleness (/ eval) panels, from a workdir; bad
+input fails with the line it is on. A cluster run (its metrics stream on the bus): tests/unit/test_plot_stream.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,64 +95,6 @@ def test_bad_metrics_fail_with_the_line_and_exit_2(tmp_path, text, message):
 def test_a_missing_workdir_says_what_plot_takes(tmp_path):
     done = kuberl(str(tmp_path / "nope" / "x"), "-o", str(tmp_path / "o.png"))
     assert done.returncode == 2 and "no such file" in done.stderr
-
-
-# ----------------------------------------------------------------------------------------------
-# A cluster run: a stand-in kubectl answers `get pods` and `exec`, and records what it was asked
-# ----------------------------------------------------------------------------------------------
-
-FAKE_KUBECTL = """#!{python}
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_LOG"], "a") as fh:
-    fh.write(json.dumps(args) + "\\n")
-if "get" in args:
-    print(open(os.environ["FAKE_PODS"]).read())
-elif "exec" in args:
-    sys.stdout.write(open(os.environ["FAKE_METRICS"]).read())
-"""
-
-
-def pod(name: str, phase: str, index: str) -> dict:
-    return {"metadata": {"name": name, "labels": {"batch.kubernetes.io/job-completion-index": index}}, "status": {"phase": phase}}
-
-
-@pytest.fixture
-def fake_cluster(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "kubectl"
-    exe.write_text(FAKE_KUBECTL.format(python=sys.executable))
-    exe.chmod(0o755)
-    write_run(tmp_path / "remote", metrics_rows(8))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
-           "FAKE_PODS": str(tmp_path / "pods.json"), "FAKE_METRICS": str(tmp_path / "remote" / "metrics.jsonl")}
-    return tmp_path, env
-
-
-def test_kuberl_plot_of_a_cluster_experiment_reads_the_running_rank_0_trainer(fake_cluster):
-    tmp_path, env = fake_cluster
-    pods = [pod("exp-trainer-1-abc", "Running", "1"), pod("exp-trainer-0-old", "Failed", "0"), pod("exp-trainer-0-xyz", "Running", "0")]
-    (tmp_path / "pods.json").write_text(json.dumps({"items": pods}))
-    out = tmp_path / "exp.png"
-    done = kuberl("exp", "-n", "team-a", "--kubeconfig", "/k/config", "-o", str(out), env=env)
-    assert done.returncode == 0, done.stderr
-    assert "8 steps; reward, entropy, staleness curves in" in done.stdout
-    png_size(out)
-    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert calls[0] == ["--kubeconfig", "/k/config", "get", "pods", "-n", "team-a", "-o", "json",
-                        "-l", "kuberl.io/experiment=exp,kuberl.io/role=trainer"]
-    assert calls[1][:8] == ["--kubeconfig", "/k/config", "exec", "-n", "team-a", "exp-trainer-0-xyz", "-c", "trainer"]
-    assert "$KUBERL_WORKDIR/metrics.jsonl" in calls[1][-1]
-
-
-def test_a_cluster_experiment_without_a_running_trainer_says_where_the_metrics_are(fake_cluster):
-    tmp_path, env = fake_cluster
-    (tmp_path / "pods.json").write_text(json.dumps({"items": [pod("exp-trainer-0-a", "Succeeded", "0")]}))
-    done = kuberl("exp", "-n", "team-a", "-o", str(tmp_path / "x.png"), env=env)
-    assert done.returncode == 2
-    assert "no running trainer pod of experiment 'exp' in namespace 'team-a'" in done.stderr
-    assert "checkpoint volume" in done.stderr
 
 
 def test_plot_error_is_an_exception_with_the_message():

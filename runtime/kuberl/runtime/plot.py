@@ -1,13 +1,14 @@
 """`kuberl plot`: a run's curves (reward, entropy, staleness, and eval when present) from its metrics.jsonl to a PNG.
 
     kuberl plot runs/quickstart                    # a `kuberl run` workdir (or the metrics.jsonl itself)
-    kuberl plot my-experiment -n team-a            # a cluster run: read from its running trainer (kubectl exec)
+    kuberl plot my-experiment -n team-a            # a cluster run: every step, from the metrics stream on its bus
 
 One panel per kind of curve that has data: reward (mean per step and a moving average), entropy,
 staleness (mean and max policy-version lag), eval (every numeric value of a row's `eval` dict or of
 its `eval/*` keys, at its `evaluated_step`). A step written twice (a trainer restarted from an older checkpoint redoes
-steps) is drawn once, from its last line. For a cluster run the trainer's rank-0 pod must be running;
-a finished run's metrics.jsonl stays on the checkpoint volume (see docs/tracking.md).
+steps) is drawn once, from its last line. A cluster run is read from its bus (kuberl.runtime.plot_cluster:
+the trainer publishes every row to a stream, kuberl.runtime.bus.metrics), while the bus runs; its
+metrics.jsonl also stays on the checkpoint volume (see docs/tracking.md).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import argparse
 import json
 import math
 import re
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +136,7 @@ def plot_metrics(rows: list[dict[str, Any]], out: str | Path, title: str = "") -
 
 
 # ----------------------------------------------------------------------------------------------
-# Where the metrics come from: a workdir (or the file), or a cluster run's trainer
+# Where the metrics come from: a workdir (or the file); a cluster run: kuberl.runtime.plot_cluster
 # ----------------------------------------------------------------------------------------------
 
 
@@ -148,37 +147,17 @@ def read_local(target: Path) -> tuple[str, Path]:
     return path.read_text(), path
 
 
-def _kubectl(args: list[str], kubeconfig: str | None, timeout: float = 60) -> str:
-    exe = shutil.which("kubectl")
-    if exe is None:
-        raise PlotError("kubectl is not on PATH: it is needed to read a cluster run's metrics")
-    cmd = [exe, *(["--kubeconfig", kubeconfig] if kubeconfig else []), *args]
+def read_cluster(name: str, namespace: str, kubeconfig: str | None, context: str | None) -> list[dict[str, Any]]:
+    """Every step's row of a cluster run, from the metrics stream on its bus (kuberl.runtime.plot_cluster)."""
+    from kuberl.runtime.plot_cluster import ClusterError, read_cluster_rows
+
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise PlotError(f"kubectl {' '.join(args[:3])} ... timed out after {timeout:.0f} s") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise PlotError(f"kubectl {' '.join(args)} failed: {last}")
-    return done.stdout
-
-
-def read_cluster(name: str, namespace: str, kubeconfig: str | None) -> str:
-    """metrics.jsonl of a cluster run, read from its running rank-0 trainer pod (the checkpoint volume)."""
-    pods = json.loads(_kubectl(["get", "pods", "-n", namespace, "-o", "json",
-                                "-l", f"kuberl.io/experiment={name},kuberl.io/role=trainer"], kubeconfig))["items"]
-
-    def index(p: dict[str, Any]) -> str | None:
-        meta = p.get("metadata", {})
-        key = "batch.kubernetes.io/job-completion-index"
-        return meta.get("labels", {}).get(key) or meta.get("annotations", {}).get(key)
-
-    running = [p for p in pods if p.get("status", {}).get("phase") == "Running" and index(p) in ("0", None)]
-    if not running:
-        raise PlotError(f"no running trainer pod of experiment {name!r} in namespace {namespace!r}: a finished run's {METRICS_FILE} "
-                        "is on its checkpoint volume; copy it out and run `kuberl plot <folder>` (docs/tracking.md)")
-    pod = running[0]["metadata"]["name"]
-    return _kubectl(["exec", "-n", namespace, pod, "-c", "trainer", "--", "sh", "-c", f'cat "$KUBERL_WORKDIR/{METRICS_FILE}"'], kubeconfig)
+        rows = read_cluster_rows(name, namespace, kubeconfig, context)
+    except ClusterError as exc:
+        raise PlotError(str(exc)) from None
+    if not rows:
+        raise PlotError(f"experiment {namespace}/{name}: its metrics stream is empty: no training step yet")
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:
@@ -186,14 +165,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         if target.exists() or not DNS1123_LABEL.match(args.target):
             text, source = read_local(target)
-            default_out = (source.parent / "curves.png")
-            title = source.parent.name
+            rows = parse_metrics(text, str(source))
+            out, title = source.parent / "curves.png", source.parent.name
         else:
             namespace = args.namespace or "default"
-            text, source = read_cluster(args.target, namespace, args.kubeconfig), Path(f"{namespace}/{args.target}")
-            default_out = Path(f"{args.target}-curves.png")
-            title = f"{namespace}/{args.target}"
-        fig = plot_metrics(parse_metrics(text, str(source)), args.output or default_out, title=title)
+            rows = read_cluster(args.target, namespace, args.kubeconfig, getattr(args, "context", None))
+            out, title = Path(f"{args.target}-curves.png"), f"{namespace}/{args.target}"
+        fig = plot_metrics(rows, args.output or out, title=title)
     except PlotError as exc:
         print(f"kuberl plot: {exc}", file=sys.stderr)
         return 2

@@ -58,6 +58,8 @@ class BusNames:
     chunk_subject: str
     kv_bucket: str
     weights_bucket: str
+    metrics_stream: str  # every step's metrics row (kuberl.runtime.bus.metrics)
+    metrics_subject: str
 
     @classmethod
     def for_experiment(cls, experiment: str, run: str | None = None) -> BusNames:
@@ -90,4 +92,6 @@ class BusNames:
             chunk_subject=f"{prefix}.traj.chunk",
             kv_bucket=f"kuberl_{e}",
             weights_bucket=f"kuberl_{e}_weights",
+            metrics_stream=f"KUBERL_{e}_METRICS",
+            metrics_subject=f"{prefix}.metrics",
         )

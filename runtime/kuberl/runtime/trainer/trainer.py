@@ -29,6 +29,7 @@ from kuberl.runtime.algorithms import (
     resolve_algorithm,
     shape_rewards,
 )
+from kuberl.runtime.bus.metrics import MetricsPublisher
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
 from kuberl.runtime.evaluation import EvalSchedule, finish_evaluation
 from kuberl.runtime.tracking import Tracking
@@ -90,6 +91,7 @@ class Trainer:
         self.tracking: Tracking | None = None  # spec.tracking's trackers, rank 0, from the first step's report
         self.evals: EvalSchedule | None = None  # spec.evaluation's rounds (rank 0)
         self.last_row: dict[str, Any] | None = None  # the last metrics.jsonl line
+        self.metrics_out: MetricsPublisher | None = None  # every step's row on the bus too (`kuberl plot <experiment>`)
 
     # ------------------------------------------------------------------------------------------
     # set-up
@@ -191,6 +193,7 @@ class Trainer:
             self.setup()
             if self.bus is not None:
                 await self.bus.start(resumed=self.resumed_from is not None)
+                self.metrics_out = await MetricsPublisher.start(self.bus.bus, fresh=self.resumed_from is None)
                 if self.resumed_from is not None:
                     await self.stage_catch_up()
             await self.stage_publish_weights()  # v0 on a fresh start; the checkpoint's version on resume
@@ -223,6 +226,8 @@ class Trainer:
         finally:
             if self.tracking is not None:
                 self.tracking.close()
+            if self.metrics_out is not None:
+                await self.metrics_out.close()
             if self.bus is not None:
                 await self.bus.close()
             D.shutdown()
@@ -575,6 +580,8 @@ class Trainer:
             self.last_row = row
             with open(self.workdir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            if self.metrics_out is not None:  # never blocks: a background task sends it
+                self.metrics_out.publish(row)
             self.tracking.log(self.step, row)  # never blocks; a tracker that is down is logged once, training goes on
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
             log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
