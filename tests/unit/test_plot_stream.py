@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from argparse import Namespace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -284,3 +285,20 @@ def test_plot_of_an_experiment_without_steps_says_so(tmp_path, monkeypatch, caps
     assert main(plot_args(tmp_path)) == 2
     assert "experiment team-a/curve: its metrics stream is empty: no training step yet" in capsys.readouterr().err
     assert issubclass(PlotError, Exception)
+
+
+def test_the_trainers_workdir_and_its_metrics_jsonl_are_on_the_checkpoint_pvc():
+    """metrics.jsonl is written to $KUBERL_WORKDIR: in the trainer pod that is the checkpoint PVC, so the file outlives the pod."""
+    import yaml
+
+    from kuberl.api import RLExperiment
+    from kuberl.operator.builders.trainer import build_trainer_job
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "e2e_tests" / "manifests" / "quickstart-cpu.yaml").read_text())
+    doc["metadata"]["namespace"] = "team-a"
+    pod = build_trainer_job(RLExperiment.model_validate(doc))["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    workdir = next(e["value"] for e in container["env"] if e["name"] == "KUBERL_WORKDIR")
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == workdir)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["persistentVolumeClaim"]["claimName"] == naming.checkpoint_claim_name(RLExperiment.model_validate(doc))
