@@ -302,3 +302,39 @@ def test_the_trainers_workdir_and_its_metrics_jsonl_are_on_the_checkpoint_pvc():
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == workdir)
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["persistentVolumeClaim"]["claimName"] == naming.checkpoint_claim_name(RLExperiment.model_validate(doc))
+
+
+FAKE_KUBECTL = """#!{python}
+import os, sys, time
+open("{pidfile}", "w").write(str(os.getpid()))
+if "{mode}" == "ok":
+    print("Forwarding from 127.0.0.1:45678 -> 4222", flush=True)
+    print("Forwarding from [::1]:45678 -> 4222", flush=True)
+    time.sleep(60)
+print('error: services "curve-bus" not found', file=sys.stderr)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_port_forward_yields_the_port_kubectl_reports_and_stops_it(tmp_path, mode):
+    import sys
+
+    from kuberl.runtime.plot_cluster import ClusterError, port_forward
+
+    exe = tmp_path / "kubectl"
+    exe.write_text(FAKE_KUBECTL.format(python=sys.executable, mode=mode, pidfile=tmp_path / "pid"))
+    exe.chmod(0o755)
+    cmd = port_forward_command("team-a", "curve-bus", kubectl=str(exe))
+    if mode == "fail":
+        with pytest.raises(ClusterError, match='kubectl port-forward failed: error: services "curve-bus" not found'):
+            with port_forward(cmd, timeout=20):
+                pass
+        return
+    import psutil
+
+    with port_forward(cmd, timeout=20) as port:
+        assert port == 45678
+        kubectl = psutil.Process(int((tmp_path / "pid").read_text()))
+        assert kubectl.is_running()
+    assert not kubectl.is_running() or kubectl.status() == psutil.STATUS_ZOMBIE  # stopped at the end of the block

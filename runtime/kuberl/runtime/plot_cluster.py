@@ -178,17 +178,17 @@ def port_forward(cmd: list[str], timeout: float = 30.0) -> Iterator[int]:
     errors: list[str] = []
     ready = threading.Event()
 
-    def read(stream: Any, sink: list[Any], parse: bool) -> None:
+    def read(stream: Any, parse: bool) -> None:
         for line in stream:
-            if parse and (port := forwarded_port(line)) is not None and not found:
+            if not parse:
+                errors.append(line.strip())
+            elif (port := forwarded_port(line)) is not None and not found:
                 found.append(port)
                 ready.set()
-            elif not parse:
-                sink.append(line.strip())
         ready.set()  # the stream closed: kubectl exited
 
-    threads = [threading.Thread(target=read, args=(proc.stdout, found, True), daemon=True),
-               threading.Thread(target=read, args=(proc.stderr, errors, False), daemon=True)]
+    threads = [threading.Thread(target=read, args=(proc.stdout, True), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, False), daemon=True)]
     for t in threads:
         t.start()
     try:
@@ -196,8 +196,12 @@ def port_forward(cmd: list[str], timeout: float = 30.0) -> Iterator[int]:
         while not found and proc.poll() is None and time.monotonic() < deadline:
             ready.wait(0.2)
         if not found:
-            why = (errors[-1] if errors else f"exit code {proc.returncode}") if proc.poll() is not None else f"no port after {timeout:.0f} s"
-            raise ClusterError(f"{' '.join(cmd[-3:-1])}: kubectl port-forward failed: {why}")
+            if proc.poll() is not None:
+                threads[1].join(2.0)  # kubectl's last words
+                why = errors[-1] if errors else f"exit code {proc.returncode}"
+            else:
+                why = f"no port after {timeout:.0f} s"
+            raise ClusterError(f"{cmd[-2]}: kubectl port-forward failed: {why}")
         yield found[0]
     finally:
         if proc.poll() is None:
