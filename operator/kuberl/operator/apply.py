@@ -1,0 +1,131 @@
+"""The operator applying one experiment's children: server-side apply with adoption, pinned and immutable
+fields kept from the live objects, a Job re-created when its template changed, the generated bus token
+and engine API key kept once made, and the lifecycle's shapes (suspended, finished).
+
+Called by kuberl.operator.lifecycle, the handlers and kuberl.operator.kueue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator import naming
+from kuberl.operator.builders import build_children, build_rollout_statefulset
+from kuberl.operator.builders.immutable import keep_immutable_fields
+from kuberl.operator.builders.pinning import keep_pinned
+from kuberl.operator.builders.rollout import ENGINE_API_KEY_KEY
+from kuberl.operator.context import event, kube
+from kuberl.operator.kube import own_child
+from kuberl.operator.labels import EventReason
+from kuberl.operator.pins import checkpoint_before_recreate, ensure_pins
+from kuberl.operator.rules import decode_secret_value, finished, running_copy, suspend_applied
+
+_UNREAD: Any = object()
+
+
+async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True, live: Any = _UNREAD) -> bool:
+    """Adopt and server-side-apply one child; a Job whose immutable template changed is re-created.
+    `own=False` leaves out the ownerReference (a retained checkpoint PVC outlives the experiment).
+    Returns True when the child did not exist before; raises KubeError when the cluster refuses it."""
+    from kuberl.operator.kube import KubeError
+
+    own_child(child, body)  # ownerReference only, no owner labels (kube.own_child)
+    if not own:
+        child["metadata"].pop("ownerReferences", None)
+    kind, name, ns = child["kind"], child["metadata"]["name"], child["metadata"]["namespace"]
+    if live is _UNREAD:
+        live = await kube().get(kind, ns, name)
+    child = keep_pinned(child, live)  # an operator upgrade alone rolls nothing (builders.pinning)
+    try:
+        await kube().apply(child)
+    except KubeError as exc:
+        if not (exc.status == 422 and kind == "Job" and live is not None):
+            raise
+        why = "its pod template changed (immutable in a Job)"
+        await checkpoint_before_recreate(body, live, why)
+        await recreate_job(body, child, why)
+    return live is None
+
+
+async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> tuple[bool, list[str]]:
+    """Apply what can change of one child: immutable fields (StatefulSet volumeClaimTemplates, PVC
+    accessModes, storageClassName, a smaller size) are kept from the live object and reported.
+    The cluster refusing the rest (422 Invalid, 403 e.g. a PVC grow on a non-expandable class)
+    is reported too, never raised: the other children still get the spec.
+    Returns (created, one message per field or child not applied)."""
+    from kuberl.operator.kube import KubeError
+
+    kind, name = child["kind"], child["metadata"]["name"]
+    live = await kube().get(kind, child["metadata"].get("namespace"), name)
+    kept, notes = keep_immutable_fields(child, live)
+    try:
+        created = await apply_child(body, kept, own=own, live=live)
+    except KubeError as exc:
+        if exc.status not in (400, 403, 422):
+            raise
+        return False, [*notes, f"{kind}/{name}: {exc.message or exc.reason}"]
+    return created, notes
+
+
+async def recreate_job(body: Any, job: dict[str, Any], why: str) -> None:
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    await kube().delete("Job", ns, name, propagation="Background")
+    for _ in range(120):  # the API removes it promptly; its pods go through the garbage collector
+        if await kube().get("Job", ns, name) is None:
+            break
+        await asyncio.sleep(0.5)
+    own_child(job, body)
+    await kube().apply(job)
+    await event(body, "Normal", EventReason.RECREATED.value, f"Job {name} re-created: {why}")
+
+
+async def bus_token_for_children(exp: RLExperiment) -> str | None:
+    """The embedded bus token: the one already in the Secret, else a new random one (generated once)."""
+    if exp.spec.bus.external is not None:
+        return None
+    secret = await kube().get("Secret", exp.namespace, naming.bus_secret_name(exp))
+    return decode_secret_value(secret, "token") or secrets.token_urlsafe(32)
+
+
+async def engine_key_for_children(exp: RLExperiment) -> str:
+    """The engines' API key: the one already in the engine Secret, else a new random one (generated once)."""
+    secret = await kube().get("Secret", exp.namespace, naming.engine_secret_name(exp))
+    return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
+
+
+async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
+                         progress: dict[str, Any] | None = None) -> list[str]:
+    """Apply every child built from the spec, minding the lifecycle: a suspend waits for the
+    checkpoint (the running shape stays applied), a finished experiment keeps rollout at 0 (finished:
+    from the refreshed `status` and the trainer's completion, never an invalid spec's Failed phase).
+    Returns one message per field or child the cluster did not take (empty: all applied)."""
+    exp = await ensure_pins(body, exp)  # runtime image and bus run, kept for the experiment's lifetime
+    job = await kube().get("Job", exp.namespace, naming.trainer_name(exp))
+    effective = exp
+    if exp.spec.suspend and not suspend_applied(exp, job, memo) and job is not None:
+        effective = running_copy(exp)
+    done = finished(status, job, progress)
+    retained = exp.spec.checkpoint.retain_policy == "Retain"
+    created, failures = [], []
+    for child in build_children(effective, bus_token=await bus_token_for_children(exp),
+                                engine_api_key=await engine_key_for_children(exp)):
+        if done and child["kind"] == "Job":
+            continue  # a finished trainer is not started again
+        if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
+            child = build_rollout_statefulset(effective, replicas=0)
+        own = not (retained and child["kind"] == "PersistentVolumeClaim" and child["metadata"]["name"] == naming.checkpoint_pvc_name(exp))
+        new, notes = await apply_kept(body, child, own=own)
+        failures.extend(notes)
+        if new:
+            created.append(f"{child['kind']}/{child['metadata']['name']}")
+    if created:
+        await event(body, "Normal", EventReason.CREATED.value, f"Created {', '.join(created)}")
+    reported = memo.setdefault("reported_apply_failures", set())
+    for message in failures:
+        if message not in reported:
+            reported.add(message)
+            await event(body, "Warning", EventReason.APPLY_FAILED.value, message)
+    return failures

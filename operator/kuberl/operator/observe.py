@@ -1,0 +1,124 @@
+"""The operator reading the world for one experiment: its bus endpoint, the user's Secrets and PVCs, its
+children (from the watch caches or the API) and Node capacity, gathered into O1's ObservedChildren.
+
+Called by kuberl.operator.lifecycle (and kuberl.operator.pins for the bus endpoint); writes nothing but memo.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator import naming
+from kuberl.operator import status as st
+from kuberl.operator.builders import build_rollout_statefulset, build_trainer_job, bus_auth
+from kuberl.operator.builders.common import accelerator_resource
+from kuberl.operator.capacity import capacity_advisories
+from kuberl.operator.context import CONFIG, kube
+from kuberl.operator.labels import Reason
+from kuberl.operator.rules import decode_secret_value
+
+# Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node
+# capacity is never one: a scale-from-zero pool starts only for pending pods (kuberl.operator.capacity).
+BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND}
+
+
+
+
+async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, str | None]:
+    """URL and token the operator uses to read this experiment's bus KV; with `memo`, the token read
+    from its Secret is kept for CONFIG.token_cache_seconds (no Secret GET per tick)."""
+    if memo is None:
+        return await _bus_endpoint(exp)
+    cached = memo.get("bus_endpoint")
+    which = (exp.spec.bus.external.url if exp.spec.bus.external else None, naming.bus_run(exp))
+    if cached is not None and cached[0] == which and time.monotonic() - cached[1] < CONFIG.token_cache_seconds:
+        return cached[2]
+    found = await _bus_endpoint(exp)
+    memo["bus_endpoint"] = (which, time.monotonic(), found)
+    return found
+
+
+async def _bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
+    if exp.spec.bus.external is not None:
+        ref = exp.spec.bus.external.credentials_secret
+        token = decode_secret_value(await kube().get("Secret", exp.namespace, ref.name), ref.key) if ref else None
+        return exp.spec.bus.external.url, token
+    secret = await kube().get("Secret", exp.namespace, naming.bus_secret_name(exp))
+    password = decode_secret_value(secret, bus_auth.password_key(bus_auth.OPERATOR))  # absent: a Secret from before bus users
+    return naming.bus_url(exp), (bus_auth.OPERATOR, password) if password else decode_secret_value(secret, "token")
+
+
+async def current_nodes() -> list[dict[str, Any]]:
+    """The Nodes as listed (cached for node_cache_seconds); only for the advisory capacity note."""
+    if CONFIG.nodes is None or time.monotonic() - CONFIG.nodes[0] > CONFIG.node_cache_seconds:
+        CONFIG.nodes = (time.monotonic(), await kube().list("Node"))
+    return CONFIG.nodes[1]
+
+
+async def capacity_notes(exp: RLExperiment) -> tuple[st.Problem, ...]:
+    """Advisory InsufficientAccelerators notes over the pod templates the builders render."""
+    if not any(accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)):
+        return ()
+    pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"],
+            "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
+    return tuple(capacity_advisories(exp, pods, await current_nodes()))
+
+
+async def prerequisites(exp: RLExperiment, memo: Any = None, *, recheck: bool = True) -> tuple[frozenset, frozenset, frozenset]:
+    """(missing Secrets, missing (Secret, key)s, missing PVCs) the spec refers to. Read from the API
+    when `recheck` or older than CONFIG.prerequisite_interval, else as last read (kept in `memo`)."""
+    refs = (tuple(st.referenced_secrets(exp)), tuple(st.referenced_claims(exp)))
+    cached = (memo or {}).get("prerequisites")
+    if not recheck and cached is not None and cached[0] == refs and time.monotonic() - cached[1] < CONFIG.prerequisite_interval:
+        return cached[2]
+    ns = exp.namespace
+    missing_secrets, missing_keys, missing_claims = set(), set(), set()
+    for _, secret_name, key in refs[0]:
+        secret = await kube().get("Secret", ns, secret_name)
+        if secret is None:
+            missing_secrets.add(secret_name)
+        elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+            missing_keys.add((secret_name, key))
+    for _, claim in refs[1]:
+        if not await kube().pvc_exists(ns, claim):
+            missing_claims.add(claim)
+    found = (frozenset(missing_secrets), frozenset(missing_keys), frozenset(missing_claims))
+    if memo is not None:
+        memo["prerequisites"] = (refs, time.monotonic(), found)
+    return found
+
+
+async def children(exp: RLExperiment) -> tuple[list[dict[str, Any]], Any, Any, Any]:
+    """(pods, trainer Job, bus StatefulSet, rollout StatefulSet): from the watch caches when bound, else the API."""
+    ns, name = exp.namespace, exp.name
+    external = exp.spec.bus.external is not None
+    cache = CONFIG.cache
+    if cache is not None:
+        return (cache.pods(ns, naming.experiment_name(exp)), cache.job(ns, naming.trainer_name(exp)),
+                None if external else cache.statefulset(ns, naming.bus_name(exp)), cache.statefulset(ns, naming.rollout_name(exp)))
+    pods = await kube().list("Pod", ns, f"kuberl.io/experiment={name}")
+    trainer = await kube().get("Job", ns, naming.trainer_name(exp))
+    bus = None if external else await kube().get("StatefulSet", ns, naming.bus_name(exp))
+    return pods, trainer, bus, await kube().get("StatefulSet", ns, naming.rollout_name(exp))
+
+
+async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck: bool = True) -> st.ObservedChildren:
+    """Everything O1's status code needs: children from the watch caches, the user's Secrets/PVCs
+    from the API (`recheck`) or as last read (prerequisites)."""
+    missing_secrets, missing_keys, missing_claims = await prerequisites(exp, memo, recheck=recheck)
+    pods, trainer, bus, rollout = await children(exp)
+    return st.ObservedChildren(
+        bus=bus,
+        rollout=rollout,
+        trainer=trainer,
+        missing_secrets=missing_secrets, missing_secret_keys=missing_keys, missing_claims=missing_claims,
+        pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
+        advisories=await capacity_notes(exp), trainer_restarts=restarts,
+        # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
+        configuration_error=st.configuration_error(trainer, pods))
+
+
+def blockers(exp: RLExperiment, observed: st.ObservedChildren) -> list[st.Problem]:
+    return [p for p in st.explain_unrunnable(exp, observed) if p.reason in BLOCKING]
