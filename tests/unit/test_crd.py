@@ -65,6 +65,13 @@ INT_OR_STRING_ANYOF = [{"type": "integer"}, {"type": "string"}]
 def structural_problems(schema: dict[str, Any], path: str = "openAPIV3Schema", level: str = "root",
                         in_meta: bool = False) -> list[str]:
     """Every way `schema` breaks the apiextensions/v1 structural rules (empty = structural)."""
+    return [*_keyword_problems(schema, path, level), *_type_problems(schema, path, level),
+            *_nested_problems(schema, path, level, in_meta), *_junctor_node_problems(schema, path),
+            *_extension_problems(schema, path, in_meta)]
+
+
+def _keyword_problems(schema: dict[str, Any], path: str, level: str) -> list[str]:
+    """Keywords JSONSchemaProps lacks or forbids, and what the root with the status subresource may hold."""
     p: list[str] = []
     for key in schema:
         if key not in JSON_SCHEMA_PROPS:
@@ -77,6 +84,12 @@ def structural_problems(schema: dict[str, Any], path: str = "openAPIV3Schema", l
             p.append(f"{path}.type: must be object at the root")
         if "additionalProperties" in schema:
             p.append(f"{path}.additionalProperties: must not be used at the root")
+    return p
+
+
+def _type_problems(schema: dict[str, Any], path: str, level: str) -> list[str]:
+    """type, x-kubernetes-int-or-string, x-kubernetes-preserve-unknown-fields, uniqueItems."""
+    p: list[str] = []
     t = schema.get("type")
     if t is not None and t not in OPENAPI_TYPES:
         p.append(f"{path}.type: unsupported value {t!r}")
@@ -92,6 +105,13 @@ def structural_problems(schema: dict[str, Any], path: str = "openAPIV3Schema", l
         p.append(f"{path}.x-kubernetes-preserve-unknown-fields: must be true or undefined")
     if schema.get("uniqueItems"):
         p.append(f"{path}.uniqueItems: cannot be set to true since the runtime complexity becomes quadratic")
+    return p
+
+
+def _nested_problems(schema: dict[str, Any], path: str, level: str, in_meta: bool) -> list[str]:
+    """additionalProperties, exclusive bounds, items and properties, recursing into the nested schemas."""
+    p: list[str] = []
+    t = schema.get("type")
     if "additionalProperties" in schema:
         ap = schema["additionalProperties"]
         if schema.get("properties"):
@@ -122,6 +142,13 @@ def structural_problems(schema: dict[str, Any], path: str = "openAPIV3Schema", l
         if level == "root" and key in ("apiVersion", "kind") and sub.get("type") != "string":
             p.append(f"{sub_path}.type: must be string")
         p += structural_problems(sub, sub_path, "field", in_meta)
+    return p
+
+
+def _junctor_node_problems(schema: dict[str, Any], path: str) -> list[str]:
+    """anyOf/allOf/oneOf/not branches (the one permitted int-or-string anyOf aside) and nullable."""
+    p: list[str] = []
+    int_or_string = schema.get("x-kubernetes-int-or-string", False)
     for junctor in ("anyOf", "allOf", "oneOf"):
         for i, branch in enumerate(schema.get(junctor) or []):
             if junctor == "anyOf" and int_or_string and schema["anyOf"] == INT_OR_STRING_ANYOF:
@@ -131,6 +158,12 @@ def structural_problems(schema: dict[str, Any], path: str = "openAPIV3Schema", l
         p += _junctor_problems(schema["not"], f"{path}.not", schema)
     if schema.get("nullable"):
         p.append(f"{path}.nullable: the generator promises optional, never nullable, fields")
+    return p
+
+
+def _extension_problems(schema: dict[str, Any], path: str, in_meta: bool) -> list[str]:
+    """x-kubernetes-list-map-keys, x-kubernetes-validations and defaults."""
+    p: list[str] = []
     if schema.get("x-kubernetes-list-type") == "map":
         item = schema.get("items") or {}
         for key in schema.get("x-kubernetes-list-map-keys") or []:
