@@ -158,6 +158,24 @@ def test_each_role_does_its_work_and_the_rollout_user_cannot_touch_weights_or_st
     asyncio.run(go())
 
 
+def test_agents_that_start_before_the_trainer_create_what_is_missing_and_the_trainer_takes_over(users_bus: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        rollout = await Bus.connect(users_bus, "gsm8k", **creds(ROLLOUT), connect_timeout=5)  # an empty server
+        assert await rollout.get_state(KEY_WEIGHTS) is None
+        trainer = await Bus.connect(users_bus, "gsm8k", **creds(TRAINER), connect_timeout=5)
+        await trainer.reset_trainer_consumer()
+        assert await trainer.publish_tickets([ticket("t-1")]) == 1
+        lease = await rollout.pull_ticket(timeout=5)
+        assert lease is not None and lease.value.ticket_id == "t-1"
+        assert await rollout.publish_group(group(lease.value))
+        await lease.ack()
+        assert [g.value.group_id for g in await trainer.pull_groups(1, timeout=5)] == ["t-1"]
+        await rollout.close()
+        await trainer.close()
+
+    asyncio.run(go())
+
+
 def test_the_rollout_user_is_refused_by_the_server_itself_not_only_by_the_client(users_bus: str) -> None:
     async def go() -> None:
         trainer = await Bus.connect(users_bus, "gsm8k", **creds(TRAINER), connect_timeout=5)
