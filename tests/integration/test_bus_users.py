@@ -225,6 +225,42 @@ def test_the_operator_user_reads_progress_and_asks_for_a_checkpoint_but_cannot_w
     asyncio.run(go())
 
 
+def test_a_large_group_goes_in_chunks_under_the_rollout_user(users_bus: str) -> None:
+    async def go() -> None:
+        trainer = await Bus.connect(users_bus, "gsm8k", **creds(TRAINER), connect_timeout=5)
+        await trainer.publish_tickets([ticket("t-big")])
+        rollout = await Bus.connect(users_bus, "gsm8k", **creds(ROLLOUT), max_payload="8KB", connect_timeout=5)
+        lease = await rollout.pull_ticket(timeout=5)
+        big = group(lease.value)
+        big.samples[0].input_ids = list(range(5000))
+        assert await rollout.publish_group(big)  # chunks on <prefix>.traj.chunk, then the header message
+        await lease.ack()
+        got = await trainer.pull_groups(1, timeout=5)
+        assert [g.value.samples[0].input_ids[-1] for g in got] == [4999]
+        await rollout.close()
+        await trainer.close()
+
+    asyncio.run(go())
+
+
+def test_the_operator_user_reads_the_metrics_stream_for_kuberl_plot(users_bus: str) -> None:
+    from kuberl.runtime.bus.metrics import MetricsPublisher, read_rows
+
+    async def go() -> None:
+        trainer = await Bus.connect(users_bus, "gsm8k", **creds(TRAINER), connect_timeout=5)
+        publisher = await MetricsPublisher.start(trainer, fresh=True)
+        for step in (1, 2, 3):
+            publisher.publish({"step": step, "reward": step / 10})
+        await publisher.close()
+        nc = await nats.connect(users_bus, user=OPERATOR, password=role_password(TOKEN, OPERATOR))
+        rows = await read_rows(nc.jetstream(), trainer.names, timeout=10)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        await nc.close()
+        await trainer.close()
+
+    asyncio.run(go())
+
+
 def test_a_wrong_password_is_an_authorization_error_naming_the_variables(users_bus: str) -> None:
     async def go() -> None:
         with pytest.raises(BusError, match="KUBERL_BUS_USER and KUBERL_BUS_PASSWORD"):
