@@ -1,10 +1,12 @@
-"""`kuberl run` with `workflow.type: agent`: an OpenAI-client agent learns on the tiny model, and bad episodes
-never stop the run.
+"""`kuberl run` with `workflow.type: agent`: an OpenAI-client agent with tool calls learns on the tiny model,
+exported one sample per call (exportStyle individual), and bad episodes never stop the run.
 
-The agent is runtime/kuberl/runtime/agents/repeat.py (two calls; only the second answer is scored) wrapped so
-that some items misbehave: the agent raises, hangs past workflow.episodeTimeoutSeconds, or returns a
-string. Those tickets fail (retried up to rollout.maxTicketAttempts, then published as failed groups
-with their reasons); the run finishes every step and the reward rises.
+The agent is runtime/kuberl/runtime/agents/repeat_tools.py (it passes tools=[check]: a draft, the `check` tool's
+result fed back as a role "tool" message, the final answer; only the final answer is scored) wrapped so
+that some items misbehave: the agent raises,
+hangs past workflow.episodeTimeoutSeconds, or returns a string. Those tickets fail (retried up to
+rollout.maxTicketAttempts, then published as failed groups with their reasons); the run finishes every
+step and the reward rises.
 """
 
 from __future__ import annotations
@@ -20,28 +22,29 @@ from tests.integration.test_run import ROOT, processes_mentioning, quickstart_ma
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
-# ~1.9 s a step here under load (6.5-13 s before the episodes shared one HTTP client), ~2 min in all. lr 3e-3 rather than
-# the example's 1e-3: at 1e-3 the rise over 80 steps varied from +0.09 to +0.19 between runs; at 3e-3 it shows in 40.
+# ~3.2 s a step here under load, ~3.5 min in all (the two-call agent without tools, concat: ~1.9 s, ~2 min): each call is a
+# sample (256 a step, not 128) and the first call's prompt carries the tool list (~200 tokens of the tiny tokenizer).
+# lr 3e-3 rather than the example's 1e-3: at 1e-3 the concat rise over 80 steps varied from +0.09 to +0.19 between runs.
 STEPS = 50
 LEARNING_RATE = 3e-3
 AGENT_MODULE = "kuberl_test_flaky_agent"
 AGENT_SOURCE = '''
 import asyncio
 
-from kuberl.runtime.agents.repeat import two_call_agent
+from kuberl.runtime.agents.repeat_tools import tool_agent
 
 
 async def flaky_agent(client, item):
-    """two_call_agent, except on a few items: raise, hang, or return a string."""
+    """tool_agent, except on a few items: raise, hang, or return a string."""
     kind = item.index % 40
     if kind == 3:
         raise RuntimeError(f"agent bug on item {item.index}")
     if kind == 7:
         await asyncio.sleep(3600)
     if kind == 11:
-        await two_call_agent(client, item)
+        await tool_agent(client, item)
         return "bad"
-    return await two_call_agent(client, item)
+    return await tool_agent(client, item)
 '''
 
 
@@ -52,7 +55,8 @@ def agent_run(tmp_path_factory: pytest.TempPathFactory):
     manifest = quickstart_manifest(tmp, "agent-learns", **{
         "training.totalSteps": STEPS,
         "algorithm.learningRate": LEARNING_RATE,
-        "workflow": {"type": "agent", "agent": f"{AGENT_MODULE}:flaky_agent", "episodeTimeoutSeconds": 5, "reward": "repeat-digit"},
+        "workflow": {"type": "agent", "agent": f"{AGENT_MODULE}:flaky_agent", "exportStyle": "individual", "episodeTimeoutSeconds": 5,
+                     "reward": "repeat-digit"},
     })
     workdir = tmp / "work"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -67,11 +71,17 @@ def test_the_agent_run_finishes_every_step(agent_run):
     assert [m["step"] for m in read_metrics(workdir)] == list(range(1, STEPS + 1))
 
 
+def test_every_call_is_trained_as_a_sample_of_its_own(agent_run):
+    _, workdir = agent_run
+    # batchSize groups x samplesPerPrompt episodes x 2 calls (ragged groups: tests/integration/test_agent.py)
+    assert {m["samples"] for m in read_metrics(workdir)} == {16 * 8 * 2}
+
+
 def test_the_agents_reward_rises(agent_run):
     _, workdir = agent_run
     rewards = [m["reward_mean"] for m in read_metrics(workdir)]
-    # Measured here under load: 0.008 over steps 1-10, 0.140 over 41-50 (40 steps: 0.005 -> 0.096; lr 6e-3: 0.009 -> 0.094).
-    # With learningRate 1e-12 (0 in effect) the reward stays at the random model's 0.002 over all 50 steps: this fails.
+    # Measured here under load (tool agent, individual): 0.003 over steps 1-10, 0.083 over 41-50 (the two-call agent,
+    # concat: 0.008 -> 0.140). With learningRate 1e-12 (0 in effect) the reward stays at the random model's level: this fails.
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert first < 0.05 and last > first + 0.05, f"mean reward went from {first:.3f} to {last:.3f}"
 

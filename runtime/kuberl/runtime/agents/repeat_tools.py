@@ -1,6 +1,7 @@
 """A tool-calling agent for the builtin repeat-digit task: draft, run the `check` tool on it, answer; only the final answer is scored.
 
-Written as an ordinary OpenAI-client agent loop: every call passes `tools=[CHECK_TOOL]`; when the model
+Written as an ordinary OpenAI-client agent loop: the drafting calls pass `tools=[CHECK_TOOL]` (the answer
+step offers none, as loops asking for a final answer do); when the model
 calls the tool, its call is run and echoed back as returned; when it does not (the builtin tiny model
 rarely writes a valid `<tool_call>`), the loop calls the tool on the draft itself, as agents that force a
 tool step do: it appends the assistant turn with that tool call, then the tool's result as a
@@ -17,9 +18,9 @@ from typing import Any
 from kuberl.runtime.agents.repeat import FINAL_TOKENS, FIRST_TOKENS, check
 from kuberl.runtime.rewards import repeat_digit_reward
 
-CHECK_TOOL = {"type": "function", "function": {
-    "name": "check", "description": "How many leading characters of an answer are right.",
-    "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+# Kept short: the builtin tiny model's tokenizer spends about a token a character on JSON, and tools reach
+# the prompt of every call.
+CHECK_TOOL = {"type": "function", "function": {"name": "check", "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}}}
 
 
 def _answer_of(arguments: str) -> str:
@@ -42,7 +43,7 @@ async def tool_agent(client: Any, item: Any, rounds: int = 1) -> float:
         else:  # no call: the loop runs the tool on the draft itself
             call_id, answer = f"call_{r}", msg.content or ""
             messages.append({"role": "assistant", "content": answer, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": "check", "arguments": json.dumps({"answer": answer})}}]})
+                {"id": call_id, "type": "function", "function": {"name": "check", "arguments": json.dumps({"answer": answer}, ensure_ascii=False)}}]})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": check(answer, item.answer)})
-    final = await client.chat.completions.create(model="policy", messages=messages, tools=[CHECK_TOOL], max_tokens=FINAL_TOKENS)
+    final = await client.chat.completions.create(model="policy", messages=messages, max_tokens=FINAL_TOKENS)
     return repeat_digit_reward(item.prompt, final.choices[0].message.content or "", item.answer)

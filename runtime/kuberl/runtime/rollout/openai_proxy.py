@@ -157,7 +157,8 @@ class ChatRenderer:
     """Token ids of a conversation through the tokenizer's chat template (tools and tool calls included).
 
     Templates that know no tools (the builtin tiny model's) get the tools as a system message and
-    earlier tool calls inlined as `<tool_call>` text, the same syntax the proxy parses back.
+    earlier tool calls inlined as `<tool_call>` text, the same syntax the proxy parses back (JSON with
+    non-ASCII text as is, as the templates' `tojson` writes it, not as \\u escapes).
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -171,11 +172,11 @@ class ChatRenderer:
         for m in messages:
             m = dict(m)
             if m.get("tool_calls") and not self.native_tool_calls:
-                inline = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in m.pop("tool_calls"))
+                inline = "".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in m.pop("tool_calls"))
                 m["content"] = (m["content"] + "\n" if m["content"] else "") + inline
             msgs.append(m)
         if tools and not self.native_tools:
-            desc = ("# Tools\nYou may call these functions:\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) +
+            desc = ("# Tools\nYou may call these functions:\n<tools>\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) +
                     "\n</tools>\nTo call one, reply <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
             if msgs and msgs[0]["role"] == "system":
                 msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + desc}
