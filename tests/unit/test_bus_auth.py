@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import kubernetes_validate
@@ -194,3 +195,37 @@ def test_the_operator_reads_with_its_own_user(secret: dict[str, Any], expected: 
     monkeypatch.setattr(lifecycle.CONFIG, "kube", _Kube(secret))
     url, creds = asyncio.run(lifecycle.bus_endpoint(experiment()))
     assert url == "nats://gsm8k-bus.team-a.svc:4222" and creds == expected
+
+
+class _Conn:
+    is_connected, is_closed = True, False
+
+
+class TestRefusals:
+    def test_a_timeout_after_a_refusal_is_a_busError_at_once_and_best_effort_refusals_do_not_count(self) -> None:
+        from kuberl.runtime.bus.errors import BusError
+        from kuberl.runtime.bus.outage import Outage, retry
+
+        outage = Outage(_Conn(), publish_timeout=30.0)
+        calls = []
+
+        async def refused_put() -> None:
+            calls.append(1)
+            outage.on_denied('nats: permissions violation for publish to "$kv.kuberl_x.weights"')
+            raise TimeoutError
+
+        t0 = time.monotonic()
+        with pytest.raises(BusError, match=r"write state 'weights': the bus at nats://b refused it \(permissions violation .*\$kv.kuberl_x.weights"):
+            asyncio.run(retry(outage, "nats://b", "write state 'weights'", refused_put))
+        assert calls == [1] and time.monotonic() - t0 < 1.0  # no retrying a refusal for 30 s
+
+        outage = Outage(_Conn(), publish_timeout=0.3)
+        outage.on_denied('nats: permissions violation for publish to "$js.api.stream.msg.delete.kuberl_x_traj"')
+        assert outage.denied is None  # an agent's orphan-chunk clean-up: the trainer's sweep does it
+
+        async def slow() -> None:
+            outage.on_denied('nats: permissions violation for publish to "$js.api.stream.msg.delete.kuberl_x_traj"')
+            raise TimeoutError
+
+        with pytest.raises(BusError, match="not answering"):  # an ordinary timeout, retried until publish_timeout
+            asyncio.run(retry(outage, "nats://b", "publish group g", slow))

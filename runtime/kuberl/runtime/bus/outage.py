@@ -36,6 +36,10 @@ TRANSIENT = (
 FULL = {10077, 10078, 10047}  # JetStream: maximum bytes / messages exceeded, insufficient resources
 
 
+# Subjects (lower-cased, as nats-py reports them) of calls whose refusal changes nothing.
+BEST_EFFORT_SUBJECTS = (".stream.msg.delete.",)
+
+
 def outage_seconds() -> float:
     return env_seconds(OUTAGE_ENV, OUTAGE_SECONDS)
 
@@ -56,8 +60,11 @@ class Outage:
         self.denied: tuple[float, str] | None = None  # (monotonic time, message) of the last refusal
 
     def on_denied(self, message: str) -> None:
-        """The server refused a publish or subscription (the NATS user's permissions)."""
-        self.denied = (time.monotonic(), message)
+        """The server refused a publish or subscription (the NATS user's permissions). Refused
+        best-effort clean-ups (an agent deleting its orphan chunks: the trainer's sweep removes them)
+        are not counted: they must not turn another call's timeout into a refusal."""
+        if not any(part in message.lower() for part in BEST_EFFORT_SUBJECTS):
+            self.denied = (time.monotonic(), message)
 
     def denied_since(self, started: float) -> str | None:
         return self.denied[1] if self.denied is not None and self.denied[0] >= started else None
