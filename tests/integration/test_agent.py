@@ -208,3 +208,57 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
     lp_old, lp_new = teacher_logprobs(old, s.input_ids, s.output_ids), teacher_logprobs(new, s.input_ids, s.output_ids)
     assert s.logprobs[:switch] == pytest.approx(lp_old[:switch], abs=2e-3)
     assert s.logprobs[switch:] == pytest.approx(lp_new[switch:], abs=2e-3)
+
+
+async def test_a_tool_calling_agent_exported_individually_trains_one_step_on_exactly_what_vllm_generated(engine, vllm_server, tmp_path):
+    """exportStyle individual through the real chain: openai client -> proxy -> vLLM -> one sample per call (2 or 3
+    calls an episode, so the groups are ragged) -> one trainer step, whose recomputed pi_prox at the same weights
+    equals vLLM's log-probs sample for sample (each sample's tokens sit where the engine generated them)."""
+    from kuberl.api import RLExperiment
+    from kuberl.runtime.agents.repeat_tools import tool_agent
+    from kuberl.runtime.trainer import dist as D
+    from kuberl.runtime.trainer.batch import build_batch
+    from kuberl.runtime.trainer.trainer import Trainer
+
+    tok, _ = hf(vllm_server.model_dir)
+
+    async def agent(client, item, ctx):
+        return await tool_agent(client, item, rounds=1 + int(int(ctx.episode.rsplit("/", 1)[1]) < item.index))  # item i: i episodes check twice
+
+    rec = RecordingEngine(engine)
+    sampling = SamplingConfig(n=4, max_new_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=[tok.eos_token_id], max_total_tokens=512)
+    wf = AgentWorkflow(agent, tok, sampling, exact_match_reward, timeout_seconds=120, name="test", export_style="individual", turn_discount=0.9)
+    items = [Item(i, f"Repeat the digit {i}: {str(i) * 4}", str(i) * 4) for i in range(3)]
+    try:
+        groups = await asyncio.gather(*(wf.arun_episode(rec, it, EpisodeContext(ticket_id=str(it.index))) for it in items))
+    finally:
+        await wf.aclose()
+    assert [len(g) for g in groups] == [8, 9, 10] and len(rec.calls) == 27
+    served = {(tuple(req.input_ids), tuple(res.output_ids)): res for req, res in rec.calls}
+    for g in groups:
+        for s in g:
+            res = served[(tuple(s.input_ids), tuple(s.output_ids))]  # a call vLLM served, token for token
+            assert s.logprobs == res.logprobs and s.loss_mask == [1] * len(s.output_ids) and set(s.versions) <= {0}
+            assert "right. Final answer" not in tok.decode(s.output_ids)  # the tool's result is only ever context
+
+    exp = RLExperiment.model_validate({
+        "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "individual"},
+        "spec": {"model": {"path": str(vllm_server.model_dir), "dtype": "float32"}, "dataset": {"builtin": "repeat-digit", "size": 8},
+                 "workflow": {"type": "agent", "agent": "kuberl.runtime.agents.repeat_tools:tool_agent", "exportStyle": "individual"},
+                 "algorithm": {"name": "grpo", "samplesPerPrompt": 4, "batchSize": 3, "learningRate": 1e-3},
+                 "training": {"totalSteps": 1}},
+    })
+    t = Trainer(exp, bus_url="nats://unused:4222", workdir=tmp_path, handle_sigterm=False)
+    try:
+        t.setup()
+        batch = build_batch([{"group_id": str(i), "samples": [s.model_dump() for s in g]} for i, g in enumerate(groups)], t.n, ragged=t.ragged)
+        assert batch.group_sizes == [8, 9, 10] and batch.num_samples == 27
+        before = [p.detach().clone() for p in t.model.parameters()]
+        t.stage_prox_logp(batch)
+        t.stage_advantages(batch)
+        stats = t.stage_ppo_update(batch)
+        mask = batch.loss_mask.bool()  # pi_prox: the pre-update weights' forward (here the update's own, one minibatch)
+        assert (batch.prox_logp[mask] - batch.behave_logp[mask]).abs().max() < 2e-3
+        assert stats["tokens"] == float(mask.sum()) and any(not torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
+    finally:
+        D.shutdown()
