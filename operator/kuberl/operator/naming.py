@@ -77,7 +77,7 @@ def bus_headless_name(exp: ExperimentRef) -> str:
 
 
 def bus_secret_name(exp: ExperimentRef) -> str:
-    """Secret with keys `token` (client auth) and `nats.conf`."""
+    """Secret with keys `token`, `{role}-password` per bus user (builders.bus_auth) and `nats.conf`."""
     return _child(exp, "bus-credentials", OBJECT_NAME_MAX)
 
 
