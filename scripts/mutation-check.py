@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = "runtime/kuberl/runtime/algorithms/losses.py"
 ADVANTAGES = "runtime/kuberl/runtime/algorithms/advantages.py"
-TRAINER = "runtime/kuberl/runtime/trainer/trainer.py"
+TRAINER_COMPUTE = "runtime/kuberl/runtime/trainer/compute.py"
+TRAINER_COLLECT = "runtime/kuberl/runtime/trainer/collect.py"
 BATCH = "runtime/kuberl/runtime/trainer/batch.py"
 STALENESS = "runtime/kuberl/runtime/staleness.py"
 
@@ -64,18 +65,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("baseline-removed", "GRPO group mean not subtracted", ADVANTAGES,
            "centred = r - r.mean(dim=1, keepdim=True)", "centred = r.clone()",
            ("tests/unit/test_algorithms.py::TestBaseline",)),
-    Mutant("trainer-temperature-ignored", "trainer recomputes log-probs at temperature 1", TRAINER,
+    Mutant("trainer-temperature-ignored", "trainer recomputes log-probs at temperature 1", TRAINER_COMPUTE,
            "return self.spec.algorithm.temperature", "return 1.0", (WIRING,)),
     Mutant("logprobs-temperature-ignored", "response_logprobs never divides by the temperature", BATCH,
            "z = z / temperature", "z = z", (WIRING,)),
-    Mutant("loss-gets-behave-as-prox", "the PPO update passes pi_behave as pi_prox (plain PPO)", TRAINER,
+    Mutant("loss-gets-behave-as-prox", "the PPO update passes pi_behave as pi_prox (plain PPO)", TRAINER_COMPUTE,
            "loss, st = ppo_actor_loss(logp, prox, behave,", "loss, st = ppo_actor_loss(logp, behave, behave,", (WIRING,)),
-    Mutant("prox-is-behave", "stage_prox_logp copies pi_behave instead of recomputing pi_prox", TRAINER,
+    Mutant("prox-is-behave", "stage_prox_logp copies pi_behave instead of recomputing pi_prox", TRAINER_COMPUTE,
            "batch.prox_logp = self._logprobs_all_rows(self.model, batch, rows, width)",
            "batch.prox_logp = batch.behave_logp.clone()", (WIRING,)),
-    Mutant("fused-prox-is-behave", "with one minibatch, pi_prox taken from pi_behave instead of the update's forward", TRAINER,
+    Mutant("fused-prox-is-behave", "with one minibatch, pi_prox taken from pi_behave instead of the update's forward", TRAINER_COMPUTE,
            "prox = logp.detach()", "prox = behave", (WIRING,)),
-    Mutant("stale-filter-removed", "the trainer trains on groups older than v - eta", TRAINER,
+    Mutant("stale-filter-removed", "the trainer trains on groups older than v - eta", TRAINER_COLLECT,
            "if self.book.bound.is_stale(group.head_version, self.version):", "if False:",
            ("tests/unit/test_trainer_stages.py::test_a_group_older_than_v_minus_eta_is_dropped_and_counted",)),
     Mutant("stale-boundary", "a group exactly eta versions old counted stale", STALENESS,

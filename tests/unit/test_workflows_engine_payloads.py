@@ -145,7 +145,7 @@ def test_cpu_engines_compute_in_float32_and_the_trainer_exports_what_the_engine_
 
     cpu = exp(accelerator={"type": "cpu"})
     assert cpu.spec.model.dtype == "bfloat16" and engine_dtype(cpu.spec) == "float32"
-    src = (Path(__file__).resolve().parents[2] / "runtime/kuberl/runtime/trainer/trainer.py").read_text()
+    src = (Path(__file__).resolve().parents[2] / "runtime/kuberl/runtime/trainer/persist.py").read_text()
     assert "getattr(torch, engine_dtype(self.spec))" in src  # the export dtype follows the engine, not model.dtype
 
 

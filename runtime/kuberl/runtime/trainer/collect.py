@@ -1,0 +1,110 @@
+"""Trainer stages on rank 0's bus side: issue tickets, catch up on resume, collect B usable groups.
+
+Every group pulled is accounted here: duplicates, rejected, failed (poison tickets), stale (older than
+v - eta) and malformed groups give their ticket slot back and are held for the next checkpoint's ack.
+A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kuberl.runtime.algorithms import dynamic_sampling_keep
+from kuberl.runtime.trainer.batch import group_size_error
+
+log = logging.getLogger("kuberl.trainer")
+
+
+class CollectMixin:
+    """train.issue_tickets and train.collect (rank 0 only: the ticket book and the bus live there)."""
+
+    async def stage_issue_tickets(self) -> int:
+        """train.issue_tickets: top the ticket queue up to the staleness bound at the current version."""
+        tickets = self.book.next_tickets(self.version)
+        if tickets:
+            await self.bus.publish_tickets(tickets)
+            await self.bus.put_tickets(self.book.state())
+        return len(tickets)
+
+    async def stage_catch_up(self) -> int:
+        """On resume: tickets issued after the checkpoint are still on the bus; do not issue them again."""
+        n = self.book.catch_up(await self.bus.get_tickets())
+        if n:
+            log.info("resume: %d tickets issued after the checkpoint are still on the bus (they or their groups "
+                     "come back): not issuing them again", n)
+        return n
+
+    def _first_time(self, group: Any, handle: Any) -> bool:
+        """False for a group id already taken in this process: it is held for the ack and otherwise ignored."""
+        if self.seen.add(group.group_id):
+            return True
+        self.duplicates += 1
+        self.held.append(handle)
+        log.warning("group %s arrived twice (the same ticket rolled out again): the copy is ignored", group.group_id)
+        return False
+
+    def _usable(self, group: Any, accepted: bool = False) -> bool:
+        """Account for a group that cannot be trained on (rejected, stale, malformed); True if usable.
+        `accepted`: the group was accepted before (kept from an interrupted collect) and is judged again."""
+        if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
+            self.book.on_rejected()
+            if getattr(group, "failure", None) is not None:  # a poison ticket: accounted like a rejected group
+                self.failed_groups += 1
+                log.warning("group %s failed on every delivery (item %d), its slot is given back: %s",
+                            group.group_id, group.ticket.index, group.failure)
+            return False
+        if self.book.bound.is_stale(group.head_version, self.version):
+            # The safety net: the ticket gate makes this rare (slow agents, restarts).
+            self.book.on_dropped(accepted=accepted)
+            self.dropped_stale += 1
+            log.info("dropped group %s: head version %d < %d - %d", group.group_id, group.head_version, self.version, self.eta)
+            return False
+        if (why := group_size_error(len(group.samples), self.n, self.ragged)) is not None:
+            log.warning("group %s %s: treated as rejected", group.group_id, why)
+            self.book.on_rejected()
+            return False
+        return True
+
+    async def stage_collect(self) -> dict[str, Any]:
+        """train.collect: pull until B usable groups; rejected and stale ones give their slot back (a new ticket).
+
+        Returns the plan every rank follows: {"groups", "wait_seconds"}, or {"checkpoint_request"} (answer an
+        operator's request between steps), or {"stop"}.
+        """
+        t0 = time.monotonic()
+        last_seen = t0
+        # Groups kept from an interrupted collect may have gone stale meanwhile: judge them again.
+        kept, self.buffer = self.buffer, []
+        for group, handle in kept:
+            if self._usable(group, accepted=True):
+                self.buffer.append((group, handle))
+            else:
+                self.held.append(handle)
+        while len(self.buffer) < self.B:
+            if self.stop_reason is not None:
+                return {"stop": self.stop_reason}
+            control = await self.bus.get_control()
+            if control.get("stop"):
+                return {"stop": "control.stop"}
+            request = control.get("checkpoint_request")
+            if request and request != self.answered_request:
+                return {"checkpoint_request": request}
+            got = await self.bus.fetch_groups(self.B - len(self.buffer), timeout=1.0)
+            if got:
+                last_seen = time.monotonic()
+            elif self.collect_timeout is not None and time.monotonic() - last_seen > self.collect_timeout:
+                raise TimeoutError(f"no trajectory group arrived for {self.collect_timeout:.0f}s (are rollout agents running?)")
+            for group, handle in got:
+                if not self._first_time(group, handle):
+                    continue
+                if self._usable(group):
+                    self.book.on_accepted()  # its concurrency slot is free now, not once it is trained (AReaL)
+                    self.buffer.append((group, handle))
+                else:
+                    self.held.append(handle)  # acknowledged with the next checkpoint, like trained groups
+            await self.stage_issue_tickets()  # replacements for rejected/dropped groups
+        taken, self.buffer = self.buffer[: self.B], self.buffer[self.B :]
+        self.held.extend(h for _, h in taken)
+        return {"groups": [g.model_dump(mode="json") for g, _ in taken], "wait_seconds": time.monotonic() - t0}

@@ -1,0 +1,134 @@
+"""Trainer compute stages on every rank: log pi_prox (and pi_ref), advantages, the decoupled PPO update.
+
+A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the model, optimizer and schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kuberl.runtime.algorithms import compute_token_advantages, loss_denominator, ppo_actor_loss, shape_rewards
+from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.batch import RolloutBatch, minibatch_rows, response_logprobs, shard_micro_batches
+
+
+class ComputeMixin:
+    """train.prox_logp, train.advantages, train.ppo_update: the same calls on every rank (FSDP2 collectives)."""
+
+    def stage_prox_logp(self, batch: RolloutBatch) -> None:
+        """train.prox_logp: log pi_prox with the pre-update weights (and log pi_ref with a KL term).
+
+        One no-grad forward in eval mode (dropout off), or none at all where the update's own forward
+        gives the same numbers (`prox_in_update`): then stage_ppo_update takes pi_prox from it.
+        """
+        rows = list(range(batch.num_samples))
+        width = batch.loss_mask.shape[1]
+        batch.extra["prox_in_update"] = self.prox_in_update()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if not batch.extra["prox_in_update"]:
+                    batch.prox_logp = self._logprobs_all_rows(self.model, batch, rows, width)
+                if self.ref_model is not None:
+                    batch.ref_logp = self._logprobs_all_rows(self.ref_model, batch, rows, width)
+        finally:
+            self.model.train(was_training)
+
+    def prox_in_update(self) -> bool:
+        """True when pi_prox needs no forward of its own: one PPO minibatch (every micro-batch of the update
+        runs at the pre-update weights), no dropout (train-mode logits equal eval-mode ones) and no KL in
+        the reward (the advantages need pi_prox before the update). Then log pi_prox is the update's own
+        log pi_theta, detached: the same numbers, one forward pass fewer per step."""
+        if self.spec.algorithm.ppo_minibatches != 1 or self.cfg.kl_in_reward:
+            return False
+        if not hasattr(self, "_dropout"):
+            self._dropout = _has_dropout(self.model)
+        return not self._dropout
+
+    def _logprobs_all_rows(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], width: int) -> torch.Tensor:
+        out = torch.zeros(batch.num_samples, width)
+        mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size)
+        for mb in mbs:
+            idx = mb if mb is not None else rows[:1]  # filler: same collectives, result discarded
+            lp = response_logprobs(model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
+                                   temperature=self.cfg_temperature, device=self.info.device).cpu()
+            if mb is not None:
+                out[mb] = lp
+        if self.info.world_size > 1:
+            t = out.to(self.info.device)
+            torch.distributed.all_reduce(t)  # each row was computed by exactly one rank
+            out = t.cpu()
+        return out
+
+    @property
+    def cfg_temperature(self) -> float:
+        return self.spec.algorithm.temperature
+
+    def stage_advantages(self, batch: RolloutBatch) -> None:
+        """train.advantages: shaped rewards -> per-token advantages [N, T] (same on every rank)."""
+        shaped = shape_rewards(batch.rewards, batch.response_lengths(), self.cfg)
+        kl = None
+        if self.cfg.kl_in_reward:
+            kl = batch.prox_logp - batch.ref_logp
+        batch.advantages = compute_token_advantages(shaped, batch.loss_mask, self.cfg, kl=kl, group_sizes=batch.group_sizes)
+
+    def stage_ppo_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """train.ppo_update: algorithm.ppoMinibatches optimizer steps of the decoupled PPO loss."""
+        self.model.train()
+        width = batch.loss_mask.shape[1]
+        fused_prox = torch.zeros(batch.num_samples, width) if batch.extra.get("prox_in_update") else None
+        sums: dict[str, float] = {}
+        token_total = 0.0
+        grad_norms, losses = [], []
+        for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
+            denom = loss_denominator(batch.loss_mask[rows], self.cfg)
+            mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size)
+            mb_loss = 0.0
+            for mb in mbs:
+                idx = mb if mb is not None else rows[:1]
+                logp, ent = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
+                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True)
+                prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
+                                                (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
+                if fused_prox is not None:  # pre-update weights (one minibatch): pi_prox is this forward, detached
+                    prox = logp.detach()
+                    if mb is not None:
+                        fused_prox[mb] = prox.cpu()
+                loss, st = ppo_actor_loss(logp, prox, behave, adv, mask, self.cfg, ref_logp=ref, denominator=denom)
+                # FSDP averages gradients over ranks; the loss is a sum over the whole minibatch, so undo it.
+                scale = float(self.info.world_size) if mb is not None else 0.0
+                (loss * scale).backward()
+                if mb is not None:
+                    mb_loss += st["loss"]
+                    tok = st["tokens"]
+                    token_total += tok
+                    # Policy entropy from this forward (no extra pass): token mean over loss tokens, below.
+                    sums["entropy"] = sums.get("entropy", 0.0) + float((ent * mask).sum())
+                    for k, v in st.items():
+                        if k not in ("loss", "tokens", "sequences", "entropy") and not k.endswith("_max"):
+                            sums[k] = sums.get(k, 0.0) + v * tok
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.optimizer.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(float(norm))
+            losses.append(mb_loss)
+        if fused_prox is not None:  # every row's pi_prox on every rank, as the separate forward gives it
+            batch.prox_logp = D.all_reduce_rows(fused_prox, self.info)
+        totals = D.all_reduce_sum([token_total, sum(losses)] + [sums[k] for k in sorted(sums)], self.info)
+        tokens = max(totals[0], 1.0)
+        out = {k: v / tokens for k, v in zip(sorted(sums), totals[2:])}
+        out.update(loss=totals[1] / max(len(losses), 1), grad_norm=sum(grad_norms) / len(grad_norms),
+                   lr=self.scheduler.get_last_lr()[0], tokens=totals[0])
+        return out
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode changes the model's outputs: a dropout layer or a dropout rate in its config."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = [getattr(config, k, 0.0) for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")]
+    return any(isinstance(r, (int, float)) and r > 0 for r in rates)

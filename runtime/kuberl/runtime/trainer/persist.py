@@ -1,0 +1,108 @@
+"""Trainer state out and back in: resume from `latest`, publish weights, checkpoint, ack the groups a checkpoint covers.
+
+A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kuberl.runtime.trainer import checkpoint as ck
+from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.weights import export_weights
+
+log = logging.getLogger("kuberl.trainer")
+
+
+class PersistMixin:
+    """Resume, train.publish_weights and train.checkpoint (collectives: every rank calls them)."""
+
+    def _resume(self) -> Path | None:
+        main = self.info.is_main
+        # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files).
+        found = None
+        if main and (latest := ck.latest_checkpoint(self.ckpt_root)) is not None:
+            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"))
+        found = D.broadcast_object(found, self.info)
+        if found is None:
+            return None
+        path, state, sched = found
+        model_sd = ck.read_torch(path, "model.pt") if main else {}
+        optim_sd = ck.read_torch(path, "optimizer.pt") if main else {}
+        D.load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+        self.scheduler.load_state_dict(sched)
+        rng = Path(path) / f"rng-rank{self.info.rank}.pt"
+        if rng.is_file():  # absent when the world size grew since the checkpoint
+            ck.restore_rng_state(ck.read_torch(path, rng.name))
+        self.step, self.version = int(state["step"]), int(state["version"])
+        self.dropped_stale = int(state.get("dropped_stale", 0))
+        self.failed_groups = int(state.get("failed_groups", 0))  # absent in checkpoints from before the count
+        self.answered_request = state.get("answered_request")
+        self.book.load_state(state["tickets"])
+        self.last_checkpoint = state.get("checkpoint")
+        if main:
+            log.info("resumed from %s: step %d, policy version %d", path, self.step, self.version)
+        return Path(path)
+
+    async def stage_publish_weights(self) -> None:
+        """train.publish_weights: full state dict -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version."""
+        state = D.full_model_state(self.model)  # collective: every rank takes part
+        if not self.info.is_main:
+            return
+        from kuberl.runtime.inference.main import engine_dtype  # the engine's compute dtype (float32 on CPU)
+
+        dtype = getattr(torch, engine_dtype(self.spec))
+        path = export_weights(state, self.weights_root, self.version, source_dir=self.model_dir, dtype=dtype, keep=3)
+        await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
+
+    async def stage_checkpoint(self, *, request: str | None = None) -> None:
+        """train.checkpoint: model, optimizer, schedule, RNG, ticket book; then ack the groups it covers."""
+        saved = request is None and bool(self.last_checkpoint) and self.last_checkpoint.get("step") == self.step and self._saved(self.step)
+        if D.broadcast_object(saved, self.info):  # rank 0 decides: every rank must take the same path
+            if self.info.is_main:
+                await self._ack_held()
+            return  # this step is saved already (e.g. the end right after a periodic checkpoint)
+        model_sd = D.full_model_state(self.model)
+        optim_sd = D.full_optimizer_state(self.model, self.optimizer)
+        if self.info.is_main:
+            ck.begin_checkpoint(self.ckpt_root, self.step)
+        D.barrier(self.info)
+        tmp = self.ckpt_root / f"{ck.TMP_PREFIX}{ck.checkpoint_name(self.step)}"
+        ck.write_torch(tmp, f"rng-rank{self.info.rank}.pt", ck.capture_rng_state())
+        if self.info.is_main:
+            ck.write_torch(tmp, "model.pt", model_sd)
+            ck.write_torch(tmp, "optimizer.pt", optim_sd)
+            ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
+        D.barrier(self.info)
+        if self.info.is_main:
+            if request is not None:
+                self.answered_request = request
+            info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
+            state = {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
+                     "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
+                     "world_size": self.info.world_size, "experiment": self.exp.name}
+            ck.commit_checkpoint(self.ckpt_root, self.step, state, keep=self.spec.checkpoint.keep)
+            self.last_checkpoint = info
+            log.info("checkpoint step %d (policy version %d) in %s", self.step, self.version, info["path"])
+            await self._ack_held()
+            await self.bus.put_progress(self._progress_base())
+        D.barrier(self.info)
+
+    def _full_params_everywhere(self) -> dict[str, torch.Tensor]:
+        """Every rank's own view of the full weights (all-gathered from its shards), for the final cross-check."""
+        out = {}
+        for name, p in self.model.state_dict().items():
+            out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
+        return out
+
+    def _saved(self, step: int) -> bool:
+        return (self.ckpt_root / ck.checkpoint_name(step) / ck.STATE_FILE).is_file()
+
+    async def _ack_held(self) -> None:
+        if self.bus is not None and self.held:
+            await self.bus.ack(self.held)
+            self.held = []

@@ -1,0 +1,73 @@
+"""Trainer set-up: process group, model (FSDP2), reference model, data set size, optimizer, schedule, ticket book.
+
+A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kuberl.runtime.errors import spec_errors
+from kuberl.runtime.evaluation import EvalSchedule
+from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
+from kuberl.runtime.trainer.tickets import TicketBook
+
+log = logging.getLogger("kuberl.trainer")
+
+
+class SetUpMixin:
+    """`setup()`: everything a step needs, built once per rank before the loop (then `_resume`, in persist.py)."""
+
+    def setup(self) -> None:
+        """Process group, model (FSDP2), optimizer, schedule, ticket book; then resume from `latest`.
+
+        A model or data set the spec names but that cannot be had raises ConfigError (exit code 2).
+        """
+        from transformers import AutoModelForCausalLM
+
+        from kuberl.runtime.data import load_items
+        from kuberl.runtime.models import resolve_model
+
+        self.info = getattr(self, "info", None) or D.init_distributed()
+        if self.info.is_main:
+            for note in self.cfg.notes:
+                log.info("algorithm: %s", note)
+        with spec_errors():  # model.path not on the volume, no config.json, an unknown builtin...
+            self.model_dir = resolve_model(self.spec.model, self.workdir)
+        on_gpu = self.info.device.type != "cpu"  # cuda, or npu on Ascend (dist.choose_device)
+        # Master weights in float32; on CPU everything stays float32 (bf16 matmuls are slow or unsupported here).
+        param_dtype = getattr(torch, self.spec.model.dtype) if on_gpu else None
+        torch.manual_seed(self.spec.seed)
+
+        def load() -> torch.nn.Module:
+            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.info.device)
+            return D.shard_model(m, self.info, param_dtype)
+
+        self.model = load()
+        if self.spec.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = None
+        if self.cfg.kl_coef > 0:
+            self.ref_model = load().eval().requires_grad_(False)
+        with spec_errors():  # dataset.path missing, a row without promptField/answerField...
+            items = load_items(self.spec.dataset, self.spec.seed)
+        self.total_steps = self._total_steps(len(items))
+        self.optimizer = build_optimizer(self.model, self.spec.algorithm)
+        self.scheduler = build_scheduler(self.optimizer, self.spec.algorithm.optimizer, self.total_steps * self.spec.algorithm.ppo_minibatches)
+        self.book = TicketBook(
+            self._num_items, self.B, self.eta, seed=self.spec.seed,
+            shuffle=self.spec.dataset.shuffle, max_concurrent=self.spec.staleness.max_concurrent_rollouts,
+            total_groups=self.total_steps * self.B,
+        )
+        with spec_errors():  # spec.evaluation: its split or file missing or empty
+            self.evals = EvalSchedule.from_experiment(self.spec, self.total_steps) if self.info.is_main else None
+        self.resumed_from = self._resume()
+
+    def _total_steps(self, num_items: int) -> int:
+        self._num_items = num_items
+        t = self.spec.training
+        steps = t.total_steps if t.total_steps is not None else max(1, (t.epochs * num_items) // self.B)
+        return min(steps, self.max_steps) if self.max_steps is not None else steps
