@@ -81,9 +81,10 @@ def test_the_agents_reward_rises(agent_run):
     _, workdir = agent_run
     rewards = [m["reward_mean"] for m in read_metrics(workdir)]
     # Measured here under load (tool agent, individual), two runs: 0.003 over steps 1-10, 0.083 and 0.105 over 41-50 (the two-call agent,
-    # concat: 0.008 -> 0.140). With learningRate 1e-12 (0 in effect) the reward stays at the random model's level: this fails.
+    # concat: 0.008 -> 0.140). With learningRate 1e-12 (0 in effect) the reward stays at the random model's level (0.002 -> 0.002):
+    # this fails. The bar, a rise of 0.03 (ten times the start), leaves room for a slow run, far above the untrained model's noise.
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert first < 0.05 and last > first + 0.05, f"mean reward went from {first:.3f} to {last:.3f}"
+    assert first < 0.05 and last > first + 0.03, f"mean reward went from {first:.3f} to {last:.3f}"
 
 
 def test_failing_episodes_are_failed_groups_with_their_reasons_and_free_their_slots(agent_run):
