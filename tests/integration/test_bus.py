@@ -369,9 +369,9 @@ class TestFreshStart:
             await agent.close()
 
     async def test_a_state_watch_survives_reset_experiment(self, nats_server, experiment_name, bus, monkeypatch):
-        from kuberl.runtime.bus import client
+        from kuberl.runtime.bus import state
 
-        monkeypatch.setattr(client, "WATCH_CHECK_SECONDS", 1.0)
+        monkeypatch.setattr(state, "WATCH_CHECK_SECONDS", 1.0)
         agent = await Bus.connect(nats_server.url, experiment_name)
         seen: list[int] = []
         started = asyncio.Event()
