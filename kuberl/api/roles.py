@@ -112,7 +112,12 @@ class TrainerSpec(SchedulingSpec):
     nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
-    micro_batch_tokens: int = Field(16384, ge=64, description="Tokens per forward/backward micro-batch (packed).")
+    micro_batch_tokens: int = Field(16384, ge=64, description=(
+        "Tokens per forward/backward micro-batch: real tokens when packed, rows x longest sequence when padded (trainer.packing)."))
+    packing: Literal["auto", "on", "off"] = Field("auto", description=(
+        "Padding-free packing: each micro-batch's sequences back to back, position_ids restarting per sequence (flash-attn "
+        "varlen on GPU; on sdpa/eager, rows as long as the longest sequence). on, off (pad to the longest; GRPO groups then "
+        "share their prompt's forward when not FSDP), or auto: pack when padding would feed at least 1.3x the packed tokens."))
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
 
     @property

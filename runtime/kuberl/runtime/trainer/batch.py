@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from kuberl.runtime.trainer.packing import packed_logits
+
 
 class BatchError(ValueError):
     """A trajectory group cannot be trained on (its message names the group and the field)."""
@@ -130,21 +132,24 @@ def build_batch(groups: Sequence[Any], group_size: int, *, ragged: bool = False)
     )
 
 
-def plan_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Split `rows` (in order) into micro-batches whose padded size (rows x longest) stays <= max_tokens.
+def plan_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
+    """Split `rows` (in order) into micro-batches that stay <= max_tokens: their padded size (rows x longest),
+    or with `packed` their real tokens (sum of lengths).
 
     A sequence longer than max_tokens gets a micro-batch of its own (it cannot be split).
     """
     plans: list[list[int]] = []
     cur: list[int] = []
-    longest = 0
+    longest = total = 0
     for r in rows:
         n = seq_lens[r]
-        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+        size = total + n if packed else max(longest, n) * (len(cur) + 1)
+        if cur and size > max_tokens:
             plans.append(cur)
-            cur, longest = [], 0
+            cur, longest, total = [], 0, 0
         cur.append(r)
         longest = max(longest, n)
+        total += n
     if cur:
         plans.append(cur)
     return plans
@@ -165,13 +170,14 @@ def minibatch_rows(num_groups: int, group_size: int | Sequence[int], minibatches
     return [list(range(starts[bounds[k]], starts[bounds[k + 1]])) for k in range(minibatches)]
 
 
-def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, rank: int, world: int) -> list[list[int] | None]:
+def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, rank: int, world: int,
+                        *, packed: bool = False) -> list[list[int] | None]:
     """This rank's micro-batches of `rows`; every rank gets the same count (None = a no-loss filler).
 
     FSDP needs every rank to run the same number of forward/backward passes, so ranks with less work
     run fillers whose loss is multiplied by zero.
     """
-    plans = [plan_micro_batches(seq_lens, list(rows)[k::world], max_tokens) for k in range(world)]
+    plans = [plan_micro_batches(seq_lens, list(rows)[k::world], max_tokens, packed=packed) for k in range(world)]
     count = max(len(p) for p in plans)
     mine: list[list[int] | None] = list(plans[rank])
     return mine + [None] * (count - len(mine))
@@ -258,6 +264,7 @@ def response_logprobs(
     pad_id: int = 0,
     entropy: bool = False,
     share_prompts: bool = True,
+    packed: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(output token t | prefix) for each row, [rows, width] (0 beyond each response).
 
@@ -267,29 +274,43 @@ def response_logprobs(
     group) run it once and their responses on its KV cache (`share_prompts`; not under FSDP, whose
     hooks expect one forward per backward). With `entropy`, also the entropy of softmax(logits / T) at
     each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
-    term): H = logsumexp(z) - sum softmax(z) * z.
+    term): H = logsumexp(z) - sum softmax(z) * z. `packed`: the rows back to back, no padding
+    (kuberl.runtime.trainer.packing), the same numbers.
     """
     if width < 1 or max((len(o) for o in outputs), default=0) == 0:  # no output token in any row: nothing to score
         zeros = torch.zeros((len(outputs), max(width, 0)), device=device)
         return (zeros, zeros.clone()) if entropy else zeros
-    index: dict[tuple[int, ...], int] = {}
-    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    if share_prompts and len(index) < len(prompts) and not _is_fsdp(model):
-        logits = _shared_prompt_logits(model, prompts, outputs, width, device, pad_id, owner, [list(k) for k in index])
+    if packed:
+        logits, row, col = packed_logits(model, prompts, outputs, width, device, pad_id)
+        targets = torch.tensor([outputs[r][c] for r, c in zip(row.tolist(), col.tolist())], dtype=torch.long, device=device)
+        valid = None
     else:
-        logits = _full_sequence_logits(model, prompts, outputs, width, device, pad_id)
+        index: dict[tuple[int, ...], int] = {}
+        owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        if share_prompts and len(index) < len(prompts) and not _is_fsdp(model):
+            logits = _shared_prompt_logits(model, prompts, outputs, width, device, pad_id, owner, [list(k) for k in index])
+        else:
+            logits = _full_sequence_logits(model, prompts, outputs, width, device, pad_id)
+        targets, valid = _pad(outputs, width, pad_id)
+        targets, valid = targets.to(device), valid.to(device).bool()
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     # log softmax at the target only: gather minus logsumexp.
-    targets, valid = _pad(outputs, width, pad_id)
-    targets, valid = targets.to(device), valid.to(device).bool()
     lse = torch.logsumexp(z, dim=-1)
     token_logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    out = torch.where(valid, token_logp, torch.zeros((), device=token_logp.device))
-    if not entropy:
-        return out
-    with torch.no_grad():
-        zd = z.detach()
-        ent = lse.detach() - (torch.softmax(zd, dim=-1) * zd).sum(-1)
-    return out, torch.where(valid, ent, torch.zeros((), device=ent.device))
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            zd = z.detach()
+            ent = lse.detach() - (torch.softmax(zd, dim=-1) * zd).sum(-1)
+    if packed:  # flat scored positions -> [rows, width], 0 elsewhere
+        at = (row * width + col).to(device)
+        out = torch.zeros(len(outputs) * width, device=device, dtype=token_logp.dtype).index_put((at,), token_logp).view(len(outputs), width)
+        if ent is not None:
+            ent = torch.zeros(len(outputs) * width, device=device, dtype=ent.dtype).index_put((at,), ent).view(len(outputs), width)
+    else:
+        out = torch.where(valid, token_logp, torch.zeros((), device=token_logp.device))
+        if ent is not None:
+            ent = torch.where(valid, ent, torch.zeros((), device=ent.device))
+    return (out, ent) if entropy else out

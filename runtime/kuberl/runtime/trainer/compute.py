@@ -10,6 +10,7 @@ import torch
 from kuberl.runtime.algorithms import compute_token_advantages, loss_denominator, ppo_actor_loss, shape_rewards
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import RolloutBatch, minibatch_rows, response_logprobs, shard_micro_batches
+from kuberl.runtime.trainer.packing import use_packing
 
 
 class ComputeMixin:
@@ -48,11 +49,12 @@ class ComputeMixin:
 
     def _logprobs_all_rows(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], width: int) -> torch.Tensor:
         out = torch.zeros(batch.num_samples, width)
-        mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size)
+        packed = use_packing(self.spec.trainer.packing, batch.seq_lens, model)
+        mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size, packed=packed)
         for mb in mbs:
             idx = mb if mb is not None else rows[:1]  # filler: same collectives, result discarded
             lp = response_logprobs(model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
-                                   temperature=self.cfg_temperature, device=self.info.device).cpu()
+                                   temperature=self.cfg_temperature, device=self.info.device, packed=packed).cpu()
             if mb is not None:
                 out[mb] = lp
         if self.info.world_size > 1:
@@ -81,14 +83,16 @@ class ComputeMixin:
         sums: dict[str, float] = {}
         token_total = 0.0
         grad_norms, losses = [], []
+        packed = use_packing(self.spec.trainer.packing, batch.seq_lens, self.model)
         for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
             denom = loss_denominator(batch.loss_mask[rows], self.cfg)
-            mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size)
+            mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size,
+                                      packed=packed)
             mb_loss = 0.0
             for mb in mbs:
                 idx = mb if mb is not None else rows[:1]
                 logp, ent = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
-                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True)
+                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True, packed=packed)
                 prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
                                                 (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
                 if fused_prox is not None:  # pre-update weights (one minibatch): pi_prox is this forward, detached

@@ -1,0 +1,110 @@
+"""Padding-free packing (trainer.packing): a micro-batch's sequences back to back, position_ids restarting at 0.
+
+No attention mask is passed: transformers (masking_utils.find_packed_sequence_indices, used by create_causal_mask)
+reads the sequence boundaries from the position_ids and builds a block-diagonal causal mask for sdpa and eager;
+with flash_attention_2/3 the same position_ids drive flash-attn's varlen kernel. Each sequence then sees exactly
+the tokens it would see alone, at the same RoPE positions, so log-probs and gradients equal the padded path's.
+
+Where the attention kernel is varlen (flash-attn) a micro-batch is ONE row: its cost is the real tokens. sdpa and
+eager (CPU) compute a dense masked [S, S] attention, so one row of S = sum(lengths) would cost S^2; there the
+sequences are packed into rows as long as the micro-batch's longest sequence (first-fit decreasing), which drops
+the padding and keeps the attention cost of the padded layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+PACKING_MODES = ("auto", "on", "off")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/flash-attn3")
+# auto packs when the padded layout feeds at least this many times the packed layout's token slots (bench/bench_packing.py).
+AUTO_MIN_GAIN = 1.3
+
+
+def varlen_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention kernel skips masked blocks (flash-attn varlen): then one packed row per micro-batch."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    return impl in VARLEN_ATTENTION
+
+
+def pack_rows(lens: Sequence[int], capacity: int | None) -> list[list[int]]:
+    """Indices of `lens` grouped into rows of at most `capacity` tokens (first-fit decreasing); None: one row of all.
+    A length above the capacity gets a row of its own."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    if capacity is None:
+        return [order] if order else []
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for k, room in enumerate(free):
+            if lens[i] <= room:
+                rows[k].append(i)
+                free[k] -= lens[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lens[i])
+    return rows
+
+
+def padded_slots(seq_lens: Sequence[int]) -> int:
+    """Token slots the padded layout feeds for these sequences: rows x longest."""
+    return len(seq_lens) * max(seq_lens, default=0)
+
+
+def packed_slots(seq_lens: Sequence[int], varlen: bool) -> int:
+    """Token slots the packed layout feeds: the real tokens (varlen), or rows of the longest x their count."""
+    if varlen or not seq_lens:
+        return sum(seq_lens)
+    return len(pack_rows(seq_lens, max(seq_lens))) * max(seq_lens)
+
+
+def use_packing(mode: str, seq_lens: Sequence[int], model: torch.nn.Module) -> bool:
+    """trainer.packing for one batch: on, off, or auto (pack when padding would feed AUTO_MIN_GAIN x the packed slots)."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"trainer.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    packed = packed_slots(seq_lens, varlen_attention(model))
+    return packed > 0 and padded_slots(seq_lens) >= AUTO_MIN_GAIN * packed
+
+
+def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at every scored position, flat [K, V], with each one's (row, column) in the [rows, width] layout.
+
+    Sequence i is fed as prompt_i + output_i[:n_i - 1] (n_i = scored tokens, its last token predicts nothing
+    scored) at positions 0..; rows are right-filled with pad tokens that form a sequence of their own, which
+    nothing real attends to. The LM head runs only at the scored positions.
+    """
+    n = [min(len(o), width) for o in outputs]
+    live = [i for i in range(len(outputs)) if n[i] > 0]
+    fed = {i: list(prompts[i]) + list(outputs[i])[: n[i] - 1] for i in live}
+    lens = [len(fed[i]) for i in live]
+    bins = pack_rows(lens, None if varlen_attention(model) else max(lens))
+    S = max(sum(lens[j] for j in b) for b in bins)
+    ids = torch.full((len(bins), S), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), S), dtype=torch.long)
+    where, rows, cols = [], [], []
+    for r, b in enumerate(bins):
+        at = 0
+        for j in b:
+            i = live[j]
+            L = lens[j]
+            ids[r, at: at + L] = torch.tensor(fed[i], dtype=torch.long)
+            pos[r, at: at + L] = torch.arange(L)
+            first = at + len(prompts[i]) - 1  # predicts output token 0
+            where.append(r * S + torch.arange(first, first + n[i]))
+            rows.append(torch.full((n[i],), i, dtype=torch.long))
+            cols.append(torch.arange(n[i]))
+            at += L
+        pos[r, at:] = torch.arange(S - at)
+    flat = torch.cat(where)
+    if len(bins) == 1:  # the LM head only at the scored positions
+        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=flat.to(device)).logits[0]
+    else:  # one index set serves every row: keep the columns any row scores, then pick each row's own
+        keep = torch.unique(flat % S)
+        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=keep.to(device)).logits
+        logits = logits.reshape(-1, logits.shape[-1])[((flat // S) * keep.numel() + torch.searchsorted(keep, flat % S)).to(device)]
+    return logits, torch.cat(rows), torch.cat(cols)
