@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,27 @@ class OverlongPenaltySpec(KubeModel):
         None, description="Penalize responses that approach maxNewTokens; unset = the algorithm's choice (on for dapo, off otherwise).")
     buffer_tokens: int = Field(64, ge=1, description="Length of the penalty ramp, in tokens.")
     penalty: float = Field(1.0, ge=0.0, description="Penalty at maxNewTokens.")
+
+
+# The projections of a Qwen2/Llama-style decoder that vLLM serves LoRA adapters on.
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# vLLM's --max-lora-rank takes only these values (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoRASpec(KubeModel):
+    """Low-rank adapters (PEFT LoRA): the trainer trains only the adapters and publishes them; engines hot-load them."""
+
+    rank: int = Field(ge=1, le=max(VLLM_LORA_RANKS), description="Adapter rank r (vLLM serves ranks up to 512).")
+    alpha: float = Field(gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1, max_length=64,
+        description="Module names (suffixes) that get an adapter; default: every attention and MLP projection of a Qwen2/Llama-style model.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input during the update (0: trains exactly the sampled policy).")
+
+
+LORA_NEEDS_VLLM = ("algorithm.lora needs rollout.engine vllm: KubeRL hot-loads adapters through vLLM's LoRA endpoints only "
+                   "(SGLang adapter loading is not implemented)")
 
 
 PPO_UNSUPPORTED = (
@@ -97,6 +118,8 @@ class AlgorithmSpec(KubeModel):
         None, description="Reject groups whose rewards are all equal (DAPO); their ticket is given back. Unset = the algorithm's choice (on for dapo)."
     )
     overlong_penalty: OverlongPenaltySpec = Field(default_factory=OverlongPenaltySpec, description="DAPO overlong reward shaping.")
+    lora: LoRASpec | None = Field(
+        None, description="Train LoRA adapters instead of every weight (vLLM engines, fsdp trainer); unset: full fine-tuning.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount (ppo, reinforce++).")
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (ppo).")
 

