@@ -146,7 +146,7 @@ def checkpoint_loads(workdir: Path, steps: int) -> str:
     if latest is None or latest.step != steps:
         return f"latest checkpoint is {latest}"
     model = AutoModelForCausalLM.from_pretrained(workdir / "models" / "tiny-qwen2", torch_dtype=torch.float32)
-    state = ck.read_torch(latest.path, "model.pt")
+    state = ck.read_model_state(latest.path)  # DCP shards consolidated (or model.pt of an older checkpoint)
     missing, unexpected = model.load_state_dict(state, strict=False)
     return f"missing {missing[:3]} unexpected {unexpected[:3]}" if missing or unexpected else ""
 

@@ -1,8 +1,11 @@
 """Trainer checkpoints on disk: save, load, list and prune `checkpoints/step-{S:08d}/` atomically.
 
-Pure file logic (no torch.distributed, no bus): the Trainer hands in state dicts and a JSON-able trainer
-state; this module writes them into a temporary folder, fsyncs, renames, and points `checkpoints/latest`
-at the newest. A crash at any moment leaves either the old or the new checkpoint, never a half one.
+File logic (no process group, no bus): the Trainer's ranks write into a temporary folder (each rank its
+own DCP shards of model and optimizer, `.metadata` their index, `rng-rank{R}.pt`; rank 0 `scheduler.pt`),
+then rank 0 commits: trainer_state.json, fsync, rename, and `checkpoints/latest` names the newest. A crash
+at any moment leaves either the old or the new checkpoint, never a half one. Checkpoints of earlier versions
+hold full `model.pt` / `optimizer.pt` dicts instead of shards: `is_sharded` tells them apart and
+`read_model_state` reads either as one full state dict (for tools outside the trainer).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ LATEST = "latest"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shard files, written last by rank 0
+MODEL_FILE, OPTIMIZER_FILE = "model.pt", "optimizer.pt"  # full state dicts: checkpoints of earlier versions
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def tmp_checkpoint_path(root: str | Path, step: int) -> Path:
+    """The temporary folder of step `step` (never listed, never resumed)."""
+    return Path(root) / f"{TMP_PREFIX}{checkpoint_name(step)}"
+
+
 def begin_checkpoint(root: str | Path, step: int) -> Path:
     """Create (empty) the temporary folder a checkpoint is written into; every rank may add files."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
+    tmp = tmp_checkpoint_path(root, step)
     if tmp.exists():  # left by a crash while writing this very step
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -81,7 +91,7 @@ def write_json(folder: Path, name: str, obj: Any) -> Path:
 def commit_checkpoint(root: str | Path, step: int, trainer_state: dict[str, Any], keep: int | None = None) -> Path:
     """Finish the checkpoint begun by `begin_checkpoint`: write the trainer state, rename, update `latest`, prune."""
     root = Path(root)
-    tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
+    tmp = tmp_checkpoint_path(root, step)
     if not tmp.is_dir():
         raise FileNotFoundError(f"{tmp}: begin_checkpoint({step}) was not called (no temporary folder)")
     write_json(tmp, STATE_FILE, {**trainer_state, "step": step, "saved_at": time.time()})
@@ -187,6 +197,37 @@ def read_torch(path: str | Path, name: str) -> Any:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing from checkpoint {Path(path).name}")
     return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def is_sharded(path: str | Path) -> bool:
+    """True for a checkpoint of sharded DCP files; False for one of full model.pt / optimizer.pt dicts (earlier versions)."""
+    path = Path(path)
+    if (path / DCP_METADATA).is_file():
+        return True
+    if (path / MODEL_FILE).is_file():
+        return False
+    raise FileNotFoundError(f"{path}: neither {DCP_METADATA} (sharded) nor {MODEL_FILE} (full): not a complete checkpoint")
+
+
+def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full model state dict (CPU, Hugging Face parameter names) of a checkpoint, in this process.
+
+    Consolidates DCP shards (any world size) without a process group, or reads model.pt of an older
+    checkpoint. For tools outside the trainer (evaluation, export, benchmarks): it holds the whole
+    model in memory, which the trainer itself never does.
+    """
+    if not is_sharded(path):
+        return read_torch(path, MODEL_FILE)
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # "no process group: loading in this process" is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path))
+    if "model" not in state:
+        raise ValueError(f"{path}: the DCP checkpoint holds no model state")
+    return state["model"]
 
 
 def capture_rng_state() -> dict[str, Any]:

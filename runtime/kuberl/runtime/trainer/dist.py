@@ -1,4 +1,4 @@
-"""torch.distributed plumbing of the trainer: process group, FSDP2 wrapping, broadcasts, full state dicts.
+"""torch.distributed plumbing of the trainer: process group, FSDP2 wrapping, broadcasts, state dicts (full and sharded).
 
 Called by `Trainer`. Works with world size 1 (no torchrun: a one-process gloo group on a free port) as
 well as under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT). gloo on CPU, NCCL on GPU,
@@ -10,16 +10,20 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from kuberl.net import free_port
@@ -164,6 +168,33 @@ def load_full_state(
     set_model_state_dict(model, model_sd, options=opts)
     if optimizer is not None and optim_sd is not None:
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+
+
+def save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank must call: each writes its own shards of the model and optimizer state into `folder` (DCP).
+
+    No rank ever holds the whole model or optimizer. Keys are parameter names (`model.layers.0...`), not
+    shard positions, so `load_sharded_state` can read the folder back at any world size. DCP fsyncs each
+    shard file, and rank 0 writes the `.metadata` index only after every rank reported its writes.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+
+
+def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Every rank must call: the model (and optimizer) state saved by `save_sharded_state` into this rank's shards.
+
+    DCP reshards: the folder may have been written by any number of ranks (1 -> 2, 2 -> 1, ...).
+    """
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+        set_model_state_dict(model, state["model"])
+        return
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout; initialises empty optimizer state
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def shutdown() -> None:

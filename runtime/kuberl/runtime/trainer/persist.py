@@ -18,6 +18,39 @@ from kuberl.runtime.trainer.weights import export_weights
 log = logging.getLogger("kuberl.trainer")
 
 
+def write_state(info: D.DistInfo, root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+    """Collective: the tensors of a checkpoint into `.tmp-step-N/` (not committed: `ck.commit_checkpoint` does that).
+
+    Every rank writes its own model and optimizer shards (DCP) and its RNG state; rank 0 the schedule.
+    Returns once every rank has finished writing (barrier), so rank 0 may commit.
+    """
+    if info.is_main:
+        ck.begin_checkpoint(root, step)
+    D.barrier(info)
+    tmp = ck.tmp_checkpoint_path(root, step)
+    ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
+    D.save_sharded_state(tmp, model, optimizer)
+    if info.is_main:
+        ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
+    D.barrier(info)
+    return tmp
+
+
+def read_state(info: D.DistInfo, path: Path, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: model and optimizer state of checkpoint `path` into this rank's shards, at any world size.
+
+    `sharded` (rank 0's `ck.is_sharded`, the same on every rank): DCP shards, which every rank reads and
+    reshards; else the full model.pt / optimizer.pt of an earlier version, which rank 0 reads and scatters.
+    """
+    if sharded:
+        D.load_sharded_state(path, model, optimizer)
+        return
+    model_sd = ck.read_torch(path, ck.MODEL_FILE) if info.is_main else {}
+    optim_sd = ck.read_torch(path, ck.OPTIMIZER_FILE) if info.is_main else {}
+    D.load_full_state(model, optimizer, model_sd, optim_sd)
+
+
 class PersistMixin:
     """Resume, train.publish_weights and train.checkpoint (collectives: every rank calls them)."""
 
@@ -26,14 +59,12 @@ class PersistMixin:
         # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files).
         found = None
         if main and (latest := ck.latest_checkpoint(self.ckpt_root)) is not None:
-            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"))
+            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"), ck.is_sharded(latest.path))
         found = D.broadcast_object(found, self.info)
         if found is None:
             return None
-        path, state, sched = found
-        model_sd = ck.read_torch(path, "model.pt") if main else {}
-        optim_sd = ck.read_torch(path, "optimizer.pt") if main else {}
-        D.load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+        path, state, sched, sharded = found
+        read_state(self.info, Path(path), sharded, self.model, self.optimizer)
         self.scheduler.load_state_dict(sched)
         rng = Path(path) / f"rng-rank{self.info.rank}.pt"
         if rng.is_file():  # absent when the world size grew since the checkpoint
@@ -60,25 +91,14 @@ class PersistMixin:
         await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
 
     async def stage_checkpoint(self, *, request: str | None = None) -> None:
-        """train.checkpoint: model, optimizer, schedule, RNG, ticket book; then ack the groups it covers."""
+        """train.checkpoint: model and optimizer shards, schedule, RNG, ticket book; then ack the groups it covers."""
         saved = request is None and bool(self.last_checkpoint) and self.last_checkpoint.get("step") == self.step and self._saved(self.step)
         if D.broadcast_object(saved, self.info):  # rank 0 decides: every rank must take the same path
             if self.info.is_main:
                 await self._ack_held()
             return  # this step is saved already (e.g. the end right after a periodic checkpoint)
-        model_sd = D.full_model_state(self.model)
-        optim_sd = D.full_optimizer_state(self.model, self.optimizer)
-        if self.info.is_main:
-            ck.begin_checkpoint(self.ckpt_root, self.step)
-        D.barrier(self.info)
-        tmp = self.ckpt_root / f"{ck.TMP_PREFIX}{ck.checkpoint_name(self.step)}"
-        ck.write_torch(tmp, f"rng-rank{self.info.rank}.pt", ck.capture_rng_state())
-        if self.info.is_main:
-            ck.write_torch(tmp, "model.pt", model_sd)
-            ck.write_torch(tmp, "optimizer.pt", optim_sd)
-            ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
-        D.barrier(self.info)
-        if self.info.is_main:
+        write_state(self.info, self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler)
+        if self.info.is_main:  # every rank has written its shards (write_state ends on a barrier)
             if request is not None:
                 self.answered_request = request
             info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
