@@ -181,16 +181,11 @@ def save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
 
 
-def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Every rank must call: the model (and optimizer) state saved by `save_sharded_state` into this rank's shards.
+def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank must call: the model and optimizer state saved by `save_sharded_state` into this rank's shards.
 
     DCP reshards: the folder may have been written by any number of ranks (1 -> 2, 2 -> 1, ...).
     """
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
-        set_model_state_dict(model, state["model"])
-        return
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout; initialises empty optimizer state
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
