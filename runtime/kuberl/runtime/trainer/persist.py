@@ -13,7 +13,7 @@ import torch
 
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.weights import export_weights
+from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_weights
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -80,14 +80,18 @@ class PersistMixin:
         return Path(path)
 
     async def stage_publish_weights(self) -> None:
-        """train.publish_weights: full state dict -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version."""
-        state = D.full_model_state(self.model)  # collective: every rank takes part
+        """train.publish_weights: full state dict (algorithm.lora: the adapter) -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version."""
+        lora = self.spec.algorithm.lora is not None
+        state = adapter_state(self.model) if lora else D.full_model_state(self.model)  # collective: every rank takes part
         if not self.info.is_main:
             return
         from kuberl.runtime.inference.main import engine_dtype  # the engine's compute dtype (float32 on CPU)
 
         dtype = getattr(torch, engine_dtype(self.spec))
-        path = export_weights(state, self.weights_root, self.version, source_dir=self.model_dir, dtype=dtype, keep=3)
+        if lora:
+            path = export_adapter(state, self.model.peft_config["default"], self.weights_root, self.version, dtype=dtype, keep=3)
+        else:
+            path = export_weights(state, self.weights_root, self.version, source_dir=self.model_dir, dtype=dtype, keep=3)
         await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
 
     async def stage_checkpoint(self, *, request: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Trainer set-up: process group, model (FSDP2), reference model, data set size, optimizer, schedule, ticket book.
+"""Trainer set-up: process group, model (FSDP2; PEFT LoRA adapters with algorithm.lora), reference model, data set size, optimizer, schedule, ticket book.
 
 A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
 """
@@ -16,6 +16,22 @@ from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
 from kuberl.runtime.trainer.tickets import TicketBook
 
 log = logging.getLogger("kuberl.trainer")
+
+
+def wrap_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
+    """The model wrapped with PEFT LoRA adapters (spec.algorithm.lora): base weights frozen, adapters trainable.
+
+    The adapters start as the identity (B = 0), so the wrapped model is the base model until the first update.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+    config = LoraConfig(r=lora.rank, lora_alpha=alpha, target_modules=list(lora.target_modules), lora_dropout=lora.dropout,
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise ValueError(f"algorithm.lora.targetModules {list(lora.target_modules)}: {exc}") from exc
 
 
 class SetUpMixin:
@@ -42,15 +58,23 @@ class SetUpMixin:
         param_dtype = getattr(torch, self.spec.model.dtype) if on_gpu else None
         torch.manual_seed(self.spec.seed)
 
-        def load() -> torch.nn.Module:
-            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.info.device)
-            return D.shard_model(m, self.info, param_dtype)
+        lora = self.spec.algorithm.lora
 
-        self.model = load()
+        def load(adapters: bool = False) -> torch.nn.Module:
+            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.info.device)
+            if not adapters:
+                return D.shard_model(m, self.info, param_dtype)
+            with spec_errors():  # a targetModules name the model does not have
+                peft_model = wrap_lora(m, lora)
+            D.shard_model(peft_model.get_base_model(), self.info, param_dtype)  # in place: shards the decoder layers
+            return peft_model
+
+        self.model = load(adapters=lora is not None)
         if self.spec.trainer.gradient_checkpointing:
+            # transformers' default is non-reentrant checkpointing: adapters get gradients behind frozen embeddings
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
-        if self.cfg.kl_coef > 0:
+        if self.cfg.kl_coef > 0:  # the initial policy: with LoRA, the base model (zero adapters)
             self.ref_model = load().eval().requires_grad_(False)
         with spec_errors():  # dataset.path missing, a row without promptField/answerField...
             items = load_items(self.spec.dataset, self.spec.seed)

@@ -3,6 +3,9 @@
 The Trainer calls `export_weights` on rank 0 with a full CPU state dict after each step; engines (vLLM,
 SGLang) and `load_weights` read the folder back. Written to a temporary folder and renamed, so a
 reader never sees half a version; only the newest `keep` versions stay.
+
+With algorithm.lora the version folder holds a PEFT adapter instead (`save_pretrained` layout:
+adapter_config.json + adapter_model.safetensors, see `export_adapter`), which vLLM hot-loads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's names (peft.utils.constants SAFETENSORS_WEIGHTS_NAME, CONFIG_NAME)
+ADAPTER_CONFIG = "adapter_config.json"
 # What an engine needs besides the tensors; copied from the source model folder when present.
 SIDE_FILES = (
     "config.json",
@@ -90,22 +95,77 @@ def export_weights(
             raise ValueError(f"weights v{version}: no config.json (pass source_dir with one, or config)")
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # a restarted trainer re-publishes a version it wrote before
-            old = root / f".old-v{version}-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        _commit_folder(tmp, final, root, version)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep is not None:
         prune_weights(root, keep, protect=version)
     return final
+
+
+def _commit_folder(tmp: Path, final: Path, root: Path, version: int) -> None:
+    """fsync every file of `tmp`, then rename it to `final` (replacing a version written before)."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # a restarted trainer re-publishes a version it wrote before
+        old = root / f".old-v{version}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls): the trainable (adapter) parameters, full and on CPU on rank 0, in PEFT's file names.
+
+    Only parameters with requires_grad are gathered (the frozen base model never leaves its shards); the
+    keys are what `PeftModel.save_pretrained` writes (`...q_proj.lora_A.weight`, the adapter name dropped).
+    Other ranks get an empty dict.
+    """
+    from peft.utils import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=opts)
+    if not state:
+        return {}
+    return get_peft_model_state_dict(model, state_dict=state)
+
+
+def export_adapter(state_dict: dict[str, torch.Tensor], peft_config: Any, root: str | Path, version: int, *,
+                   dtype: torch.dtype | None = None, keep: int | None = 3) -> Path:
+    """Write a PEFT adapter as `root/v{version}/` atomically (adapter_config.json + adapter_model.safetensors) and return it.
+
+    state_dict: `adapter_state`'s output; peft_config: the model's LoraConfig (`model.peft_config["default"]`).
+    """
+    if not state_dict:
+        raise ValueError(f"adapter v{version}: no adapter tensors (is the model wrapped with PEFT?)")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    tmp = root / f".tmp-v{version}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(_plain_tensors(state_dict, dtype), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+        peft_config.save_pretrained(str(tmp))
+        if not (tmp / ADAPTER_CONFIG).is_file():
+            raise ValueError(f"adapter v{version}: the PEFT config wrote no {ADAPTER_CONFIG}")
+        _commit_folder(tmp, final, root, version)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        prune_weights(root, keep, protect=version)
+    return final
+
+
+def is_adapter(path: str | Path) -> bool:
+    """Whether a version folder holds a PEFT adapter (LoRA) rather than full weights."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
