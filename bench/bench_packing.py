@@ -88,8 +88,9 @@ def main() -> None:
     for case, out_max in (("quickstart (outputs 1..16)", 16), ("ragged (outputs 1..200)", 200)):
         prompts, outputs = rows(out_max)
         lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
-        print(f"\n{case}: 64 rows, {sum(lens)} real tokens, padded slots {packing.padded_slots(lens)}, "
-              f"packed slots {packing.packed_slots(lens, False)} (rows of the longest), auto packs: {packing.use_packing('auto', lens, model)}")
+        print(f"\n{case}: 64 rows, {sum(lens)} real tokens; slots: padded {packing.padded_slots(prompts, outputs, False)}, "
+              f"shared {packing.padded_slots(prompts, outputs)}, packed {packing.packed_slots(lens, False)} (rows of the longest); "
+              f"auto packs: {packing.use_packing('auto', prompts, outputs, model)}")
         print(f"  {'layout':<12} {'prox ms':>9} {'update ms':>10}")
         for name in LAYOUTS:
             with mock.patch.object(packing, "varlen_attention", lambda m, one=name == "packed-1row": one):

@@ -176,13 +176,32 @@ class TestPlanning:
 
 class TestChoosing:
     def test_auto_packs_ragged_batches_and_pads_even_ones(self, model):
-        assert packing.use_packing("auto", [20] * 60 + [215] * 4, model) is True  # padding would feed ~4x the tokens
-        assert packing.use_packing("auto", [30, 28, 32, 31] * 16, model) is False
-        assert packing.use_packing("on", [30] * 4, model) is True and packing.use_packing("off", [20, 215], model) is False
+        def rows(out_lens, prompt_len=15, shared=False):
+            prompts = [[7] * prompt_len if shared else [i, 7] + [7] * (prompt_len - 2) for i in range(len(out_lens))]
+            return prompts, [[9] * n for n in out_lens]
+
+        ragged = [5] * 60 + [200] * 4  # padding (or the shared prompt's padded responses) would feed ~4x the tokens
+        assert packing.use_packing("auto", *rows(ragged), model) is True
+        assert packing.use_packing("auto", *rows(ragged, shared=True), model) is True
+        even = [15, 13, 16, 14] * 16
+        assert packing.use_packing("auto", *rows(even), model) is False
+        # Rows x longest (64 x 20) feed 1.6x the packed slots (40 rows of 20), but where one prompt is shared the
+        # shared path feeds 4 + 64 x 16 = 1028 < 1.3 x 800: it wins.
+        two = [1, 16] * 32
+        assert packing.use_packing("auto", *rows(two, prompt_len=4), model) is True
+        assert packing.use_packing("auto", *rows(two, prompt_len=4, shared=True), model) is False
+        assert packing.use_packing("on", *rows([3] * 4), model) is True and packing.use_packing("off", *rows([1, 200]), model) is False
+
+    def test_slots(self):
+        prompts, outputs = [[1, 2], [1, 2], [3]], [[5] * 4, [5], [5] * 2]
+        assert packing.padded_slots(prompts, outputs, share_prompts=False) == 3 * 6
+        assert packing.padded_slots(prompts, outputs) == 2 * 2 + 3 * 4  # two distinct prompts, responses to the longest
+        assert packing.packed_slots([6, 3, 3], varlen=True) == 12 and packing.packed_slots([6, 3, 3], varlen=False) == 12
+        assert packing.packed_slots([6, 4, 3], varlen=False) == 18
 
     def test_a_bad_mode_is_named(self, model):
         with pytest.raises(ValueError, match="trainer.packing must be one of auto, on, off, got 'yes'"):
-            packing.use_packing("yes", [3], model)
+            packing.use_packing("yes", [[1]], [[2]], model)
 
     def test_the_spec_field_refuses_other_values(self):
         from kuberl.api.roles import TrainerSpec

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kuberl.runtime.trainer.packing import is_fsdp as _is_fsdp
 from kuberl.runtime.trainer.packing import packed_logits
 
 
@@ -183,14 +184,6 @@ def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens
     return mine + [None] * (count - len(mine))
 
 
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def _pad(rows: Sequence[Sequence[int]], width: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [rows, width] long tensor of `rows` (cut at width) and its 0/1 mask."""
     ids = torch.full((len(rows), width), value, dtype=torch.long)
@@ -281,8 +274,7 @@ def response_logprobs(
         zeros = torch.zeros((len(outputs), max(width, 0)), device=device)
         return (zeros, zeros.clone()) if entropy else zeros
     if packed:
-        logits, row, col = packed_logits(model, prompts, outputs, width, device, pad_id)
-        targets = torch.tensor([outputs[r][c] for r, c in zip(row.tolist(), col.tolist())], dtype=torch.long, device=device)
+        logits, row, col, targets = packed_logits(model, prompts, outputs, width, device, pad_id)
         valid = None
     else:
         index: dict[tuple[int, ...], int] = {}

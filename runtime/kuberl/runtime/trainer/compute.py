@@ -49,7 +49,7 @@ class ComputeMixin:
 
     def _logprobs_all_rows(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], width: int) -> torch.Tensor:
         out = torch.zeros(batch.num_samples, width)
-        packed = use_packing(self.spec.trainer.packing, batch.seq_lens, model)
+        packed = use_packing(self.spec.trainer.packing, batch.prompts, batch.outputs, model)
         mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size, packed=packed)
         for mb in mbs:
             idx = mb if mb is not None else rows[:1]  # filler: same collectives, result discarded
@@ -83,7 +83,7 @@ class ComputeMixin:
         sums: dict[str, float] = {}
         token_total = 0.0
         grad_norms, losses = [], []
-        packed = use_packing(self.spec.trainer.packing, batch.seq_lens, self.model)
+        packed = use_packing(self.spec.trainer.packing, batch.prompts, batch.outputs, self.model)
         for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
             denom = loss_denominator(batch.loss_mask[rows], self.cfg)
             mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size,

@@ -49,9 +49,24 @@ def pack_rows(lens: Sequence[int], capacity: int | None) -> list[list[int]]:
     return rows
 
 
-def padded_slots(seq_lens: Sequence[int]) -> int:
-    """Token slots the padded layout feeds for these sequences: rows x longest."""
-    return len(seq_lens) * max(seq_lens, default=0)
+def is_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def padded_slots(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], share_prompts: bool = True) -> int:
+    """Token slots the unpacked path feeds: rows x longest sequence, or where rows share prompts (response_logprobs'
+    shared-prompt path) each distinct prompt padded to the longest plus rows x longest response."""
+    if not prompts:
+        return 0
+    padded = len(prompts) * max(len(p) + len(o) for p, o in zip(prompts, outputs))
+    distinct = {tuple(p) for p in prompts}
+    if share_prompts and len(distinct) < len(prompts):
+        padded = min(padded, len(distinct) * max(len(p) for p in distinct) + len(prompts) * max(len(o) for o in outputs))
+    return padded
 
 
 def packed_slots(seq_lens: Sequence[int], varlen: bool) -> int:
@@ -61,18 +76,19 @@ def packed_slots(seq_lens: Sequence[int], varlen: bool) -> int:
     return len(pack_rows(seq_lens, max(seq_lens))) * max(seq_lens)
 
 
-def use_packing(mode: str, seq_lens: Sequence[int], model: torch.nn.Module) -> bool:
-    """trainer.packing for one batch: on, off, or auto (pack when padding would feed AUTO_MIN_GAIN x the packed slots)."""
+def use_packing(mode: str, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], model: torch.nn.Module) -> bool:
+    """trainer.packing for one batch: on, off, or auto: pack when the unpacked path (padded, or shared-prompt where
+    groups share a prompt and the model is not FSDP) would feed AUTO_MIN_GAIN x the packed layout's token slots."""
     if mode not in PACKING_MODES:
         raise ValueError(f"trainer.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    packed = packed_slots(seq_lens, varlen_attention(model))
-    return packed > 0 and padded_slots(seq_lens) >= AUTO_MIN_GAIN * packed
+    packed = packed_slots([len(p) + len(o) for p, o in zip(prompts, outputs)], varlen_attention(model))
+    return packed > 0 and padded_slots(prompts, outputs, share_prompts=not is_fsdp(model)) >= AUTO_MIN_GAIN * packed
 
 
-def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits at every scored position, flat [K, V], with each one's (row, column) in the [rows, width] layout.
+def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at every scored position, flat [K, V], each one's (row, column) in the [rows, width] layout and its target token [K].
 
     Sequence i is fed as prompt_i + output_i[:n_i - 1] (n_i = scored tokens, its last token predicts nothing
     scored) at positions 0..; rows are right-filled with pad tokens that form a sequence of their own, which
@@ -86,7 +102,7 @@ def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch
     S = max(sum(lens[j] for j in b) for b in bins)
     ids = torch.full((len(bins), S), pad_id, dtype=torch.long)
     pos = torch.zeros((len(bins), S), dtype=torch.long)
-    where, rows, cols = [], [], []
+    where, rows, cols, targets = [], [], [], []
     for r, b in enumerate(bins):
         at = 0
         for j in b:
@@ -98,6 +114,7 @@ def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch
             where.append(r * S + torch.arange(first, first + n[i]))
             rows.append(torch.full((n[i],), i, dtype=torch.long))
             cols.append(torch.arange(n[i]))
+            targets.append(torch.tensor(list(outputs[i])[: n[i]], dtype=torch.long))
             at += L
         pos[r, at:] = torch.arange(S - at)
     flat = torch.cat(where)
@@ -107,4 +124,4 @@ def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch
         keep = torch.unique(flat % S)
         logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=keep.to(device)).logits
         logits = logits.reshape(-1, logits.shape[-1])[((flat // S) * keep.numel() + torch.searchsorted(keep, flat % S)).to(device)]
-    return logits, torch.cat(rows), torch.cat(cols)
+    return logits, torch.cat(rows), torch.cat(cols), torch.cat(targets).to(device)
