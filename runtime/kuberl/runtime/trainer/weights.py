@@ -132,7 +132,8 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model, options=opts)
     if not state:
         return {}
-    return get_peft_model_state_dict(model, state_dict=state)
+    # save_embedding_layers=False: only the adapters, never the (frozen) embedding matrices of lm_head / embed_tokens targets
+    return get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
 
 
 def export_adapter(state_dict: dict[str, torch.Tensor], peft_config: Any, root: str | Path, version: int, *,
