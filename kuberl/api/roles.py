@@ -117,7 +117,8 @@ class TrainerSpec(SchedulingSpec):
     packing: Literal["auto", "on", "off"] = Field("auto", description=(
         "Padding-free packing: each micro-batch's sequences back to back, position_ids restarting per sequence (flash-attn "
         "varlen on GPU; on sdpa/eager, rows as long as the longest sequence). on, off (pad to the longest; GRPO groups then "
-        "share their prompt's forward when not FSDP), or auto: pack when padding would feed at least 1.3x the packed tokens."))
+        "share their prompt's forward when not FSDP), or auto: pack when the unpacked path would feed at least 1.1x the "
+        "packed token slots (bench/bench_packing.py)."))
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
 
     @property

@@ -185,11 +185,12 @@ class TestChoosing:
         assert packing.use_packing("auto", *rows(ragged, shared=True), model) is True
         even = [15, 13, 16, 14] * 16
         assert packing.use_packing("auto", *rows(even), model) is False
-        # Rows x longest (64 x 20) feed 1.6x the packed slots (40 rows of 20), but where one prompt is shared the
-        # shared path feeds 4 + 64 x 16 = 1028 < 1.3 x 800: it wins.
+        # Rows x longest (64 x 28) feed 1.33x the packed slots (48 rows of 28: the 13-token sequences pair up), but
+        # where one prompt is shared the shared path feeds 12 + 64 x 16 = 1036 < 1.1 x 1344: it wins.
         two = [1, 16] * 32
-        assert packing.use_packing("auto", *rows(two, prompt_len=4), model) is True
-        assert packing.use_packing("auto", *rows(two, prompt_len=4, shared=True), model) is False
+        assert packing.packed_slots([12 + n for n in two], varlen=False) == 1344
+        assert packing.use_packing("auto", *rows(two, prompt_len=12), model) is True
+        assert packing.use_packing("auto", *rows(two, prompt_len=12, shared=True), model) is False
         assert packing.use_packing("on", *rows([3] * 4), model) is True and packing.use_packing("off", *rows([1, 200]), model) is False
 
     def test_slots(self):
