@@ -59,6 +59,16 @@ async def load(engine, path, version):
     await engine.resume()
 
 
+MID_CALL_TOKENS = 40  # the weight update is sent once the call has generated about this many tokens
+
+
+async def generated_tokens(engine) -> float:
+    """vLLM's count of tokens generated so far (its Prometheus counter), to time an update by progress."""
+    async with engine._http().get(engine.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
 def hf(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,24 +183,21 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
         r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item.prompt}], max_tokens=460)
         return float(r.choices[0].finish_reason == "length")
 
-    # No stop token: the call runs the whole budget, so the update can land mid-generation.
+    # No stop token: the call runs the whole budget, so the update can land mid-generation. The update is
+    # sent once vLLM's own counter of generated tokens shows the call under way: a fixed wait missed the
+    # window on a quiet machine, where the tiny model generates the 460 tokens in about 0.1 s.
     sampling = SamplingConfig(n=1, max_new_tokens=460, temperature=1.0, top_p=1.0, stop_token_ids=[], max_total_tokens=512)
-    # How long ~460 tokens take depends on the machine's load: the wait before the update adapts, shorter
-    # when the call had finished first, longer when the update landed before any token was generated.
-    delay, tries = 0.2, []
-    for _ in range(10):
+    tries = []
+    for _ in range(5):
         await load(engine, vllm_server.model_dir, 0)
         wf = AgentWorkflow(agent, tok, sampling, exact_match_reward, timeout_seconds=300, name="test")
         try:
+            base = await generated_tokens(engine)
             task = asyncio.create_task(wf.arun_episode(engine, Item(0, "Repeat the digit 7.", ""), EpisodeContext(ticket_id="m")))
-            for _ in range(3000):
-                if engine._in_flight or task.done():
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(delay)
+            while not task.done() and await generated_tokens(engine) - base < MID_CALL_TOKENS:
+                await asyncio.sleep(0.002)
             if task.done():
-                tries.append(f"{delay:.3f}s: finished first")
-                delay /= 2
+                tries.append("finished before the update")
                 continue
             await load(engine, vllm_server.other_weights, 1)
             (s,) = await asyncio.wait_for(task, 300)
@@ -198,8 +205,7 @@ async def test_a_weight_update_in_the_middle_of_a_call_continues_it_and_each_tok
             await wf.aclose()
         if set(s.versions) == {0, 1}:
             break
-        tries.append(f"{delay:.3f}s: versions {sorted(set(s.versions))}")
-        delay = delay * 2 if set(s.versions) == {1} else delay / 2
+        tries.append(f"versions {sorted(set(s.versions))}")
     else:
         pytest.fail(f"no attempt caught the call mid-generation: {tries}")
     assert s.num_turns == 1 and len(s.output_ids) == 460 and s.reward == 1.0 and all(s.loss_mask)
