@@ -271,3 +271,55 @@ class TestTrainerPacking:
         assert torch.allclose(prox_on, prox_off, atol=1e-5, rtol=0)
         assert st_on["tokens"] == st_off["tokens"] and st_on["loss"] == pytest.approx(st_off["loss"], abs=1e-5)
         assert all(torch.allclose(w_on[n], w_off[n], atol=1e-5) for n in w_off)
+
+
+FSDP_WORKER = '''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from kuberl.runtime.trainer.batch import response_logprobs
+from kuberl.runtime.trainer.packing import is_fsdp
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+cfg = Qwen2Config(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True)
+model = Qwen2ForCausalLM(cfg).float()
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+assert is_fsdp(model)
+g = torch.Generator().manual_seed(3 + rank)  # each rank its own rows, as the trainer shards them
+prompts = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(6)]
+outputs = [torch.randint(3, 60, (int(torch.randint(0, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(6)]
+width = max(len(o) for o in outputs)
+res = []
+for packed in (False, True):
+    model.zero_grad(set_to_none=True)
+    lp, ent = response_logprobs(model, prompts, outputs, width, entropy=True, packed=packed)
+    (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+    res.append((lp.detach(), ent, {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}))
+(a, ea, ga), (b, eb, gb) = res
+d = max((a - b).abs().max().item(), (ea - eb).abs().max().item(), max((ga[k] - gb[k]).abs().max().item() for k in ga))
+print(f"rank {rank} max diff {d:.3e} grad sum {sum(float(v.abs().sum()) for v in ga.values()):.3e}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_packed_equals_padded_under_fsdp2_on_two_gloo_ranks(tmp_path):
+    """FSDP2 (what trainer ranks run; no shared-prompt path there): packed rows give the padded path's log-probs,
+    entropies and full (all-reduced) gradients on every rank."""
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "fsdp_packing_worker.py"
+    script.write_text(FSDP_WORKER)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = re.findall(r"rank (\d) max diff (\S+) grad sum (\S+)", proc.stdout)
+    assert sorted(r for r, _, _ in diffs) == ["0", "1"], proc.stdout
+    for _, d, gsum in diffs:
+        assert float(d) < 1e-5 and float(gsum) > 0
