@@ -47,8 +47,19 @@ LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+# vLLM 0.32 loads adapters on a decoder's linear projections only: an adapter on the vocabulary layers fails to load
+# ("expected target modules in {q_proj, ...} but received ['lm_head', ...]", measured on the tiny Qwen2).
+LORA_UNSERVED_TARGETS = ("lm_head", "embed_tokens")
+LORA_TARGET_UNSERVED = ("algorithm.lora.targetModules: vLLM serves LoRA adapters on the linear projections only (q_proj ... down_proj), "
+                        "not on lm_head or embed_tokens")
+
+
 class LoRASpec(KubeModel):
     """Low-rank adapters (PEFT LoRA): the trainer trains only the adapters and publishes them; engines hot-load them."""
+
+    model_config = _cel(
+        ("!has(self.targetModules) || !self.targetModules.exists(m, m.endsWith('lm_head') || m.endsWith('embed_tokens'))", LORA_TARGET_UNSERVED),
+    )
 
     rank: int = Field(ge=1, le=max(VLLM_LORA_RANKS), description="Adapter rank r (vLLM serves ranks up to 512).")
     alpha: float = Field(gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha / rank.")
@@ -56,6 +67,12 @@ class LoRASpec(KubeModel):
         default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1, max_length=64,
         description="Module names (suffixes) that get an adapter; default: every attention and MLP projection of a Qwen2/Llama-style model.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input during the update (0: trains exactly the sampled policy).")
+
+    @model_validator(mode="after")
+    def _served(self) -> LoRASpec:
+        if any(m.endswith(LORA_UNSERVED_TARGETS) for m in self.target_modules):
+            raise ValueError(LORA_TARGET_UNSERVED)
+        return self
 
 
 LORA_NEEDS_VLLM = ("algorithm.lora needs rollout.engine vllm: KubeRL hot-loads adapters through vLLM's LoRA endpoints only "

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from kuberl.api import RLExperiment, RLExperimentSpec
-from kuberl.api.algorithm import LORA_NEEDS_VLLM
+from kuberl.api.algorithm import LORA_NEEDS_VLLM, LORA_TARGET_UNSERVED
 from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
@@ -212,6 +212,8 @@ AGREEMENT_CASES = [
     ("nucleus sampling", {"algorithm": {"topP": 0.8}}, TOP_P_UNSUPPORTED),
     ("lora on vllm", {"algorithm": {"lora": {"rank": 8, "alpha": 16}}}, None),
     ("lora on sglang", {"algorithm": {"lora": {"rank": 8, "alpha": 16}}, "rollout": {"engine": "sglang"}}, LORA_NEEDS_VLLM),
+    ("lora on the lm_head", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "lm_head"]}}}, LORA_TARGET_UNSERVED),
+    ("lora on the embeddings", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["model.embed_tokens"]}}}, LORA_TARGET_UNSERVED),
     ("topP 1", {"algorithm": {"topP": 1.0}}, None),
     ("reinforce++ with one sample", {"algorithm": {"name": "reinforce++", "samplesPerPrompt": 1}}, None),
     ("autoscaling min above max", {"rollout": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}, "rollout.autoscaling.minReplicas must be <= maxReplicas"),

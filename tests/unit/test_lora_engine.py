@@ -64,6 +64,7 @@ class TestAdmission:
         ({"rank": 8, "alpha": 16, "targetModules": ["q_proj", ""]}, "spec.algorithm.lora.targetModules[1]", "at least 1 chars"),
         ({"rank": 8, "alpha": 16, "dropout": 1.0}, "spec.algorithm.lora.dropout", "less than 1"),
         ({"alpha": 16}, "spec.algorithm.lora.rank", "Required value"),
+        ({"rank": 8, "alpha": 16, "targetModules": ["q_proj", "lm_head"]}, "spec.algorithm.lora", "not on lm_head or embed_tokens"),
     ])
     def test_bad_lora_fields_are_refused_with_their_path(self, lora, field, words):
         errors = validate_manifest(manifest(algorithm={"lora": lora}))
