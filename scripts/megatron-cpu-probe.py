@@ -137,6 +137,7 @@ def config(tp, pp=1):
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, pipeline_dtype=torch.float32,
+        init_method_std=0.5,  # far from the uniform-logits init, so that a wrong weight layout shows in the loss
     )
 
 
@@ -288,7 +289,9 @@ def main():
         if losses and "loss_tp1" in state:
             # the schedule divides the reported per-microbatch loss by num_microbatches (2 here)
             assert abs(2 * losses[0] - state["loss_tp1"]) < 1e-4, f"PP=2 loss 2 x {losses[0]} != TP=1 loss {state['loss_tp1']}"
+        compared = bool(losses) and "loss_tp1" in state  # False on the first stage, or when step e failed
         return {"schedule": fb.__name__, "pp_rank": stage, "losses": [round(x, 5) for x in losses], "params_with_grad": grads,
+                "loss_checked_against_tp1": compared,
                 "local_params": sum(p.numel() for p in model.parameters())}
 
     run_step(res, "a_init_tp2", step_a)
