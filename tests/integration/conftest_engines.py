@@ -64,3 +64,14 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
 def vllm_instruct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """The Instruct-shaped model: tied embeddings, a chat template, Qwen2.5-Instruct's sampling defaults."""
     yield from _serve(tmp_path_factory, "tiny-qwen2-instruct")
+
+
+async def generated_tokens(engine) -> float:
+    """vLLM's count of tokens generated so far (its Prometheus counter `vllm:generation_tokens_total`).
+
+    Tests that must land a weight update mid-generation wait for this to move instead of sleeping: the tiny
+    model generates a few hundred tokens in about 0.1 s on a quiet machine, so fixed waits miss the window.
+    """
+    async with engine._http().get(engine.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))

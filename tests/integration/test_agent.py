@@ -13,6 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 import torch
+from conftest_engines import generated_tokens
 
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.vllm import VLLMEngine
@@ -60,13 +61,6 @@ async def load(engine, path, version):
 
 
 MID_CALL_TOKENS = 40  # the weight update is sent once the call has generated about this many tokens
-
-
-async def generated_tokens(engine) -> float:
-    """vLLM's count of tokens generated so far (its Prometheus counter), to time an update by progress."""
-    async with engine._http().get(engine.url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
 
 
 def hf(path):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import pytest_asyncio
+from conftest_engines import generated_tokens
 
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus, Ticket
@@ -87,11 +88,12 @@ def long_responses(tokenizer) -> RLVRWorkflow:
 
 async def generating(engine: VLLMEngine, run: asyncio.Task) -> None:
     """Wait until the agent's generations are running on the engine."""
+    base = await generated_tokens(engine)
     deadline = time.monotonic() + 60
-    while engine._in_flight == 0:
+    # A few tokens in, not a fixed wait: on a quiet machine the 8 responses finish in a fraction of a second.
+    while await generated_tokens(engine) - base < 8:
         assert not run.done() and time.monotonic() < deadline, "the agent never started generating"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)
+        await asyncio.sleep(0.002)
 
 
 async def pull_all(bus: Bus, n: int, timeout: float = 30.0):
