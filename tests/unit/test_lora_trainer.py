@@ -175,6 +175,11 @@ async def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_res
     t.step, t.version = 2, 2
     await t.stage_checkpoint()
     assert all(p.abs().sum() > 0 for n, p in trained.items() if ".lora_B." in n)
+    from kuberl.runtime.trainer import checkpoint as ck
+
+    saved = ck.read_model_state(ck.latest_checkpoint(t.ckpt_root).path)  # adapters only: the frozen base comes from spec.model
+    assert saved and all("lora_" in k for k in saved), sorted(k for k in saved if "lora_" not in k)[:3]
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in t.model.parameters() if p.requires_grad)
 
     again = make_trainer(tmp_path, tiny)  # a restarted trainer: fresh (zero-B) adapters, then _resume
     assert again.resumed_from is not None and again.step == 2

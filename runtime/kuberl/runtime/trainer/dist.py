@@ -170,6 +170,12 @@ def load_full_state(
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
 
+# Checkpoints hold what training changes: with algorithm.lora the adapters (and their optimizer state), never
+# the frozen base, which a restarted trainer loads from spec.model again. Without frozen parameters (full
+# fine-tuning) this is the whole model. Loading is non-strict only for the frozen keys this leaves out.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank must call: each writes its own shards of the model and optimizer state into `folder` (DCP).
 
@@ -177,7 +183,7 @@ def save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     shard positions, so `load_sharded_state` can read the folder back at any world size. DCP fsyncs each
     shard file, and rank 0 writes the `.metadata` index only after every rank reported its writes.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
 
 
@@ -186,10 +192,10 @@ def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: to
 
     DCP reshards: the folder may have been written by any number of ranks (1 -> 2, 2 -> 1, ...).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout; initialises empty optimizer state
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)  # the target layout; initialises empty optimizer state
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_TRAINED_ONLY)
 
 
 def shutdown() -> None:
