@@ -56,6 +56,8 @@ class KubeObjectStore(kmock.KubernetesEmulator):
     _log: dict[tuple[str, str, str], collections.deque] = attrs.field(factory=dict, init=False)
     _watchers: dict[tuple[str, str, str], set[Watcher]] = attrs.field(factory=dict, init=False)
     _uids: dict[str, tuple[tuple[str, str, str], str | None, str]] = attrs.field(factory=dict, init=False)
+    # The keys of `objects` per resource (live or soft-deleted), so a LIST reads its own kind, not every object stored.
+    _keys_by_type: dict[tuple[str, str, str], dict[tuple[Any, str | None, str], None]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         # No kmock fallbacks: every Kubernetes request is answered by StrictKubernetesEmulator._serve.
@@ -86,11 +88,16 @@ class KubeObjectStore(kmock.KubernetesEmulator):
             return None
         return copy.deepcopy(self.objects[key].raw)
 
-    def list_objects(self, rt_key: tuple[str, str, str], namespace: str | None = None) -> list[Obj]:
-        res = kmock.resource(*rt_key)
-        out = [copy.deepcopy(o.raw) for (r, ns, _), o in self.objects.items()
-               if r == res and not o.deleted and (namespace is None or ns == namespace)]
-        return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+    def list_objects(self, rt_key: tuple[str, str, str], namespace: str | None = None, *, copied: bool = True) -> list[Obj]:
+        """The live objects of one resource (in one namespace), sorted by namespace and name. copied=False
+        hands out the stored dicts themselves: only for a caller that serialises them before the next write."""
+        found = []
+        for key in self._keys_by_type.get(rt_key, {}):
+            o = self.objects[key]
+            if not o.deleted and (namespace is None or key[1] == namespace):
+                found.append((key[1] or "", key[2], o.raw))
+        found.sort(key=lambda t: (t[0], t[1]))
+        return [copy.deepcopy(raw) if copied else raw for _, _, raw in found]
 
     def _emit(self, rt: ResourceType, kind: str, obj: Obj) -> None:
         self._rv += 1
@@ -108,6 +115,7 @@ class KubeObjectStore(kmock.KubernetesEmulator):
             self.objects[key].history.append(copy.deepcopy(obj))
         else:
             self.objects[key] = copy.deepcopy(obj)
+            self._keys_by_type.setdefault(rt.key, {})[key] = None
         self._uids[meta["uid"]] = (rt.key, meta.get("namespace"), meta["name"])
         return obj
 
@@ -186,9 +194,11 @@ class KubeObjectStore(kmock.KubernetesEmulator):
         if self.validate_builtins and rt.crd is None:
             import kubernetes_validate
 
+            from kuberl.testing import builtin_schemas
+
             clean = {k: v for k, v in obj.items() if k != "status" or rt.status}
-            try:
-                kubernetes_validate.validate(clean, KUBE_VERSION, strict=strict)
+            try:  # kubernetes_validate.validate with its schemas and validators cached
+                builtin_schemas.validate(clean, KUBE_VERSION, strict=strict)
             except kubernetes_validate.ValidationError as exc:
                 where = ".".join(str(p) for p in getattr(exc, "absolute_path", [])) or "<root>"
                 raise ks.invalid(rt, name, [(where, exc.message)]) from None

@@ -8,6 +8,7 @@ the built-in kinds the operator updates. No I/O, no event loop: unit-tested on t
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import jsonpatch
@@ -230,6 +231,9 @@ class CrdAdmission:
         self.schema = schema
         self.validator = jsonschema.Draft202012Validator(_to_jsonschema(schema))
         self._cel_cache: dict[str, Any] = {}
+        # (schema node, rule, JSON of the value it checks) -> error message or None: a CEL rule is a pure function
+        # of its (schema-typed) value, and a status write re-validates the same spec every time.
+        self._cel_results: dict[tuple[int, str, str], str | None] = {}
 
     def admit(self, obj: Obj, strict_fields: bool) -> tuple[Obj, list[tuple[str, str]], list[str]]:
         """(pruned and defaulted object, errors as (field, message), unknown fields dropped)."""
@@ -258,19 +262,26 @@ class CrdAdmission:
         for rule in schema.get("x-kubernetes-validations", []):
             if "oldSelf" in rule["rule"]:
                 continue  # transition rules need the old object; creation-time admission skips them
-            prog = self._cel_cache.get(rule["rule"])
-            if prog is None:
-                env = celpy.Environment()
-                prog = self._cel_cache[rule["rule"]] = env.program(env.compile(rule["rule"]))
-            try:
-                # Typed by the schema, as the API server does (`type: number` is a double even when
-                # the JSON says 1): json_to_cel would make 1 an int and `self.topP == 1.0` fail to evaluate.
-                ok = bool(prog.evaluate({"self": to_cel(schema, value)}))
-            except Exception as exc:  # noqa: BLE001 - any evaluation error rejects, as in the API server
-                errors.append((path.lstrip(".") or "<root>", f"CEL rule {rule['rule']!r} failed to evaluate: {exc}"))
-                continue
-            if not ok:
-                errors.append((path.lstrip(".") or "<root>", rule.get("message") or f"failed rule: {rule['rule']}"))
+            memo_key = (id(schema), rule["rule"], json.dumps(value, sort_keys=True, default=repr))
+            if memo_key in self._cel_results:
+                failure = self._cel_results[memo_key]
+            else:
+                prog = self._cel_cache.get(rule["rule"])
+                if prog is None:
+                    env = celpy.Environment()
+                    prog = self._cel_cache[rule["rule"]] = env.program(env.compile(rule["rule"]))
+                try:
+                    # Typed by the schema, as the API server does (`type: number` is a double even when
+                    # the JSON says 1): json_to_cel would make 1 an int and `self.topP == 1.0` fail to evaluate.
+                    ok = bool(prog.evaluate({"self": to_cel(schema, value)}))
+                    failure = None if ok else (rule.get("message") or f"failed rule: {rule['rule']}")
+                except Exception as exc:  # noqa: BLE001 - any evaluation error rejects, as in the API server
+                    failure = f"CEL rule {rule['rule']!r} failed to evaluate: {exc}"
+                if len(self._cel_results) >= 20000:
+                    self._cel_results.clear()
+                self._cel_results[memo_key] = failure
+            if failure is not None:
+                errors.append((path.lstrip(".") or "<root>", failure))
         if isinstance(value, dict):
             for key, sub in (schema.get("properties") or {}).items():
                 if key in value:
