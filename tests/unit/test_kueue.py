@@ -16,6 +16,7 @@ from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import handlers, kueue
 from kuberl.operator import lifecycle as h
 from kuberl.operator.builders import common
+from kuberl.operator.cache import Children, slim_kueue_workload, slim_workload
 from kuberl.operator.kube import KubeClient
 from kuberl.testing.emulator_server import EmulatorServer, default_crds
 from tests.unit.operator_run import run
@@ -57,6 +58,7 @@ def emu() -> Iterator[EmulatorServer]:
 def operator(emu: EmulatorServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(h.CONFIG, "kube", KubeClient(emu.url))
     monkeypatch.setattr(h.CONFIG, "bus", QuietBus())
+    monkeypatch.setattr(h.CONFIG, "cache", None)
     common.configure_images(None)
     yield
 
@@ -139,6 +141,82 @@ class TestQueuedExperiment:
                                            "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}, "suspend": True}})
         assert kueue.build_workload(exp)["spec"]["active"] is False
         assert kueue.gated(exp, None) is exp
+
+
+def requests(emu: EmulatorServer) -> list[tuple[str, str]]:
+    return emu.call(lambda e: [(str(getattr(r.method, "value", r.method)).upper(), r.url.path) for r in e._requests])
+
+
+def watch_caches(name: str) -> Children:
+    """The operator's watch caches (kopf indexes: key -> store of values) as kopf would hold them now."""
+    def one(kind: str, child: str, slim: Any) -> dict:
+        obj = get(kind, child)
+        return {(NS, child): [slim(obj)]} if obj is not None else {}
+
+    return Children({(NS, name): []}, {**one("StatefulSet", f"{name}-bus", slim_workload), **one("StatefulSet", f"{name}-rollout", slim_workload)},
+                    one("Job", f"{name}-trainer", slim_workload), one("Workload", f"{name}-workload", slim_kueue_workload))
+
+
+def counted_tick(emu: EmulatorServer, name: str, memo: dict) -> list[tuple[str, str]]:
+    """One monitor tick; the API requests it made."""
+    body = get("RLExperiment", name)
+    before = len(requests(emu))
+    run(handlers.monitor(body=body, status=body.get("status"), memo=memo, logger=LOG))
+    return requests(emu)[before:]
+
+
+class TestWatchCache:
+    """gate() reads the Workload from the watch cache: a queued experiment's tick costs no API request
+    (it used to GET the Workload on every tick, 0.2 requests/s per queued experiment, and to re-apply it
+    on every tick while Kueue had not reserved quota)."""
+
+    def test_a_queued_experiment_reads_no_api_per_tick_and_still_runs_when_admitted_and_stops_when_evicted(self, emu, operator) -> None:
+        create("c1", labels={kueue.QUEUE_LABEL: "team-k-queue"})
+        memo: dict = {}
+        reconcile("c1", memo)
+        assert get("Workload", "c1-workload")["spec"]["active"] is True
+        h.CONFIG.cache = watch_caches("c1")
+        tick("c1", memo)  # status settles (Suspended while queued)
+        made = []
+        for _ in range(5):  # pending in its queue: no quota reserved yet
+            made += counted_tick(emu, "c1", memo)
+        assert made == [], f"queued ticks made API requests: {made}"
+        assert running("c1") == (False, 0, 0)
+
+        kueue_sets("c1", "QuotaReserved", "Admitted")
+        h.CONFIG.cache = watch_caches("c1")  # the watch brings the admission
+        made = counted_tick(emu, "c1", memo)
+        assert running("c1") == (True, 2, 1)
+
+        kueue_sets("c1", "QuotaReserved", "Admitted", "Evicted")
+        h.CONFIG.cache = watch_caches("c1")
+        made += counted_tick(emu, "c1", memo)  # suspends and stops the pods
+        assert running("c1") == (False, 0, 0)
+        h.CONFIG.cache = watch_caches("c1")
+        last = counted_tick(emu, "c1", memo)  # the (cached) Job is suspended and has no active pod: the quota goes back
+        status = get("Workload", "c1-workload")["status"]
+        assert status.get("admission") is None
+        assert {c["type"]: c["status"] for c in status["conditions"]} == {"QuotaReserved": "False", "Admitted": "False", "Evicted": "True"}
+        assert [m for m, _ in last] == ["PATCH", "PATCH"], last  # the Workload's status and the experiment's: no read
+        reads = [p for m, p in made if m == "GET" and "/workloads" in p]
+        assert reads == [], f"the admit/evict ticks read the Workload from the API: {reads}"
+
+    def test_a_missing_workload_is_applied_at_once_and_a_pending_one_at_most_every_30s(self, emu, operator, monkeypatch) -> None:
+        create("c2", labels={kueue.QUEUE_LABEL: "team-k-queue"})
+        memo: dict = {}
+        reconcile("c2", memo)
+        run(h.kube().delete("Workload", NS, "c2-workload"))  # e.g. deleted by hand
+        h.CONFIG.cache = watch_caches("c2")
+        assert h.CONFIG.cache.workload(NS, "c2-workload") is None
+        memo.pop("kueue_applied", None)  # the operator restarted: nothing applied lately
+        tick("c2", memo)
+        assert get("Workload", "c2-workload") is not None
+        h.CONFIG.cache = watch_caches("c2")
+        assert not [p for _, p in counted_tick(emu, "c2", memo) if "/workloads" in p]
+        clock = kueue.time.monotonic() + kueue.REAPPLY_AFTER + 1
+        monkeypatch.setattr(kueue.time, "monotonic", lambda: clock)
+        # still pending 30 s later: applied again (it may have been changed behind the operator's back)
+        assert [m for m, p in counted_tick(emu, "c2", memo) if "/workloads" in p] == ["PATCH"]
 
 
 class TestManagedBy:

@@ -93,10 +93,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
 # Kueue (kuberl.operator.kueue): the Workload of an experiment labelled kueue.x-k8s.io/queue-name,
-# and its quota given back after an eviction. Harmless where Kueue is not installed.
+# and its quota given back after an eviction; list/watch for the operator's Workload cache. Harmless where Kueue is not installed.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]

@@ -1,4 +1,4 @@
-"""Watch-backed caches of the experiments' workloads and pods (kopf indexes), so a monitor tick reads no API.
+"""Watch-backed caches of the experiments' workloads, pods and Kueue Workloads (kopf indexes), so a monitor tick reads no API.
 
 kopf keeps each index current from one watch per resource (server-side filtered on the
 kuberl.io/experiment label: main.configure_settings) and invokes no resource handler before every
@@ -10,6 +10,11 @@ GET/LIST when no cache is bound (unit tests driving the lifecycle directly).
 
 A cache can lag the operator's own write by one watch event: status computed right after an apply may
 still show the old child. The next tick (and a phase change is written at once) corrects it.
+
+Kueue Workloads (kuberl.operator.kueue) are indexed the same way. Without Kueue's CRD kopf finds no
+`workloads.kueue.x-k8s.io` in discovery: it starts no watch for it, logs that the resource is not
+served, and does not wait for that index (kopf only waits for indexes of resources it watches), so the
+index is simply empty; should the CRD be installed later, kopf's CRD watch starts the Workload watch.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import kopf
 from kuberl.operator.labels import EXPERIMENT_LABEL
 
 POD_INDEX, STATEFULSET_INDEX, JOB_INDEX = "kuberl_pods", "kuberl_statefulsets", "kuberl_jobs"
-# Server-side label selector of the three watches (kopf settings.watching.label_selectors).
-WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL}
+WORKLOAD_INDEX = "kuberl_kueue_workloads"
+# Server-side label selector of the watches (kopf settings.watching.label_selectors).
+WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL,
+           ("kueue.x-k8s.io", "workloads"): EXPERIMENT_LABEL}
 _LABELLED = {EXPERIMENT_LABEL: kopf.PRESENT}
 _META_KEYS = ("name", "namespace", "uid", "labels", "generation", "resourceVersion")
 
@@ -46,6 +53,14 @@ def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": spec, "status": dict(body.get("status") or {})}
 
 
+def slim_kueue_workload(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Kueue Workload as kuberl.operator.kueue.gate reads it: spec.active and queueName, the status
+    (conditions, admission); no pod templates."""
+    spec = {k: v for k, v in (body.get("spec") or {}).items() if k != "podSets"}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": _meta(body),
+            "spec": spec, "status": dict(body.get("status") or {})}
+
+
 @kopf.index("pods", labels=_LABELLED, id=POD_INDEX)
 def kuberl_pods(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return {(namespace, labels[EXPERIMENT_LABEL]): slim_pod(body)}
@@ -61,11 +76,17 @@ def kuberl_jobs(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[st
     return {(namespace, name): slim_workload(body)}
 
 
-class Children:
-    """Read access to the three indexes (kopf.Index: key -> a store of values)."""
+@kopf.index("kueue.x-k8s.io", "v1beta1", "workloads", labels=_LABELLED, id=WORKLOAD_INDEX)
+def kuberl_kueue_workloads(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, name): slim_kueue_workload(body)}
 
-    def __init__(self, pods: Any, statefulsets: Any, jobs: Any):
-        self._pods, self._sts, self._jobs = pods, statefulsets, jobs
+
+class Children:
+    """Read access to the indexes (kopf.Index: key -> a store of values). `workloads` is None where no
+    Workload index is bound (then kueue.gate reads the API)."""
+
+    def __init__(self, pods: Any, statefulsets: Any, jobs: Any, workloads: Any = None):
+        self._pods, self._sts, self._jobs, self._workloads = pods, statefulsets, jobs, workloads
 
     @staticmethod
     def _one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -82,8 +103,16 @@ class Children:
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._one(self._jobs, (namespace, name))
 
+    @property
+    def has_workloads(self) -> bool:
+        return self._workloads is not None
+
+    def workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The cached Kueue Workload (None when absent, or when no Workload index is bound)."""
+        return None if self._workloads is None else self._one(self._workloads, (namespace, name))
+
 
 def bind(config: Any, kwargs: Mapping[str, Any]) -> None:
     """Point `config.cache` at kopf's indexes (passed to every handler as keyword arguments), once."""
     if config.cache is None and all(k in kwargs for k in (POD_INDEX, STATEFULSET_INDEX, JOB_INDEX)):
-        config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX])
+        config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX], kwargs.get(WORKLOAD_INDEX))

@@ -1,6 +1,8 @@
 """Kueue: an RLExperiment labelled `kueue.x-k8s.io/queue-name` is queued as one Kueue Workload.
 
-Called by kuberl.operator.handlers (`gate` on every reconcile and monitor tick). KubeRL is the
+Called by kuberl.operator.handlers (`gate` on every reconcile and monitor tick). The Workload is read
+from the operator's watch cache (kuberl.operator.cache), so a queued experiment's tick reads no API;
+it is applied when it is missing, changed, or still waits for quota (then at most every 30 s). KubeRL is the
 Workload's job integration, as Kueue's own Job or KubeRay's RayJob integrations are: it creates a
 Workload with one PodSet per role (bus servers, rollout replicas, trainer nodes, each with its pod
 template so Kueue counts their requests), owned by the experiment, and keeps the experiment
@@ -15,7 +17,9 @@ pods, and autoscaling beyond the admitted rollout count is not requested from Ku
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
@@ -91,29 +95,61 @@ def released(workload: Obj) -> Obj:
     return {"admission": None, "conditions": conditions}
 
 
+# How long a Workload just applied is not applied again while the watch cache does not show it yet, or
+# shows it without quota reserved (pending in its queue): one apply per 30 s at most, not one per tick.
+REAPPLY_AFTER = 30.0
+
+
+def _applied_key(built: Obj) -> str:
+    return json.dumps([built["metadata"], built["spec"]], sort_keys=True, default=str)
+
+
+def applied_recently(memo: Any, built: Obj) -> bool:
+    """Whether this very Workload (same metadata and spec) was applied less than REAPPLY_AFTER seconds ago."""
+    last = memo.get("kueue_applied")
+    return last is not None and last[0] == _applied_key(built) and time.monotonic() - last[1] < REAPPLY_AFTER
+
+
+async def current_workload(namespace: str, name: str, memo: Any) -> Obj | None:
+    """The experiment's Workload from the watch cache (kuberl.operator.cache, no API read), or from the
+    API where no Workload index is bound (unit tests driving the handlers without kopf)."""
+    from kuberl.operator.lifecycle import CONFIG, kube
+
+    cache = CONFIG.cache
+    if cache is not None and cache.has_workloads:
+        return cache.workload(namespace, name)
+    return await kube().get("Workload", namespace, name)
+
+
 async def gate(body: Any, exp: RLExperiment, status: Any, memo: Any) -> RLExperiment:
     """For a queued experiment: make sure its Workload exists, apply the children when Kueue has just
     admitted it, give the quota back once an evicted one has stopped; returns `gated(exp, workload)`."""
     if queue_name(exp) is None:
         return exp
     from kuberl.operator.kube import KubeError, own_child
-    from kuberl.operator.lifecycle import apply_children, kube
+    from kuberl.operator.lifecycle import CONFIG, apply_children, kube
     from kuberl.operator.rules import suspend_applied
 
     name = workload_name(exp)
-    workload = await kube().get("Workload", exp.namespace, name)
+    workload = await current_workload(exp.namespace, name, memo)
     built = own_child(build_workload(exp), body)
-    if workload is None or workload["spec"].get("active") != built["spec"]["active"] or not condition(workload, "QuotaReserved"):
+    stale = workload is None or workload["spec"].get("active") != built["spec"]["active"] or not condition(workload, "QuotaReserved")
+    if stale and applied_recently(memo, built):
+        stale = False  # applied moments ago: the watch has not brought it back yet (or Kueue has not reserved quota)
+    if stale:
         try:  # podSets are immutable once Kueue reserved quota: only a pending Workload is re-applied
             workload = await kube().apply(built)
         except KubeError as exc:
             log.warning("%s/%s: Workload %s not applied: %s", exp.namespace, exp.name, name, exc)
+        memo["kueue_applied"] = (_applied_key(built), time.monotonic())
     out = gated(exp, workload)
     now_admitted = admitted(workload)
     if now_admitted and memo.get("kueue_admitted") is False:
         await apply_children(body, out, dict(status or {}), memo)  # resume: Kueue let it in
     if condition(workload, "Evicted") and condition(workload, "QuotaReserved"):
-        job = await kube().get("Job", exp.namespace, naming.trainer_name(exp))
+        cache = CONFIG.cache
+        job = (cache.job(exp.namespace, naming.trainer_name(exp)) if cache is not None
+               else await kube().get("Job", exp.namespace, naming.trainer_name(exp)))
         if suspend_applied(out, job, memo) and not ((job or {}).get("status") or {}).get("active"):
             await kube().patch("Workload", exp.namespace, name, {"status": released(workload)}, subresource="status")
     memo["kueue_admitted"] = now_admitted

@@ -1,0 +1,111 @@
+"""The operator's Kueue Workload cache with the real operator (kopf) against the strict API emulator.
+
+Without Kueue's CRD (`workloads.kueue.x-k8s.io` absent from discovery) kopf must start, serve every
+experiment (its Workload index must not hold the handlers back) and stay up; a queued experiment waits.
+Once the CRD is installed kopf starts the Workload watch by itself: the queued experiment's Workload is
+created, Kueue's admission (written here, as Kueue's controllers do) reaches the operator through the
+watch, and the experiment runs, all without the operator ever GETting the Workload (it used to read
+it on every monitor tick, 0.2 requests/s per queued experiment).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from kuberl.testing.emulator_server import EmulatorServer, default_crds
+from kuberl.testing.operator_process import OperatorProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+NS = "default"
+RLX = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}/rlexperiments"
+WORKLOADS = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
+WORKLOAD_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "workloads.kueue.x-k8s.io"},
+    "spec": {"group": "kueue.x-k8s.io", "scope": "Namespaced",
+             "names": {"plural": "workloads", "singular": "workload", "kind": "Workload", "listKind": "WorkloadList"},
+             "versions": [{"name": "v1beta1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                               "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+}
+
+
+class Api:
+    def __init__(self, emu: EmulatorServer, op: OperatorProcess):
+        self.emu, self.op, self.http = emu, op, requests.Session()
+
+    def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
+        r = self.http.request(method, self.emu.url + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})
+        assert r.status_code in (200, 201), f"{method} {path}: {r.status_code} {r.text[:500]}"
+        return r.json()
+
+    def get(self, path: str) -> Any:
+        r = self.http.get(self.emu.url + path)
+        return r.json() if r.status_code == 200 else None
+
+    def until(self, what: str, fn: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            assert self.op.alive, f"the operator died:\n{self.op.log_tail()}"
+            time.sleep(0.5)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n--- operator log ---\n{self.op.log_tail()}")
+
+    def operator_requests(self) -> list[tuple[str, str]]:
+        """(method, path) of every request the operator made (this test's own carry python-requests' User-Agent)."""
+        return self.emu.call(lambda e: [(str(getattr(r.method, "value", r.method)).upper(), r.url.path) for r in e._requests
+                                        if not (r.headers.get("User-Agent") or "").startswith("python-requests")])
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    tmp: Path = tmp_path_factory.mktemp("kueue")
+    with EmulatorServer(default_crds()) as emu:  # no Kueue CRD
+        kubeconfig = emu.write_kubeconfig(tmp / "kubeconfig")
+        with OperatorProcess(kubeconfig, tmp / "operator.log", interval=1.0) as op:
+            yield Api(emu, op)
+            assert op.alive, f"the operator died during the tests:\n{op.log_tail()}"
+
+
+def manifest(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name, "namespace": NS, "labels": labels or {}},
+            "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+                     "rollout": {"replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
+                     "trainer": {"accelerator": {"type": "cpu", "count": 1}}}}
+
+
+def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_through_the_watch(api: Api) -> None:
+    api.call("POST", RLX, manifest("plain"))
+    api.call("POST", RLX, manifest("queued", {"kueue.x-k8s.io/queue-name": "team-queue"}))
+    # kopf is not held back by the index of a resource the cluster does not serve
+    job = api.until("the plain experiment's trainer Job", lambda: api.get(f"/apis/batch/v1/namespaces/{NS}/jobs/plain-trainer"), 60)
+    assert job["spec"].get("suspend") is not True
+    queued = api.until("the queued experiment's (suspended) trainer Job", lambda: api.get(f"/apis/batch/v1/namespaces/{NS}/jobs/queued-trainer"), 60)
+    assert queued["spec"]["suspend"] is True
+    time.sleep(3)  # a few monitor ticks without Kueue
+    assert api.op.alive
+
+    api.call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WORKLOAD_CRD)
+    # kopf's CRD watch starts the Workload watch; the operator applies the missing Workload (at most 30 s after its failed try)
+    api.until("the queued experiment's Workload", lambda: api.get(f"{WORKLOADS}/queued-workload"), 90)
+    assert api.get(f"{WORKLOADS}/plain-workload") is None
+    status = {"conditions": [{"type": t, "status": "True", "reason": t, "message": "kueue", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+                             for t in ("QuotaReserved", "Admitted")], "admission": {"clusterQueue": "cq", "podSetAssignments": []}}
+    api.call("PATCH", f"{WORKLOADS}/queued-workload/status", {"status": status}, "application/merge-patch+json")
+    api.until("the admitted experiment's trainer Job running",
+              lambda: api.get(f"/apis/batch/v1/namespaces/{NS}/jobs/queued-trainer")["spec"].get("suspend") is False, 60)
+    time.sleep(3)
+    reads = [p for m, p in api.operator_requests() if m == "GET" and p.startswith(f"{WORKLOADS}/")]
+    assert reads == [], f"the operator read Workloads from the API instead of its watch cache: {reads[:5]} ({len(reads)})"
+    watches = [p for m, p in api.operator_requests() if m == "GET" and p.endswith("/workloads")]
+    assert watches, f"kopf never watched the Workloads: {[r for r in api.operator_requests() if 'workloads' in r[1]]}"
