@@ -44,9 +44,10 @@ class Lease(Generic[T]):
         # Retried through a bus outage (a restarted nats-server keeps the consumer's state): acking twice
         # is harmless (the server confirms it again), a lost ack would redeliver.
         outage = self._outage or Outage(self._msgs[0]._client, 15.0)
+        per_try = min(5.0, outage.publish_timeout)  # a try longer than the server is given would outlive the call
         for m in self._msgs:  # the head message first: a crash midway leaves only orphan chunks
             m._ackd = False  # nats-py refuses a second ack_sync of a message it thinks acked
-            await retry(outage, "the bus", f"ack {self.value!r:.60}", lambda m=m: m.ack_sync(timeout=5.0))
+            await retry(outage, "the bus", f"ack {self.value!r:.60}", lambda m=m: m.ack_sync(timeout=per_try))
 
     async def nak(self, delay: float | None = None) -> None:
         """Give it back for redelivery (after `delay` seconds)."""

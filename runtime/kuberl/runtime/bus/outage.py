@@ -77,9 +77,12 @@ class Outage:
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
 
-    def deadline(self, started: float) -> float:
+    def deadline(self, started: float, tried: float | None = None) -> float:
+        """When a call begun at `started` gives up, its last try having begun at `tried`. A try sent before
+        the connection last came back may have been lost with the old connection (a request buffered while
+        reconnecting, answered by nobody): it never counts, so the server always gets a whole try after it is back."""
         cap = started + max(self.outage, self.publish_timeout)
-        if not self.connected and not self.nc.is_closed:
+        if not self.connected and not self.nc.is_closed or tried is not None and tried < self.back_at:
             return cap
         return min(cap, max(started, self.back_at) + self.publish_timeout)
 
@@ -101,6 +104,7 @@ async def retry(outage: Outage, url: str, what: str, fn: Callable[[], Awaitable[
     started = time.monotonic()
     delay = 0.1
     while True:
+        tried = time.monotonic()
         try:
             return await fn()
         except nats.js.errors.ServiceUnavailableError as exc:
@@ -126,7 +130,7 @@ async def retry(outage: Outage, url: str, what: str, fn: Callable[[], Awaitable[
             raise
         except nats.js.errors.APIError as exc:
             raise BusError(f"{what}: {getattr(exc, 'description', None) or exc} (code {getattr(exc, 'err_code', None)})") from None
-        if outage.nc.is_closed or time.monotonic() + delay > outage.deadline(started):
+        if outage.nc.is_closed or time.monotonic() + delay > outage.deadline(started, tried):
             raise BusError(f"{what}: bus at {url} {outage.why()} ({failure})") from None
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
