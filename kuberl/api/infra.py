@@ -8,10 +8,24 @@ from pydantic import Field, model_validator
 
 from kuberl.api.base import KubeModel, Quantity, ResourceRequirements, SecretKeyRef, _cel, _check_quantity
 
+BROADCAST_NEEDS_VLLM = ("weightSync.mode broadcast needs rollout.engine vllm: the engines receive through a vLLM worker extension "
+                        "(SGLang's update_weights_from_distributed is not wired up)")
+BROADCAST_NO_LORA = "weightSync.mode broadcast sends full weights: with algorithm.lora use weightSync.mode disk or bus (adapters are hot-loaded from files)"
+
 
 class WeightSyncSpec(KubeModel):
-    mode: Literal["disk", "bus"] = Field(
-        "disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store.")
+    mode: Literal["disk", "bus", "broadcast"] = Field(
+        "disk", description="disk: safetensors on the shared checkpoint volume (ReadWriteMany); bus: through a NATS object store; "
+        "broadcast: the trainer streams the parameters bucket by bucket over a torch.distributed group to every engine "
+        "(NCCL on GPU, gloo on CPU; no shared volume, no object store; vLLM only).")
+    bucket_mb: int = Field(256, ge=1, le=65536, alias="bucketMB",
+                           description="broadcast: MiB of parameters sent per collective (bigger: fewer round trips, more memory).")
+    port: int = Field(29600, ge=1024, le=65535, description="broadcast: the trainer's rendezvous port the engines connect to (TCPStore).")
+    join_timeout_seconds: int = Field(
+        10, ge=1, le=3600, description="broadcast: how long an update waits for the engines of the previous update to register; "
+        "later ones get the weights at the next step or as soon as the trainer waits for groups.")
+    timeout_seconds: int = Field(
+        300, ge=5, le=86400, description="broadcast: limit on each collective; a receiver that dies fails that update (it asks again); the trainer goes on.")
 
 
 class EmbeddedBusSpec(KubeModel):

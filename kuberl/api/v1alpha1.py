@@ -53,7 +53,17 @@ from kuberl.api.base import (
     _or,
 )
 from kuberl.api.evaluation import EvalProgress, EvaluationSpec
-from kuberl.api.infra import BusSpec, CheckpointSpec, EmbeddedBusSpec, ExternalBusSpec, FailurePolicySpec, TrainingSpec, WeightSyncSpec
+from kuberl.api.infra import (
+    BROADCAST_NEEDS_VLLM,
+    BROADCAST_NO_LORA,
+    BusSpec,
+    CheckpointSpec,
+    EmbeddedBusSpec,
+    ExternalBusSpec,
+    FailurePolicySpec,
+    TrainingSpec,
+    WeightSyncSpec,
+)
 from kuberl.api.pods import (
     OVERRIDE_ENV_MESSAGE,
     OVERRIDE_LABEL_MESSAGE,
@@ -193,6 +203,12 @@ class RLExperimentSpec(KubeModel):
         # the model with PEFT; the megatron backend is refused above, with or without LoRA.
         (f"!has(self.algorithm.lora) || (has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm')",
          LORA_NEEDS_VLLM, ".algorithm.lora"),
+        # weightSync.mode broadcast: engines receive through the vLLM worker extension; full weights only (no LoRA).
+        (f"!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast' || "
+         f"(has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm')",
+         BROADCAST_NEEDS_VLLM, ".weightSync.mode"),
+        (f"!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast' || !has(self.algorithm.lora)",
+         BROADCAST_NO_LORA, ".weightSync.mode"),
     )
 
     model: ModelSpec = Field(description="The policy model.")
@@ -241,6 +257,10 @@ class RLExperimentSpec(KubeModel):
         self.trainer.check()
         if self.algorithm.lora is not None and r.engine != "vllm":
             raise FieldError("spec.algorithm.lora", "set", LORA_NEEDS_VLLM)
+        if self.weight_sync.mode == "broadcast" and r.engine != "vllm":
+            raise FieldError("spec.weightSync.mode", "broadcast", BROADCAST_NEEDS_VLLM)
+        if self.weight_sync.mode == "broadcast" and self.algorithm.lora is not None:
+            raise FieldError("spec.weightSync.mode", "broadcast", BROADCAST_NO_LORA)
         return self
 
 

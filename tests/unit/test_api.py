@@ -11,6 +11,7 @@ from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.algorithm import LORA_NEEDS_VLLM, LORA_TARGET_UNSERVED
 from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
+from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
@@ -212,6 +213,9 @@ AGREEMENT_CASES = [
     ("nucleus sampling", {"algorithm": {"topP": 0.8}}, TOP_P_UNSUPPORTED),
     ("lora on vllm", {"algorithm": {"lora": {"rank": 8, "alpha": 16}}}, None),
     ("lora on sglang", {"algorithm": {"lora": {"rank": 8, "alpha": 16}}, "rollout": {"engine": "sglang"}}, LORA_NEEDS_VLLM),
+    ("broadcast on vllm", {"weightSync": {"mode": "broadcast"}}, None),
+    ("broadcast on sglang", {"weightSync": {"mode": "broadcast"}, "rollout": {"engine": "sglang"}}, BROADCAST_NEEDS_VLLM),
+    ("broadcast with lora", {"weightSync": {"mode": "broadcast"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, BROADCAST_NO_LORA),
     ("lora on the lm_head", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "lm_head"]}}}, LORA_TARGET_UNSERVED),
     ("lora on the embeddings", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["model.embed_tokens"]}}}, LORA_TARGET_UNSERVED),
     ("topP 1", {"algorithm": {"topP": 1.0}}, None),

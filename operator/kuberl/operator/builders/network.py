@@ -12,6 +12,8 @@ Called by builders.build_children and the kopf handlers (O2). Three policies, by
   the scrapers' namespaces (below).
 - trainer: from this experiment's trainer pods only, every port (torchrun's rendezvous store and
   the NCCL/gloo ports, which are chosen at run time); its metrics port from the scrapers' namespaces.
+weightSync.mode broadcast: trainer and rollout pods admit each other on every port (the weight-broadcast
+group's peers connect both ways on ports chosen at run time; the store is weightSync.port on trainer rank 0).
 Scrapers: the metrics ports only (read-only counters, no other port), from the namespaces named in
 $KUBERL_METRICS_NAMESPACES (comma-separated, read when the policies are built; set it with the chart's
 extraEnv), or from every namespace when it is unset.
@@ -100,17 +102,30 @@ def build_network_policy(exp: RLExperiment) -> Obj | None:
     ])
 
 
+def _broadcast_rule(exp: RLExperiment) -> list[Obj]:
+    """weightSync.mode broadcast: the trainer and the engines form gloo/NCCL groups, whose peers connect both ways
+    on ports chosen at run time: every port between this experiment's trainer and rollout pods."""
+    if exp.spec.weight_sync.mode != "broadcast":
+        return []
+    return [{"from": [{"podSelector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}},
+                      {"podSelector": {"matchLabels": L.selector_labels(exp, L.Role.ROLLOUT)}}]}]
+
+
 def build_rollout_network_policy(exp: RLExperiment) -> Obj:
-    """Ingress to the rollout pods: the engine port from this experiment's pods only; the agent's probe port (/metrics) from the scrapers."""
+    """Ingress to the rollout pods: the engine port from this experiment's pods only; the agent's probe port (/metrics) from the scrapers;
+    weightSync.mode broadcast: every port from the trainer and rollout pods."""
     return _policy(exp, naming.rollout_network_policy_name(exp), L.Role.ROLLOUT, [
         {"from": [{"podSelector": {"matchLabels": L.experiment_labels(exp)}}], "ports": [_port(naming.ENGINE_PORT)]},
         metrics_scrape_rule([naming.AGENT_HEALTH_PORT]),
+        *_broadcast_rule(exp),
     ])
 
 
 def build_trainer_network_policy(exp: RLExperiment) -> Obj:
-    """Ingress to the trainer pods: from this experiment's trainer pods on any port; the metrics port from the scrapers."""
+    """Ingress to the trainer pods: from this experiment's trainer pods on any port; the metrics port from the scrapers;
+    weightSync.mode broadcast: every port from the rollout pods too."""
     return _policy(exp, naming.trainer_network_policy_name(exp), L.Role.TRAINER, [
         {"from": [{"podSelector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}}]},
         metrics_scrape_rule([TRAINER_METRICS_PORT]),
+        *_broadcast_rule(exp),
     ])

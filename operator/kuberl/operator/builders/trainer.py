@@ -86,6 +86,20 @@ def tracking_env(exp: RLExperiment) -> list[Obj]:
     return [{"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}} for env, ref in (t.secret_env() if t else [])]
 
 
+WEIGHT_SYNC_PORT_NAME = "weight-sync"
+# The env kuberl.runtime.weight_sync.sender reads (the operator never imports the runtime): where engines reach rank 0's store.
+WEIGHT_SYNC_HOST_ENV = "KUBERL_WEIGHT_SYNC_HOST"
+WEIGHT_SYNC_PORT_ENV = "KUBERL_WEIGHT_SYNC_PORT"
+
+
+def weight_sync_env(exp: RLExperiment) -> list[Obj]:
+    """weightSync.mode broadcast: rank 0's pod DNS name and the store port, which the engines connect to (network.py admits them)."""
+    if exp.spec.weight_sync.mode != "broadcast":
+        return []
+    return [{"name": WEIGHT_SYNC_HOST_ENV, "value": naming.trainer_master_address(exp)},
+            {"name": WEIGHT_SYNC_PORT_ENV, "value": str(exp.spec.weight_sync.port)}]
+
+
 def build_trainer_job(exp: RLExperiment) -> Obj:
     """Indexed Job `{exp}-trainer`: completions = parallelism = trainer.nodes, suspended with the experiment."""
     t = exp.spec.trainer
@@ -102,11 +116,14 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
             *runtime_env(exp, bus_auth.TRAINER),
             *tracking_env(exp),
             {"name": METRICS_PORT_ENV, "value": str(METRICS_PORT)},
+            *weight_sync_env(exp),
         ],
         mounts=[{"name": "checkpoints", "mountPath": WORKDIR}, *data_mounts],
         resources=container_resources(t, t.accelerator),
         ports=[{"name": "rendezvous", "containerPort": naming.TRAINER_MASTER_PORT, "protocol": "TCP"},
-               {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}],
+               {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+               *([{"name": WEIGHT_SYNC_PORT_NAME, "containerPort": exp.spec.weight_sync.port, "protocol": "TCP"}]
+                 if exp.spec.weight_sync.mode == "broadcast" else [])],
     )
     job = {
         "apiVersion": "batch/v1",

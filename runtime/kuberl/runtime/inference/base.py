@@ -96,6 +96,10 @@ class InferenceEngine(Protocol):
         """Load Hugging Face safetensors from `path` in place (no restart); afterwards `version` == version."""
 
 
+# Engines that take `weightSync.mode: broadcast` also have `workers` (ranks they join with) and
+# `async update_weights_broadcast(assign)` (vllm.py); admission refuses broadcast for the others.
+
+
 # name -> "module:Class", imported lazily so the SGLang client never loads vLLM and vice versa.
 ENGINES: dict[str, str] = {
     "vllm": "kuberl.runtime.inference.vllm:VLLMEngine",

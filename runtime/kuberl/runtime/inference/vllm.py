@@ -4,7 +4,8 @@ Used by the rollout agent (`kuberl rollout`) and by `kuberl engine` (which only 
 Generation goes through /v1/completions with prompt token ids (exact output ids and the sampled
 tokens' logprobs); weight updates through the dev-mode endpoints (VLLM_SERVER_DEV_MODE=1):
 /pause?mode=abort, /abort_requests, /collective_rpc kuberl_reload_weights(weights_path) (vllm_worker.py:
-reload, then refresh tied LM heads), /reset_prefix_cache, /resume. With algorithm.lora the server starts with
+reload, then refresh tied LM heads), /reset_prefix_cache, /resume; weightSync.mode broadcast: /collective_rpc kuberl_receive_weights(assign) (the worker joins
+the trainer's torch.distributed group, reloads bucket by bucket). With algorithm.lora the server starts with
 --enable-lora and each update hot-loads the published adapter under its own name (kuberl-v{N}, through
 /v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), which generation then names as its `model`; older
 adapters are unloaded. Only the manifest decides sampling: the
@@ -266,6 +267,32 @@ class VLLMEngine(HTTPServerEngine):
         # One entry per worker: {"tied_layers": n, "refreshed": k} (vllm_worker.refresh_tied_layers).
         self.last_reload = body.get("results") if isinstance(body, dict) else body
         log.info("vLLM loaded weights v%d from %s in %.0f ms (%s)", version, path, 1000 * (time.monotonic() - started), self.last_reload)
+
+    # The /collective_rpc method that joins a weight broadcast (weightSync.mode broadcast; vllm_worker.py).
+    receive_method = "kuberl_receive_weights"
+
+    @property
+    def workers(self) -> int:
+        """vLLM workers of this engine: each joins a weight broadcast as its own rank."""
+        return int(self._launch.get("tensor_parallel_size", 1)) * int(self._launch.get("pipeline_parallel_size", 1))
+
+    async def update_weights_broadcast(self, assign: dict) -> None:
+        """Receive the trainer's broadcast `assign` (kuberl.runtime.weight_sync.broadcast) in place; call between pause() and resume()."""
+        started = time.monotonic()
+        try:
+            body = await self._post("/collective_rpc", json={"method": self.receive_method, "kwargs": {"assign": assign}})
+        except EngineError as exc:
+            if self.receive_method in str(exc) and "has no attribute" in str(exc):
+                raise EngineError(f"vLLM at {self.url} has no {self.receive_method} method: start it with `kuberl engine` or pass "
+                                  f"--worker-extension-cls {WORKER_EXTENSION}", status=exc.status) from exc
+            raise
+        await self._post("/reset_prefix_cache")  # cached KV was computed by the old weights
+        version = int(assign["version"])
+        self._version = version
+        self.served_model = SERVED_MODEL_NAME
+        self.last_reload = body.get("results") if isinstance(body, dict) else body
+        log.info("vLLM received weights v%d by broadcast (%s) in %.0f ms (%s)", version, assign.get("update"),
+                 1000 * (time.monotonic() - started), self.last_reload)
 
     async def load_adapter(self, path: str, version: int) -> None:
         """Hot-load the PEFT adapter in `path` as kuberl-v{version}, serve it, unload every other kuberl adapter.

@@ -5,7 +5,9 @@ keeps it in `layer.cpu_linear`; measured: oneDNN's handle does not see in-place 
 LM head shares embed_tokens' weight, so it is correct only if the reload re-packs the head as well.
 vLLM 0.32's layerwise reload does (measured with Qwen2); older versions did not. After every reload each
 layer that shares its weight with another is checked (its GEMM against the live weight) and re-packed
-if stale; a head still stale after that fails the reload. Imported in vLLM's worker: torch and vLLM only.
+if stale; a head still stale after that fails the reload. `kuberl_receive_weights` joins a weight broadcast
+(weightSync.mode broadcast, kuberl.runtime.weight_sync.broadcast) and feeds the received buckets to the same reload.
+Imported in vLLM's worker: torch, vLLM and that torch-only module.
 """
 
 from __future__ import annotations
@@ -55,3 +57,16 @@ class KubeRLWorkerExtension:
         """vLLM's reload_weights(weights_path), then check (and if need be re-pack) tied layers."""
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]  (the worker's own method)
         return refresh_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def kuberl_receive_weights(self, assign: dict) -> dict:
+        """Join the trainer's broadcast `assign` (broadcast.py) and reload the weights bucket by bucket as they arrive."""
+        from kuberl.runtime.weight_sync.broadcast import receive_weights
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        device = next(model.parameters()).device
+        stats: dict = {}
+        local_rank = int(getattr(self, "rank", 0) or 0)  # this worker among the engine's (tensor/pipeline parallel) workers
+        self.reload_weights(weights_iterator=receive_weights(assign, local_rank=local_rank, device=device, stats=stats))  # type: ignore[attr-defined]
+        if not stats.get("complete"):
+            raise RuntimeError(f"weight broadcast {assign.get('update')}: the reload stopped after {stats.get('buckets', 0)} buckets")
+        return {**stats, **refresh_tied_layers(model)}

@@ -129,12 +129,17 @@ class RolloutAgent:
         async with self._update_lock:
             version = int(w["version"])
             started = time.monotonic()
-            path = await self._weights_dir(w)  # download before pausing: generation goes on meanwhile
-            await self.engine.pause()
-            try:
-                await self.engine.update_weights_from_disk(path, version)
-            finally:
-                await self.engine.resume()
+            if w.get("mode") == "broadcast":  # ask the trainer, pause, receive, resume (weight_sync/agent_side.py)
+                from kuberl.runtime.weight_sync.agent_side import receive_broadcast
+
+                version = await receive_broadcast(self, w)
+            else:
+                path = await self._weights_dir(w)  # download before pausing: generation goes on meanwhile
+                await self.engine.pause()
+                try:
+                    await self.engine.update_weights_from_disk(path, version)
+                finally:
+                    await self.engine.resume()
             self._last_weights = w
             self.stats.weight_updates += 1
             self._progressed()

@@ -2,7 +2,7 @@
 
 Says in one place which bus objects the trainer touches (contracts.md): tickets out, groups in
 (acked after a checkpoint), KV `weights`/`policy_version`/`progress`/`tickets`/`control`, and the
-weights object store in `bus` sync mode.
+weights object store in `bus` sync mode (`broadcast` mode: only the record; the tensors go over weight_sync's group).
 """
 
 from __future__ import annotations
@@ -61,9 +61,18 @@ class TrainerBusIO:
     async def get_control(self) -> dict[str, Any]:
         return await self.bus.get_state(KEY_CONTROL) or {}
 
-    async def publish_weights(self, version: int, path: Path, *, mode: str) -> None:
-        """Make version `version` (already written to `path`) the one agents load, then bump policy_version."""
+    async def publish_weights(self, version: int, path: Path | None, *, mode: str, record: dict[str, Any] | None = None) -> None:
+        """Make version `version` (already written to `path`) the one agents load, then bump policy_version.
+
+        broadcast: no path; `record` (rendezvous, session, backend: weight_sync.sender) tells agents where to ask for the tensors."""
         obj = None
+        if mode == "broadcast":
+            if not record or "rendezvous" not in record or "session" not in record:
+                raise ValueError(f"weightSync.mode broadcast: the weights record needs rendezvous and session, got {record!r}")
+            now = time.time()
+            await self.bus.put_state(KEY_WEIGHTS, {"version": version, "mode": mode, "path": None, "object": None, **record, "time": now})
+            await self.bus.put_state(KEY_POLICY_VERSION, {"version": version})
+            return
         if mode == "bus":
             obj = await self.bus.put_weights(version, path)
             for prefix in await self.bus.list_weights():
@@ -72,7 +81,7 @@ class TrainerBusIO:
                 if old and not version - BUS_WEIGHTS_KEEP < int(prefix[1:]) <= version:
                     await self.bus.delete_weights(prefix)
         elif mode != "disk":
-            raise ValueError(f"weightSync.mode: {mode!r} is not disk or bus")
+            raise ValueError(f"weightSync.mode: {mode!r} is not disk, bus or broadcast")
         now = time.time()
         await self.bus.put_state(KEY_WEIGHTS, {"version": version, "mode": mode, "path": str(path) if mode == "disk" else None,
                                                "object": obj, "time": now})

@@ -71,7 +71,8 @@ class CollectMixin:
         """train.collect: pull until B usable groups; rejected and stale ones give their slot back (a new ticket).
 
         Returns the plan every rank follows: {"groups", "wait_seconds"}, or {"checkpoint_request"} (answer an
-        operator's request between steps), or {"stop"}.
+        operator's request between steps), {"weights_resync"} (weightSync.mode broadcast: send the current weights to
+        engines that asked, weight_sync/sender.py), or {"stop"}.
         """
         t0 = time.monotonic()
         last_seen = t0
@@ -91,6 +92,9 @@ class CollectMixin:
             request = control.get("checkpoint_request")
             if request and request != self.answered_request:
                 return {"checkpoint_request": request}
+            sender = getattr(self, "weight_sender", None)  # weightSync.mode broadcast: an engine asked for the weights
+            if sender is not None and sender.pending():
+                return {"weights_resync": True}
             got = await self.bus.fetch_groups(self.B - len(self.buffer), timeout=1.0)
             if got:
                 last_seen = time.monotonic()

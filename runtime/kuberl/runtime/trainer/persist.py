@@ -80,7 +80,13 @@ class PersistMixin:
         return Path(path)
 
     async def stage_publish_weights(self) -> None:
-        """train.publish_weights: full state dict (algorithm.lora: the adapter) -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version."""
+        """train.publish_weights: full state dict (algorithm.lora: the adapter) -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version.
+        broadcast: bucket by bucket to the engines over a group of their own (kuberl.runtime.weight_sync), no full state dict."""
+        if self.spec.weight_sync.mode == "broadcast":
+            from kuberl.runtime.weight_sync.sender import publish_broadcast
+
+            await publish_broadcast(self, new_version=True)
+            return
         lora = self.spec.algorithm.lora is not None
         state = adapter_state(self.model) if lora else D.full_model_state(self.model)  # collective: every rank takes part
         if not self.info.is_main:

@@ -182,6 +182,11 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin)
         if plan.get("stop"):
             self.stop_reason = plan["stop"]
             return False
+        if plan.get("weights_resync"):  # engines asked for the current weights (weightSync.mode broadcast)
+            from kuberl.runtime.weight_sync.sender import publish_broadcast
+
+            await publish_broadcast(self, new_version=False)
+            return True
         if plan.get("groups") is None:  # an operator's checkpoint request, answered between steps
             await self.stage_checkpoint(request=plan["checkpoint_request"])
             return True
