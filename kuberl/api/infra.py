@@ -37,8 +37,30 @@ class EmbeddedBusSpec(KubeModel):
 
 
 class ExternalBusSpec(KubeModel):
+    model_config = _cel(
+        ("!(has(self.credentialsSecret) && has(self.accountSigningKeySecret))",
+         "set bus.external.credentialsSecret (one token for every role) or bus.external.accountSigningKeySecret (a user per role), not both"),
+        ("!has(self.account) || has(self.accountSigningKeySecret)",
+         "bus.external.account names the account of bus.external.accountSigningKeySecret: set that too"),
+    )
     url: str = Field(description="NATS URL, e.g. nats://nats.nats.svc:4222.", pattern=r"^(nats|tls|ws|wss)://\S+$")
-    credentials_secret: SecretKeyRef | None = Field(None, description="Secret with a NATS credentials file (key default: token).")
+    credentials_secret: SecretKeyRef | None = Field(None, description="Secret with the NATS token every role of this experiment uses (key default: token).")
+    account_signing_key_secret: SecretKeyRef | None = Field(
+        None, description="Secret with a signing key seed (SA...) of the NATS account this experiment uses, on a NATS run in JWT mode "
+        "(operator/accounts, as nsc sets up). The operator mints each role (trainer, rollout) its own user, allowed only this "
+        "experiment's subjects, streams and replies, and gives each pod its role's credentials only. Read by the operator only.")
+    account: str | None = Field(
+        None, pattern=r"^A[A-Z2-7]{55}$",
+        description="Public key (A...) of the account when accountSigningKeySecret holds one of its signing keys rather than the account's own key.")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> ExternalBusSpec:
+        if self.credentials_secret is not None and self.account_signing_key_secret is not None:
+            raise ValueError("set bus.external.credentialsSecret (one token for every role) or bus.external.accountSigningKeySecret "
+                             "(a user per role), not both")
+        if self.account is not None and self.account_signing_key_secret is None:
+            raise ValueError("bus.external.account names the account of bus.external.accountSigningKeySecret: set that too")
+        return self
 
 
 class BusSpec(KubeModel):

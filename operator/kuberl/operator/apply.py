@@ -12,7 +12,7 @@ import secrets
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
-from kuberl.operator import naming
+from kuberl.operator import bus_users, naming
 from kuberl.operator.builders import build_children, build_rollout_statefulset
 from kuberl.operator.builders.immutable import keep_immutable_fields
 from kuberl.operator.builders.pinning import keep_pinned
@@ -110,8 +110,12 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
     done = finished(status, job, progress)
     retained = exp.spec.checkpoint.retain_policy == "Retain"
     created, failures = [], []
+    try:
+        users = await bus_users.users_for_children(exp)
+    except bus_users.BusUsersError as exc:  # a bad signing key: an ApplyFailed condition and event, no users Secret
+        users, failures = None, [str(exc)]
     for child in build_children(effective, bus_token=await bus_token_for_children(exp),
-                                engine_api_key=await engine_key_for_children(exp)):
+                                engine_api_key=await engine_key_for_children(exp), bus_users=users):
         if done and child["kind"] == "Job":
             continue  # a finished trainer is not started again
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):

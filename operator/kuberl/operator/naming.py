@@ -81,6 +81,12 @@ def bus_secret_name(exp: ExperimentRef) -> str:
     return _child(exp, "bus-credentials", OBJECT_NAME_MAX)
 
 
+def bus_users_secret_name(exp: ExperimentRef) -> str:
+    """Secret with keys `trainer.creds` and `rollout.creds`: the users the operator minted for this experiment
+    on a shared NATS (spec.bus.external.accountSigningKeySecret; builders.bus_auth)."""
+    return _child(exp, "bus-users", OBJECT_NAME_MAX)
+
+
 def engine_secret_name(exp: ExperimentRef) -> str:
     """Secret with key `apiKey`: the engines' API key (engines require it, agents send it)."""
     return _child(exp, "engine-credentials", OBJECT_NAME_MAX)

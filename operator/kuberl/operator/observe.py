@@ -6,18 +6,22 @@ Called by kuberl.operator.lifecycle (and kuberl.operator.pins for the bus endpoi
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
-from kuberl.operator import naming
+from kuberl.operator import bus_users, naming
 from kuberl.operator import status as st
 from kuberl.operator.builders import build_rollout_statefulset, build_trainer_job, bus_auth
 from kuberl.operator.builders.common import accelerator_resource
 from kuberl.operator.capacity import capacity_advisories
 from kuberl.operator.context import CONFIG, kube
 from kuberl.operator.labels import Reason
+from kuberl.operator.progress import Credentials
 from kuberl.operator.rules import decode_secret_value
+
+log = logging.getLogger("kuberl.operator")
 
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node
 # capacity is never one: a scale-from-zero pool starts only for pending pods (kuberl.operator.capacity).
@@ -26,7 +30,7 @@ BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND}
 
 
 
-async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, str | None]:
+async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, Credentials]:
     """URL and token the operator uses to read this experiment's bus KV; with `memo`, the token read
     from its Secret is kept for CONFIG.token_cache_seconds (no Secret GET per tick)."""
     if memo is None:
@@ -40,7 +44,14 @@ async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, str | 
     return found
 
 
-async def _bus_endpoint(exp: RLExperiment) -> tuple[str, str | None]:
+async def _bus_endpoint(exp: RLExperiment) -> tuple[str, Credentials]:
+    if bus_users.minting(exp):  # a shared NATS: the operator's own user of the account (None: no key yet)
+        seed = await bus_users.signing_key(exp)
+        try:
+            return exp.spec.bus.external.url, bus_users.operator_user(exp, seed) if seed else None  # type: ignore[union-attr]
+        except bus_users.BusUsersError as exc:  # reported by apply_children (ApplyFailed); progress stays unread
+            log.debug("%s", exc)
+            return exp.spec.bus.external.url, None  # type: ignore[union-attr]
     if exp.spec.bus.external is not None:
         ref = exp.spec.bus.external.credentials_secret
         token = decode_secret_value(await kube().get("Secret", exp.namespace, ref.name), ref.key) if ref else None

@@ -113,6 +113,8 @@ def referenced_secrets(exp: RLExperiment) -> list[tuple[str, str, str]]:
     ext = exp.spec.bus.external
     if ext is not None and ext.credentials_secret is not None:
         out.append(("spec.bus.external.credentialsSecret", ext.credentials_secret.name, ext.credentials_secret.key))
+    if ext is not None and ext.account_signing_key_secret is not None:  # read by the operator only, never by a pod
+        out.append(("spec.bus.external.accountSigningKeySecret", ext.account_signing_key_secret.name, ext.account_signing_key_secret.key))
     return out
 
 

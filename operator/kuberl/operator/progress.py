@@ -14,12 +14,25 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("kuberl.operator.progress")
+
+
+@dataclass(frozen=True)
+class NatsCreds:
+    """A NATS user's `.creds` file (JWT and seed) and the inbox prefix its permissions allow: the operator's
+    own user on a shared account (kuberl.operator.bus_users). Hashable: connections are kept per credential."""
+
+    text: str = field(repr=False)
+    inbox_prefix: str
+
+
 # How the operator authenticates to a bus: a token (an external bus's credentials Secret), a
-# (user, password) pair (the embedded bus's `operator` user, builders.bus_auth) or nothing.
-Credentials = str | tuple[str, str] | None
+# (user, password) pair (the embedded bus's `operator` user, builders.bus_auth), a minted user
+# (NatsCreds: a shared NATS with accountSigningKeySecret) or nothing.
+Credentials = str | tuple[str, str] | NatsCreds | None
 KEY_PROGRESS = "progress"
 KEY_CONTROL = "control"
 
@@ -40,7 +53,11 @@ async def _quiet_event() -> None:
     return None
 
 
-def _auth(credentials: Credentials) -> dict[str, str]:
+def _auth(credentials: Credentials) -> dict[str, Any]:
+    if isinstance(credentials, NatsCreds):
+        from nats.aio.client import RawCredentials
+
+        return {"user_credentials": RawCredentials(credentials.text), "inbox_prefix": credentials.inbox_prefix}
     if isinstance(credentials, tuple):
         return {"user": credentials[0], "password": credentials[1]}
     return {"token": credentials} if credentials else {}

@@ -11,6 +11,7 @@ from kuberl.operator.builders.bus import (
     build_bus_secret,
     build_bus_services,
     build_bus_statefulset,
+    build_bus_users_secret,
     render_nats_conf,
 )
 from kuberl.operator.builders.common import Obj, default_image
@@ -41,6 +42,7 @@ from kuberl.operator.builders.trainer import (
 
 __all__ = [
     "build_bus_secret",
+    "build_bus_users_secret",
     "build_bus_services",
     "build_bus_statefulset",
     "build_checkpoint_pvc",
@@ -67,7 +69,7 @@ __all__ = [
 
 
 def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None,
-                   engine_api_key: str | None = None) -> list[Obj]:
+                   engine_api_key: str | None = None, bus_users: dict[str, str] | None = None) -> list[Obj]:
     """Every child of `exp`, in apply order (what others depend on first).
 
     Order: ServiceAccount, ConfigMap, bus Secret, checkpoint PVC, bus Services, bus NetworkPolicy, bus
@@ -76,12 +78,15 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
     `bus_token` is given (embedded bus): the handlers generate the token once, create the Secret, and
     never rebuild it with a new token. The engine Secret (the engines' API key, read by the rollout pods)
     likewise comes only with `engine_api_key`, right before the rollout objects. `rollout_replicas` is
-    the autoscaler's choice (default: the spec).
+    the autoscaler's choice (default: the spec). `bus_users` (role -> .creds file, minted by the handlers on a
+    shared external NATS with accountSigningKeySecret) gives the users Secret, likewise generated once.
     """
     children: list[Obj] = [*build_rbac(exp), build_config_map(exp)]
     embedded = exp.spec.bus.external is None
     if embedded and bus_token is not None:
         children.append(build_bus_secret(exp, bus_token))
+    if not embedded and bus_users is not None:
+        children.append(build_bus_users_secret(exp, bus_users))
     pvc = build_checkpoint_pvc(exp)
     if pvc is not None:
         children.append(pvc)

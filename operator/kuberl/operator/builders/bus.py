@@ -167,6 +167,21 @@ def build_bus_secret(exp: RLExperiment, token: str) -> Obj:
     }, exp)
 
 
+def build_bus_users_secret(exp: RLExperiment, creds: dict[str, str]) -> Obj:
+    """Secret `{exp}-bus-users` (a shared external NATS): `{role}.creds` for the trainer and the rollout, each
+    a user minted for this experiment alone (kuberl.operator.nats_jwt); each pod reads its own key only."""
+    missing = [role for role in (bus_auth.TRAINER, bus_auth.ROLLOUT) if not creds.get(role)]
+    if missing:
+        raise ValueError(f"bus users Secret: no credentials for {', '.join(missing)}")
+    return pinning.stamp({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(exp, naming.bus_users_secret_name(exp), L.Component.BUS),
+        "type": "Opaque",
+        "stringData": {bus_auth.creds_key(role): creds[role] for role in (bus_auth.TRAINER, bus_auth.ROLLOUT)},
+    }, exp)
+
+
 def _probe(path: str, period: int, failures: int) -> Obj:
     return {
         "httpGet": {"path": path, "port": "monitor"},

@@ -142,3 +142,63 @@ def permissions(role: str, objects: BusObjects) -> dict[str, Any]:
             publish += [f"$JS.API.STREAM.INFO.{stream}", *_read(stream), f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>"]
         publish += [f"$KV.{o.kv_bucket}.{key}" for key in OPERATOR_KV_WRITES]
     return {"publish": {"allow": publish}, "subscribe": {"allow": [INBOX]}}
+
+
+# --- a shared NATS (spec.bus.external with accountSigningKeySecret): users minted per experiment ---------
+CREDS_ENV = "KUBERL_BUS_CREDS"  # the role's .creds file (user JWT and seed), from the users Secret
+INBOX_ENV = "KUBERL_BUS_INBOX"  # the reply-subject prefix of this experiment's clients
+
+
+def creds_key(role: str) -> str:
+    """The key of a role's credentials file in the users Secret: `trainer.creds`, `rollout.creds`."""
+    _check_role(role)
+    return f"{role}.creds"
+
+
+def inbox_prefix(objects: BusObjects) -> str:
+    """The experiment's own reply subjects (`_INBOX_<bucket>.<id>`): on a shared server the default
+    `_INBOX.>` would let every user subscribe to every other's replies (KV values, object chunks)."""
+    return f"_INBOX_{objects.kv_bucket}"
+
+
+def _own_stream(stream: str) -> list[str]:
+    """Everything JetStream offers on one stream and its consumers, nothing on any other stream."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.*.{stream}", f"{api}.STREAM.MSG.*.{stream}", f"{api}.CONSUMER.*.{stream}", f"{api}.CONSUMER.*.{stream}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>", f"{api}.DIRECT.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def shared_permissions(role: str, objects: BusObjects) -> dict[str, Any]:
+    """Permissions of a role's user on a NATS that other experiments share (one account, many runs).
+
+    Unlike the embedded bus's trainer (alone on its server, so `$JS.API.>`), every role here is
+    confined to this experiment's streams, KV bucket, object store and subjects, and replies come on
+    the experiment's own inbox prefix. `$JS.API.INFO` and `STREAM.NAMES` (nats-py's object-store
+    lookup) show account totals and stream names, never another experiment's data.
+    """
+    _check_role(role)
+    o = objects
+    if role == TRAINER:
+        publish = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", *(s for stream in o.streams for s in _own_stream(stream)),
+                   f"$KV.{o.kv_bucket}.>", f"$O.{o.weights_bucket}.>", f"{o.prefix}.>"]
+        perms = {"publish": {"allow": publish}}
+    elif role == ROLLOUT:
+        perms = permissions(role, objects)
+    else:
+        raise ValueError("the operator's own user on a shared NATS is account-wide: see operator_permissions()")
+    return {"publish": perms["publish"], "subscribe": {"allow": [f"{inbox_prefix(o)}.>"]}}
+
+
+def operator_permissions() -> dict[str, Any]:
+    """The operator's user on a shared account: reads every experiment's KV progress and metrics stream and
+    writes only `control` keys (one connection per NATS URL, whatever the number of experiments).
+    The operator holds the account signing key anyway; this user only keeps its connection to what it reads."""
+    api = "$JS.API"
+    publish = [f"{api}.INFO", f"{api}.STREAM.INFO.*", f"{api}.STREAM.MSG.GET.*", f"{api}.DIRECT.GET.*", f"{api}.DIRECT.GET.*.>",
+               f"{api}.CONSUMER.CREATE.*", f"{api}.CONSUMER.CREATE.*.>", f"{api}.CONSUMER.MSG.NEXT.*.>", f"{api}.CONSUMER.DELETE.*.>",
+               "$JS.FC.*.>", *(f"$KV.*.{key}" for key in OPERATOR_KV_WRITES)]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": [OPERATOR_INBOX + ".>"]}}
+
+
+OPERATOR_INBOX = "_INBOX_kuberl_operator"

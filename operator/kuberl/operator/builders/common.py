@@ -163,7 +163,8 @@ def secret_env(name: str, secret: str, key: str) -> Obj:
 def bus_env(exp: RLExperiment, role: str) -> list[Obj]:
     """KUBERL_BUS_URL, KUBERL_BUS_RUN (the run that scopes every bus name: namespace and uid) and the
     credentials: on the embedded bus KUBERL_BUS_USER = `role` and KUBERL_BUS_PASSWORD from that role's
-    key of the bus Secret only (builders.bus_auth); on an external bus KUBERL_BUS_TOKEN from its credentialsSecret."""
+    key of the bus Secret only (builders.bus_auth); on an external bus KUBERL_BUS_CREDS (the role's own minted
+    user, with its inbox prefix KUBERL_BUS_INBOX) with accountSigningKeySecret, else KUBERL_BUS_TOKEN from its credentialsSecret."""
     env: list[Obj] = [{"name": "KUBERL_BUS_URL", "value": naming.bus_url(exp)}]
     run = naming.bus_run(exp)
     if run:
@@ -172,6 +173,9 @@ def bus_env(exp: RLExperiment, role: str) -> list[Obj]:
     if external is None:
         env.append({"name": bus_auth.USER_ENV, "value": role})
         env.append(secret_env(bus_auth.PASSWORD_ENV, naming.bus_secret_name(exp), bus_auth.password_key(role)))
+    elif external.account_signing_key_secret is not None:  # a user of its own, minted by the operator
+        env.append(secret_env(bus_auth.CREDS_ENV, naming.bus_users_secret_name(exp), bus_auth.creds_key(role)))
+        env.append({"name": bus_auth.INBOX_ENV, "value": bus_auth.inbox_prefix(bus_auth.bus_objects(exp))})
     elif external.credentials_secret is not None:
         ref = external.credentials_secret
         env.append(secret_env("KUBERL_BUS_TOKEN", ref.name, ref.key))

@@ -15,11 +15,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.client import RawCredentials
 
 from kuberl.runtime.bus.errors import BusError
 
 log = logging.getLogger(__name__)
 TOKEN_ENV, USER_ENV, PASSWORD_ENV = "KUBERL_BUS_TOKEN", "KUBERL_BUS_USER", "KUBERL_BUS_PASSWORD"
+# A shared NATS in JWT mode: the role's own user (a .creds file's text, minted by the operator) and the
+# reply-subject prefix its permissions allow (kuberl.operator.builders.bus_auth).
+CREDS_ENV, INBOX_ENV = "KUBERL_BUS_CREDS", "KUBERL_BUS_INBOX"
 
 
 def redact(url: str) -> str:
@@ -37,6 +41,9 @@ def bus_credentials(token: str | None, user: str | None, password: str | None) -
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     user = user if user is not None else (os.environ.get(USER_ENV) or None)
     password = password if password is not None else (os.environ.get(PASSWORD_ENV) or None)
+    creds = os.environ.get(CREDS_ENV) or None
+    if creds and (token or user or password):
+        raise ValueError(f"bus credentials: {CREDS_ENV} (a NATS user's credentials) goes alone, without {TOKEN_ENV} or {USER_ENV}")
     if token and (user or password):
         raise ValueError(f"bus credentials: set a token ({TOKEN_ENV}) or a user and password ({USER_ENV}, {PASSWORD_ENV}), not both")
     if bool(user) != bool(password):
@@ -79,6 +86,7 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
         if on_reconnect is not None:
             on_reconnect()
 
+    creds = os.environ.get(CREDS_ENV) if not (token or user) else None
     opts: dict[str, Any] = {
         "servers": [url], "name": name, "connect_timeout": min(5.0, max(wait, 0.5)), "allow_reconnect": True,
         "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, "error_cb": error_cb,
@@ -87,6 +95,10 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
     }
     if token:
         opts["token"] = token
+    if creds:
+        opts["user_credentials"] = RawCredentials(creds)
+    if inbox := os.environ.get(INBOX_ENV):
+        opts["inbox_prefix"] = inbox
     if user:
         opts["user"], opts["password"] = user, password
     try:
@@ -99,7 +111,13 @@ async def open_connection(url: str, token: str | None, wait: float, name: str,
             log.debug("closing the failed connection: %s", close_exc)
         hint = ""
         if state.get("auth") or _is_auth_error(err):
-            hint = f": authorization failed, check {'KUBERL_BUS_USER and KUBERL_BUS_PASSWORD' if user else 'KUBERL_BUS_TOKEN'}"
+            what = "KUBERL_BUS_USER and KUBERL_BUS_PASSWORD" if user else "KUBERL_BUS_TOKEN"
+            if creds:
+                what = f"{CREDS_ENV} (the operator-minted user: was the account or its signing key changed?)"
+            hint = f": authorization failed, check {what}"
+        elif "maximum control line exceeded" in str(err).lower():
+            hint = (": the server refused the user's JWT as too long: set `max_control_line: 16KB` in its config "
+                    "(docs/operations.md, A shared external NATS)")
         raise BusError(f"cannot reach the bus at {redact(url)} within {wait:.0f}s ({type(err).__name__}: {err}){hint}") from None
     return nc
 
