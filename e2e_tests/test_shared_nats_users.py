@@ -38,8 +38,7 @@ def secret(name: str, seed: str) -> str:
 
 
 def secret_data(c: Cluster, name: str) -> dict[str, str]:
-    obj = c.json("get", "secret", name)
-    return obj.get("data") or obj.get("stringData") or {}
+    return c.json("get", "secret", name).get("data") or {}  # stringData is write-only: a cluster returns data
 
 
 def env_of(c: Cluster, kind: str, name: str) -> dict[str, Any]:

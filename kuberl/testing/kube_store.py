@@ -204,6 +204,8 @@ class KubeObjectStore(kmock.KubernetesEmulator):
                 raise ks.invalid(rt, name, [(where, exc.message)]) from None
             except kubernetes_validate.SchemaNotFoundError:
                 pass
+        if rt.kind == "Secret" and rt.crd is None and "stringData" in obj:
+            obj = secret_string_data_merged(obj)
         return obj
 
     def _create(self, rt: ResourceType, namespace: str | None, body: Any, q: dict[str, str]) -> Obj:
@@ -349,3 +351,16 @@ class KubeObjectStore(kmock.KubernetesEmulator):
             updated["status"] = status
             obj = self._commit(rt, obj, updated, "status", {})
         return obj
+
+
+def secret_string_data_merged(obj: Obj) -> Obj:
+    """What the API server stores for a Secret: `stringData` is write-only, merged into `data` (base64, winning
+    over a `data` key of the same name) and never returned."""
+    import base64
+
+    merged = {k: v for k, v in obj.items() if k != "stringData"}
+    data = dict(obj.get("data") or {})
+    for key, value in (obj.get("stringData") or {}).items():
+        data[key] = base64.b64encode(str(value).encode()).decode()
+    merged["data"] = data
+    return merged

@@ -86,7 +86,7 @@ def templates(name: str) -> dict[str, Any]:
 
 
 def secret_values(secret: dict) -> dict:
-    """The Secret's values (an API server turns stringData into base64 data; the emulator keeps both)."""
+    """The Secret's values (an API server, and the emulator, turn stringData into base64 data)."""
     import base64
 
     values = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
