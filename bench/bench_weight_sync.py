@@ -10,8 +10,8 @@ broadcast) and the agent side (RolloutAgent.apply_weights: download for bus, pau
 from the trainer starting to publish to the agent's engine serving the new version; the best and the median are
 printed, with what the trainer spends in its own publish stage (for broadcast: its join window and the send).
 One engine, one agent, one trainer process, all on this machine: disk reads what it just wrote (page cache), the
-bus is a local nats-server, broadcast runs over loopback gloo. The first broadcast of a run is excluded (its request
-comes after the publish, the trainer serves it in a resync; later updates wait for the usual member).
+bus is a local nats-server, broadcast runs over loopback gloo. The first update of each mode is excluded (warm-up; for
+broadcast the engine is not a usual member yet, later updates wait for it).
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ async def bench_size(size: str, modes: list[str], reps: int, tmp: Path, nats_url
                     while (w := await bus.get_state(KEY_WEIGHTS)) is None or w["version"] != v:
                         await asyncio.sleep(0.005)
                     applying = asyncio.create_task(agent.apply_weights(w))
-                    await publishing
-                    if v == 1:  # the first request came after the publish: served by the resync the collect loop does
+                    if (await publishing)["members"] == 0:  # v1: the request came after the join grace: the collect loop's resync serves it
                         while not trainer.weight_sender.pending():
                             await asyncio.sleep(0.01)
                         await publish_broadcast(trainer, new_version=False)
