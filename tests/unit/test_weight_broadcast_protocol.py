@@ -197,3 +197,39 @@ async def test_agent_gives_up_when_the_engine_is_gone_and_resumes(monkeypatch):
         await asyncio.wait_for(agent_side.receive_broadcast(agent, record), 20)
     await serving
     assert engine.events == ["pause", ("update", 1), "resume"]
+
+
+def test_a_receiver_dying_mid_broadcast_fails_the_update_quickly_for_everyone():
+    import time
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])  # 1 MiB weights: one bucket each
+    sender = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=10, backend="gloo")
+    sender.start()
+    ended: dict = {}
+
+    def receiver(agent, die_after):
+        i = B.file_request(sender.record(), agent, workers=1)
+        assign = B.wait_assignment(sender.record(), i, 30)
+        stats: dict = {}
+        try:
+            for _ in B.receive_weights(assign, local_rank=0, device="cpu", stats=stats):
+                if die_after and stats["buckets"] >= die_after:
+                    raise SystemExit("killed")  # the engine dies after its first bucket
+        except BaseException as exc:  # noqa: BLE001
+            ended[agent] = (type(exc).__name__, stats)
+            return
+        ended[agent] = ("done", stats)
+
+    threads = [threading.Thread(target=receiver, args=("dies", 1)), threading.Thread(target=receiver, args=("lives", 0))]
+    for t in threads:
+        t.start()
+    while int(sender.store.add(B.REQ_COUNT, 0)) < 2:
+        time.sleep(0.01)
+    started = time.monotonic()
+    stats = sender.serve(model, 1, torch.float32, new_version=False, info=INFO)
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - started < 10  # well within timeoutSeconds: the lost peer is seen at once
+    assert stats["failed"] and stats["failed"].startswith("bucket ") and sender.usual == set()
+    assert ended["dies"][0] == "SystemExit"
+    assert ended["lives"][0] != "done" and not ended["lives"][1]["complete"]  # it stops with an error, never hangs or half-loads silently
