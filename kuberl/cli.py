@@ -28,6 +28,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus-url", default=None, help="Use this NATS server instead of starting one")
     p.add_argument("--max-steps", type=int, default=None, help="Stop after this many steps (overrides the manifest)")
     p.add_argument("--resume", action="store_true", help="Continue from the latest checkpoint in --workdir")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="Place the roles on this Ray cluster (host:port, or auto: Ray's own address resolution) instead of this machine; "
+                        "needs pip install 'kuberl-runtime[ray]' and a workdir every node sees")
 
 
 def _plot_args(p: argparse.ArgumentParser) -> None:

