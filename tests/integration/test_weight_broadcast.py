@@ -173,3 +173,69 @@ def test_kuberl_run_with_broadcast_finishes(tmp_path):
     assert not (workdir / "weights").exists() or not any((workdir / "weights").iterdir()), "broadcast must not write weight files"
     received = {int(v) for v in re.findall(r"received weights v(\d+) by broadcast", (logs / "rollout-0.log").read_text())}
     assert received >= set(range(1, STEPS + 1)), f"the engine did not receive every version: {sorted(received)}"
+
+
+# -- faults with broadcast: a restarted engine and a restarted trainer (new store, new session) ------------------------
+
+
+def _broadcast_manifest(tmp_path: Path, name: str, **more):
+    from test_run import quickstart_manifest
+
+    return quickstart_manifest(tmp_path, name, **{"weightSync.mode": "broadcast", "weightSync.bucketMB": 1, **more})
+
+
+def _received(log: Path) -> list[int]:
+    return [int(v) for v in re.findall(r"received weights v(\d+) by broadcast", log.read_text())]
+
+
+def test_a_restarted_engine_gets_the_current_weights_by_broadcast(tmp_path, nats_server, experiment_name):
+    from test_faults import assert_each_group_trained_once, finish, launcher_child, start_run, starts, wait_for
+    from test_run import read_metrics
+
+    steps = 8
+    manifest = _broadcast_manifest(tmp_path, experiment_name, **{"training.totalSteps": steps})
+    workdir = tmp_path / "work"
+    run = start_run(manifest, workdir, nats_server.url)
+    try:
+        wait_for(lambda: len(read_metrics(workdir)) >= 3, 420, "step 3", run)
+        version_at_kill = read_metrics(workdir)[-1]["step"]
+        launcher_child(run.pid, "vllm.entrypoints.openai.api_server").kill()
+        finish(run, workdir)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert_each_group_trained_once(read_metrics(workdir), steps, yaml.safe_load(manifest.read_text())["spec"]["algorithm"]["batchSize"])
+    logs = workdir / "logs"
+    assert starts(logs / "engine-0.log") == 2 and starts(logs / "rollout-0.log") == 1
+    agent_log = (logs / "rollout-0.log").read_text()
+    back = [line for line in agent_log.splitlines() if "engine back after" in line]
+    assert back and int(back[0].rsplit("serving v", 1)[1]) >= version_at_kill, back
+    after = agent_log.split(back[0])[0].count("received weights")  # receives before the engine came back
+    assert len(_received(logs / "rollout-0.log")) > after  # the new engine got its weights by broadcast too
+    assert set(_received(logs / "rollout-0.log")) >= {steps}
+
+
+def test_a_restarted_trainer_serves_the_engines_from_its_new_store(tmp_path, nats_server, experiment_name):
+    from test_faults import finish, role_process, start_run, wait_for
+    from test_run import read_metrics
+
+    steps, every = 10, 4
+    manifest = _broadcast_manifest(tmp_path, experiment_name, **{
+        "training.totalSteps": steps, "checkpoint.everySteps": every, "failurePolicy.backoffSeconds": 1})
+    workdir = tmp_path / "work"
+    run = start_run(manifest, workdir, nats_server.url)
+    try:
+        wait_for(lambda: len(read_metrics(workdir)) >= every + 1, 420, f"step {every + 1}", run)
+        role_process(run.pid, "trainer").kill()
+        finish(run, workdir)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert read_metrics(workdir)[-1]["step"] == steps
+    logs = workdir / "logs"
+    trainer_log = (logs / "trainer.log").read_text()
+    stores = re.findall(r"engines connect to (\S+) ", trainer_log)
+    assert len(stores) == 2 and stores[0] != stores[1], stores  # a new store (and session) after the restart
+    served_after = trainer_log.split(stores[1])[1]
+    assert re.search(r"weight broadcast v\d+: .* to 1 engines", served_after), "the restarted trainer served no engine"
+    assert set(_received(logs / "rollout-0.log")) >= {steps}

@@ -102,6 +102,20 @@ def test_receiver_that_never_joins_does_not_hang_the_sender():
     assert sender.usual == set()  # a failed update: nobody is waited for next time
 
 
+def test_a_member_that_never_joins_is_given_up_on_after_the_rendezvous_limit_not_the_op_timeout(monkeypatch):
+    import time
+
+    monkeypatch.setattr(B, "PAUSE_GRACE_S", 1.0)
+    sender = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=300, backend="gloo")
+    sender.start()
+    i = B.file_request(sender.record(), "killed-after-assignment", workers=1)
+    started = time.monotonic()
+    stats = sender.serve(Tied(), 2, torch.float32, new_version=False, info=INFO)
+    assert stats["failed"] and stats["failed"].startswith("group:")
+    assert time.monotonic() - started < 30  # ~2 s (join 1 s + grace 1 s), not timeoutSeconds (300 s)
+    assert B.wait_assignment(sender.record(), i, 1)["rendezvous_timeout"] == 2.0
+
+
 def test_wait_assignment_times_out_with_none():
     sender = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=5, backend="gloo")
     sender.start()
@@ -233,3 +247,32 @@ def test_a_receiver_dying_mid_broadcast_fails_the_update_quickly_for_everyone():
     assert stats["failed"] and stats["failed"].startswith("bucket ") and sender.usual == set()
     assert ended["dies"][0] == "SystemExit"
     assert ended["lives"][0] != "done" and not ended["lives"][1]["complete"]  # it stops with an error, never hangs or half-loads silently
+
+
+async def test_an_agent_waiting_on_a_dead_trainer_follows_the_restarted_one(monkeypatch):
+    import asyncio
+
+    from kuberl.runtime.weight_sync import agent_side
+
+    monkeypatch.setattr(agent_side, "ASSIGN_POLL_SECONDS", 0.2)
+    old = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=5, backend="gloo")
+    old.start()
+    new = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=5, backend="gloo")
+    new.start()
+    records = {"current": {**old.record(), "version": 1, "mode": "broadcast"}}
+
+    async def get_state(key):
+        return records["current"]
+
+    engine = FakeEngine(fail_first=0)
+    agent = SimpleNamespace(engine=engine, bus=SimpleNamespace(get_state=get_state), agent_id="a1", _progressed=lambda: None)
+    receiving = asyncio.create_task(agent_side.receive_broadcast(agent, records["current"]))
+    while int(old.store.add(B.REQ_COUNT, 0)) < 1:
+        await asyncio.sleep(0.01)
+    old.store = None  # the trainer dies (its store closes) before serving the request
+    await asyncio.sleep(0.5)
+    records["current"] = {**new.record(), "version": 3, "mode": "broadcast"}  # the restarted trainer's record
+    serving = asyncio.create_task(_serve_assignments(new, 3, 1))
+    assert await asyncio.wait_for(receiving, 20) == 3
+    await serving
+    assert engine.events == ["pause", ("update", 1), "resume"]

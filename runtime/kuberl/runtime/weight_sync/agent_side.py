@@ -33,7 +33,12 @@ async def _assignment(agent: Any, record: dict[str, Any]) -> dict[str, Any]:
             record = await agent.bus.get_state(KEY_WEIGHTS) or record
             continue
         while True:
-            assign = await asyncio.to_thread(wait_assignment, record, i, ASSIGN_POLL_SECONDS)
+            try:
+                assign = await asyncio.to_thread(wait_assignment, record, i, ASSIGN_POLL_SECONDS)
+            except Exception as exc:  # noqa: BLE001  its trainer is gone: wait for the record of the next one
+                log.warning("agent %s: lost the trainer at %s while waiting for weights (%s)", agent.agent_id, record.get("rendezvous"), exc)
+                assign = None
+                await asyncio.sleep(1.0)
             agent._progressed()
             if assign is not None:
                 return assign

@@ -16,8 +16,9 @@ Membership (elastic engines): one group per update, with exactly the engines tha
   (b) whenever it waits for trajectory groups (trainer/collect.py: a pending request turns the wait into a resync
   of the current version). So an engine that starts later or restarts gets the current weights within about a
   second of asking, if the trainer is waiting for groups, or at the end of the step it is computing.
-- A member that does not join, or dies mid-broadcast, fails the update: every collective has the
-  weightSync.timeoutSeconds limit, the trainer logs it and goes on (never hangs), rank 0 keeps stepping through the
+- A member that does not join, or dies mid-broadcast, fails the update: building the group waits at most
+  joinTimeoutSeconds + 30 s (`rendezvous_timeout`; an engine killed between its assignment and the receive), every
+  bucket's collective at most weightSync.timeoutSeconds; the trainer logs it and goes on, rank 0 keeps stepping through the
   parameters so the other FSDP ranks' collectives still match. An engine whose receive failed may hold a mix
   of versions: its agent keeps it paused and asks again until a receive completes (next resync, about a second).
 - A restarted trainer has a new session (a nonce in the record): agents waiting on the old one ask again.
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 ALIGN = 16  # byte alignment of every tensor in a bucket (so the receiver can view any dtype in place)
 REQ_COUNT = "req/count"
 BACKENDS = ("gloo", "nccl")
+PAUSE_GRACE_S = 30.0  # beyond the join window, what building a group allows members to pause their engine and call the worker
 
 
 def req_key(i: int) -> str:
@@ -169,10 +171,19 @@ def new_group(store: Any, update: str, rank: int, world: int, backend: str, time
     raise ValueError(f"weight broadcast backend {backend!r}: expected one of {', '.join(BACKENDS)}")
 
 
-def broadcast(pg: Any, buf: torch.Tensor) -> None:
+def broadcast(pg: Any, buf: torch.Tensor, timeout_s: float | None = None) -> None:
+    """Rank 0's `buf` into every member's; `timeout_s` bounds this one collective (the group's own timeout is the shorter
+    rendezvous limit, so a member that never joins is given up on quickly)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    if timeout_s is not None:
+        opts.timeout = datetime.timedelta(seconds=timeout_s)
     pg.broadcast([buf], opts).wait()
+
+
+def rendezvous_timeout(join_timeout_s: float, timeout_s: float) -> float:
+    """How long building an update's group waits for its members: the join window plus time to pause an engine, never more than timeoutSeconds."""
+    return min(float(timeout_s), float(join_timeout_s) + PAUSE_GRACE_S)
 
 
 def parse_rendezvous(text: str) -> tuple[str, int]:
@@ -196,11 +207,12 @@ def receive_weights(assign: dict[str, Any], *, local_rank: int, device: torch.de
     started = time.monotonic()
     store = connect_store(host, port, timeout)
     buckets = parse_manifest(store.get(manifest_key(assign["update"])))
-    pg = new_group(store, assign["update"], int(assign["rank"]) + local_rank, int(assign["world"]), assign["backend"], timeout)
+    pg = new_group(store, assign["update"], int(assign["rank"]) + local_rank, int(assign["world"]), assign["backend"],
+                   float(assign.get("rendezvous_timeout", timeout)))
     stats.update(buckets=0, bytes=0, complete=False)
     for bucket in buckets:
         buf = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=device)
-        broadcast(pg, buf)
+        broadcast(pg, buf, timeout)
         stats["buckets"] += 1
         stats["bytes"] += buf.numel()
         yield from unpack(bucket, buf)

@@ -132,14 +132,15 @@ class BroadcastSender:
         failed: str | None = None
         if self.rank == 0:
             self.store.set(B.manifest_key(update), B.manifest_json(buckets))
+            rendezvous = B.rendezvous_timeout(self.join_timeout_s, self.timeout_s)
             rank = 1
             for i, req in members:
                 self.store.set(B.assign_key(i), json.dumps({
                     "update": update, "rank": rank, "world": world, "version": version, "backend": self.backend,
-                    "timeout": self.timeout_s, "rendezvous": f"{self.host}:{self.store.port}"}))
+                    "timeout": self.timeout_s, "rendezvous_timeout": rendezvous, "rendezvous": f"{self.host}:{self.store.port}"}))
                 rank += req["workers"]
             try:
-                pg = B.new_group(self.store, update, 0, world, self.backend, self.timeout_s)
+                pg = B.new_group(self.store, update, 0, world, self.backend, rendezvous)
             except Exception as exc:  # noqa: BLE001  a member that never joined: skip the update, go on
                 failed = f"group: {exc}"
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -155,7 +156,7 @@ class BroadcastSender:
                 continue
             try:
                 buf = B.pack(bucket, tensors, device=device)
-                B.broadcast(pg, buf)
+                B.broadcast(pg, buf, self.timeout_s)
                 sent += buf.numel()
             except Exception as exc:  # noqa: BLE001  a receiver died or timed out: the others resync on their own
                 failed = f"bucket {buckets.index(bucket) + 1}/{len(buckets)}: {exc}"
