@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from kuberl.net import free_port
 
@@ -153,6 +155,20 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every rank must call; rank 0 gets the full CPU state dict, others an empty dict."""
     return get_model_state_dict(model, options=_FULL)
+
+
+def model_state_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every rank: the model's state dict entries as they are (DTensor shards under FSDP2), under full_model_state's names; no gather."""
+    return list(get_model_state_dict(model, options=StateDictOptions()).items())
+
+
+def iter_full_tensors(entries: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective (every rank, same `entries`): each entry's full tensor, one at a time (`full_tensor()` of a DTensor).
+
+    A rank holds one full tensor beside its shards while the caller keeps it; tied entries are gathered under each name.
+    """
+    for name, t in entries:
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_weights
+from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -80,24 +80,30 @@ class PersistMixin:
         return Path(path)
 
     async def stage_publish_weights(self) -> None:
-        """train.publish_weights: full state dict (algorithm.lora: the adapter) -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version.
+        """train.publish_weights: the weights (algorithm.lora: the adapter) -> weights/v{N} (disk) or the object store (bus); KV weights, policy_version.
+        disk/bus: gathered one tensor at a time and written by rank 0 in shards of weightSync.bucketMB, never the whole model on one rank.
         broadcast: bucket by bucket to the engines over a group of their own (kuberl.runtime.weight_sync), no full state dict."""
         if self.spec.weight_sync.mode == "broadcast":
             from kuberl.runtime.weight_sync.sender import publish_broadcast
 
             await publish_broadcast(self, new_version=True)
             return
-        lora = self.spec.algorithm.lora is not None
-        state = adapter_state(self.model) if lora else D.full_model_state(self.model)  # collective: every rank takes part
-        if not self.info.is_main:
-            return
         from kuberl.runtime.inference.main import engine_dtype  # the engine's compute dtype (float32 on CPU)
 
         dtype = getattr(torch, engine_dtype(self.spec))
-        if lora:
+        if self.spec.algorithm.lora is not None:
+            state = adapter_state(self.model)  # collective: every rank takes part; the adapters alone are small
+            if not self.info.is_main:
+                return
             path = export_adapter(state, self.model.peft_config["default"], self.weights_root, self.version, dtype=dtype, keep=3)
         else:
-            path = export_weights(state, self.weights_root, self.version, source_dir=self.model_dir, dtype=dtype, keep=3)
+            stats: dict = {}
+            path = export_model_weights(self.model, self.info, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
+                                        source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats)  # collective: every rank gathers
+            if path is None:
+                return
+            log.debug("weights v%d: %.1f MB in %d shard(s), at most %.1f MB held", self.version, stats["total_bytes"] / 1e6, stats["shards"],
+                      stats["peak_bytes"] / 1e6)
         await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
 
     async def stage_checkpoint(self, *, request: str | None = None) -> None:
