@@ -19,7 +19,9 @@ class WeightSyncSpec(KubeModel):
         "broadcast: the trainer streams the parameters bucket by bucket over a torch.distributed group to every engine "
         "(NCCL on GPU, gloo on CPU; no shared volume, no object store; vLLM only).")
     bucket_mb: int = Field(256, ge=1, le=65536, alias="bucketMB",
-                           description="broadcast: MiB of parameters sent per collective (bigger: fewer round trips, more memory).")
+                           description="broadcast: MiB of parameters sent per collective (bigger: fewer round trips, more memory). "
+                           "disk/bus: the shard size of a weights version (model-0000i-of-0000N.safetensors; one model.safetensors when "
+                           "the model fits): the trainer's rank 0 holds at most one shard of full tensors while it writes.")
     port: int = Field(29600, ge=1024, le=65535, description="broadcast: the trainer's rendezvous port the engines connect to (TCPStore).")
     join_timeout_seconds: int = Field(
         10, ge=1, le=3600, description="broadcast: how long an update waits for the engines of the previous update to register; "
