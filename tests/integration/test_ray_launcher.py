@@ -111,13 +111,42 @@ def test_every_role_ran_under_a_ray_worker_and_none_survives_the_run(ray_run, ra
         text = (workdir / "logs" / f"{role}.log").read_text()
         assert "(Ray node 127.0.0.1)" in text, f"{role}: {text[-1000:]}"
     assert processes_mentioning(str(workdir)) == []
-    address, _ = ray_cluster
+    assert live_actors(ray_cluster[0]) == 0
+
+
+def live_actors(address: str) -> int:
+    """Actors alive (or coming up) on the cluster, read from its GCS by a separate driver."""
     probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
                             "import ray._private.state as s; "
                             "print(sum(a['State'] in ('ALIVE', 'PENDING_CREATION', 'RESTARTING') for a in s.actors().values()))"],
                            env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.strip().splitlines()[-1] == "0", probe.stdout
+    return int(probe.stdout.strip().splitlines()[-1])
+
+
+def test_ctrl_c_stops_every_actor_and_role_process(ray_cluster, tmp_path):
+    address, _ = ray_cluster
+    manifest = quickstart_manifest(tmp_path, "ray-ctrl-c", **{"training.totalSteps": 500})
+    workdir = tmp_path / "work"
+    out = tmp_path / "launcher.out"
+    with open(out, "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir), "--ray", address],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(workdir)) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        assert live_actors(address) == 4  # one actor per role process: nats-server, engine-0, rollout-0, trainer
+        run.send_signal(signal.SIGINT)
+        code = run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert code == 130, out.read_text()[-3000:]
+    assert "interrupted; stopping every role" in out.read_text()
+    assert processes_mentioning(str(workdir)) == []
+    assert live_actors(address) == 0
 
 
 def test_ray_without_a_cluster_says_so_and_exits_2(tmp_path):
