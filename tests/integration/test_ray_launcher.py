@@ -33,17 +33,34 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": 
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A one-node Ray cluster on loopback (`ray start --head --block` in a session of its own), stopped by
+    SIGTERM to its leader, then SIGKILL to what is left of that session: never another Ray of this machine."""
     ray_bin = shutil.which("ray") or pytest.fail("the ray CLI is missing: bash scripts/setup.sh installs kuberl-runtime[ray]")
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, **RAY_ENV}
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-                    "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(temp)],
-                   check=True, env=env, capture_output=True, timeout=120)
+    out = temp / "ray-start.log"
+    with open(out, "w") as log:
+        head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                                 "--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(temp)],
+                                env={**os.environ, **RAY_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in out.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
         yield f"127.0.0.1:{port}", temp
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.send_signal(signal.SIGTERM)  # the head drains and stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == head.pid:
+                    p.kill()
+            except (OSError, psutil.NoSuchProcess):
+                pass
 
 
 def role_process(workdir: Path, command: str) -> psutil.Process:
