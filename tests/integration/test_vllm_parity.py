@@ -5,7 +5,8 @@ top_k 20, top_p 0.8, repetition_penalty 1.05). At equal weights version the engi
 (pi_behave) must equal the trainer's own `response_logprobs` (pi_prox) at temperature 0.7: behaviour
 weight pi_prox / pi_behave = 1, nothing masked by the cap. Then again after weight updates published by
 the trainer's code (export_weights in the engine's dtype, TrainerBusIO.publish_weights) and loaded by the
-real RolloutAgent, through each sync mode: disk and the bus object store (a real nats-server).
+real RolloutAgent, through each sync mode: disk and the bus object store (a real nats-server); also for a version
+written in shards (weightSync.bucketMB smaller than the model).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from kuberl.runtime.inference.base import GenerateRequest
 from kuberl.runtime.inference.main import engine_dtype
 from kuberl.runtime.inference.vllm import NEUTRAL_SAMPLING, VLLMEngine
 from kuberl.runtime.rollout.agent import RolloutAgent
+from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import response_logprobs
 from kuberl.runtime.trainer.bus_io import TrainerBusIO
-from kuberl.runtime.trainer.weights import export_weights
+from kuberl.runtime.trainer.weights import INDEX_FILE, export_model_weights, export_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -215,3 +217,36 @@ async def test_each_reload_checks_the_tied_head_and_the_parity_check_would_catch
     stale = parity(hybrid, samples)
     print(f"\nstale-head parity: {stale}")
     assert not stale.holds() and stale.mean_abs > 20 * TOL_MEAN, stale
+
+
+@pytest.mark.parametrize("mode", ["disk", "bus"])
+async def test_a_version_in_shards_loads_into_the_engine_through_each_sync_mode(mode, engine, tok, vllm_instruct_server, nats_server, experiment_name,
+                                                                                 tmp_path):
+    """weightSync.bucketMB 1 < the tied model's 2.4 MB: the trainer's export (export_model_weights, as stage_publish_weights
+    calls it) writes 3 shards and an index; the engine loads them (disk: the folder; bus: the agent's copy from the object store)."""
+    exp = experiment(experiment_name, mode)
+    exp.spec.weight_sync.bucket_mb = 1
+    bus = await Bus.connect(nats_server.url, experiment_name)
+    try:
+        agent = RolloutAgent(exp, bus, engine, None, [], workdir=tmp_path / "agent", agent_id="shards-agent")
+        await load(engine, vllm_instruct_server.model_dir, 0)
+        model = trainer_model(vllm_instruct_server.model_dir)
+        before = copy.deepcopy(model)
+        train_like_update(model, seed=11)
+        stats: dict = {}
+        path = export_model_weights(model, D.DistInfo(0, 1, 0, torch.device("cpu")), tmp_path / "weights", 1, shard_bytes=exp.spec.weight_sync.bucket_mb << 20,
+                                    source_dir=vllm_instruct_server.model_dir, dtype=getattr(torch, engine_dtype(exp.spec)), stats=stats)
+        assert sorted(p.name for p in path.glob("model*")) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [INDEX_FILE]
+        assert stats["peak_bytes"] <= 1 << 20 < stats["total_bytes"]
+        await TrainerBusIO(bus).publish_weights(1, path, mode=mode)
+        await agent.apply_weights(await bus.get_state(KEY_WEIGHTS))
+        assert engine.version == 1 and engine.last_reload == [{"tied_layers": 2, "refreshed": 0}]
+        samples = await sample(engine, tok, n=3)
+        got = parity(model, samples)
+        print(f"\nparity {mode} in {stats['shards']} shards: {got}")
+        assert got.holds(), f"{mode}, {stats['shards']} shards: {got}"
+        stale = parity(before, samples)
+        assert stale.mean_abs > 20 * TOL_MEAN, f"the update barely moved the policy, the check proves little: {stale}"
+    finally:
+        await load(engine, vllm_instruct_server.model_dir, 0)
+        await bus.close()
