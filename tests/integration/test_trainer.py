@@ -24,7 +24,7 @@ import yaml
 
 from kuberl.api import load_experiment
 from kuberl.runtime.bus import Bus, TrajectoryGroup
-from kuberl.runtime.trainer.weights import load_weights
+from kuberl.runtime.trainer.weights import INDEX_FILE, load_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -51,7 +51,7 @@ def tiny_model(vllm_server) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int = 1, every: int = 1, world: int = 1, mode: str = "disk",
-                   temperature: float = 1.0) -> Path:
+                   temperature: float = 1.0, bucket_mb: int | None = None) -> Path:
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
@@ -63,7 +63,7 @@ def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int =
             "staleness": {"maxHeadOffpolicyness": eta},
             "rollout": {"engine": "vllm", "concurrency": 4, "accelerator": {"type": "cpu", "count": 0}},
             "trainer": {"accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64},
-            "weightSync": {"mode": mode},
+            "weightSync": {"mode": mode, **({"bucketMB": bucket_mb} if bucket_mb else {})},
             "checkpoint": {"everySteps": every, "keep": 2},
             "training": {"totalSteps": steps},
         },
@@ -315,7 +315,8 @@ async def _at_step(bus: Bus, step: int) -> bool:
 
 async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tmp_path, bus_url, tiny_model, vllm_server):
     name = "tr-two-ranks"
-    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=1, every=2, world=2)
+    # bucketMB 1 < the model's 2.4 MB: every version is published in shards, rank 0 holding one at a time (issue #14 item 2).
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=2, eta=1, every=2, world=2, bucket_mb=1)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     proc = start_trainer(manifest, bus_url, workdir, log, world=2)
@@ -323,6 +324,7 @@ async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tm
         async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, _):
             task = asyncio.create_task(agent.run())
             code = await asyncio.to_thread(finish, proc, log, 180)
+            await wait_for(lambda: _true(agent.engine.version == 2), 30, "the agent to load v2 (in shards)")
             await stop(task)
         text = log.read_text()
         assert code == 0, text[-4000:]
@@ -333,6 +335,7 @@ async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tm
         from kuberl.runtime.trainer.weights import digest_state
 
         assert digest_state(load_weights(workdir / "weights" / "v2")) == digests["0"]
+        assert len(json.loads((workdir / "weights" / "v2" / INDEX_FILE).read_text())["weight_map"]) == 27  # in model-0000i-of-00003 files
         assert (await bus.get_state("progress"))["step"] == 2
         v0 = load_weights(workdir / "weights" / "v0")
         assert digest_state(v0) != digests["0"]
