@@ -214,6 +214,15 @@ def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_TRAINED_ONLY)
 
 
-def shutdown() -> None:
+def shutdown(*, synchronize: bool = False) -> None:
+    """Tear the process group down. `synchronize` (a clean end, every rank gets here): wait for every rank first,
+    so no rank tears the group down while rank 0 still works (the last evaluation and report come after the
+    others are done). Never after a failure: a peer that died would leave the barrier waiting. (The SIGABRT seen
+    at the exit of 2-rank runs is torch's interpreter teardown, not this: trainer.main.exit_now.)"""
     if dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            try:
+                dist.barrier()
+            except Exception as exc:  # noqa: BLE001 - the group is going away anyway; say why it could not wait
+                log.warning("ranks could not meet before shutdown: %s", exc)
         dist.destroy_process_group()

@@ -99,6 +99,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin)
         """Train until totalSteps; returns the process exit code (0 done or stopped, 1 failed, 2 configuration
         error found while setting up, 143 SIGTERM). Either failure is reported in progress.failed."""
         self.bus: TrainerBusIO | None = None
+        clean = False  # every rank reached the end: they wait for each other before tearing the group down
         try:
             self.info = D.init_distributed()
             if self.handle_sigterm:
@@ -126,6 +127,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin)
                 await self.stage_report(None, done=True)
             if self.info.is_main:
                 log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
+            clean = True
             return 143 if self.stop_reason == "SIGTERM" else 0
         except Exception as exc:
             config = isinstance(exc, ConfigError)
@@ -146,7 +148,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin)
                 await self.metrics_out.close()
             if self.bus is not None:
                 await self.bus.close()
-            D.shutdown()
+            D.shutdown(synchronize=clean)
 
     def _install_sigterm(self) -> None:
         # Kubernetes and `kuberl run` stop the trainer with SIGTERM: finish the step, checkpoint, exit.
