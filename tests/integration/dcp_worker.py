@@ -110,4 +110,6 @@ def main(plan_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from kuberl.runtime.trainer.main import exit_now
+
+    exit_now(main(sys.argv[1]))  # as the trainer leaves: torch's CPU teardown at exit can abort a 2-rank process
