@@ -15,10 +15,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import nats
 import pytest
+from bus_users_common import group, refused, ticket  # tests/integration/bus_users_common.py
 
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.net import free_port
@@ -27,7 +27,7 @@ from kuberl.operator.builders.bus import render_nats_conf
 from kuberl.operator.builders.bus_auth import OPERATOR, ROLLOUT, TRAINER, role_password
 from kuberl.operator.progress import BusReader
 from kuberl.runtime.bus import Bus, BusError
-from kuberl.runtime.bus.messages import EvalResult, EvalTicket, Sample, Ticket, TrajectoryGroup
+from kuberl.runtime.bus.messages import EvalResult, EvalTicket
 from kuberl.runtime.bus.names import KEY_PROGRESS, KEY_WEIGHTS, RUN_ENV
 from kuberl.runtime.bus.server import find_nats_server
 
@@ -38,7 +38,6 @@ EXP = RLExperiment.model_validate({
     "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}},
 })
 RUN = naming.bus_run(EXP)
-REFUSAL_SECONDS = 12  # a refused request is never answered: the Bus says so after its first timeout
 
 
 def creds(role: str) -> dict[str, str]:
@@ -82,25 +81,8 @@ async def _wait_up(url: str) -> None:
             await asyncio.sleep(0.1)
 
 
-def ticket(ticket_id: str) -> Ticket:
-    return Ticket(ticket_id=ticket_id, index=0, epoch=0, issued_version=1)
-
-
 async def _quiet(exc: Exception) -> None:
     return None
-
-
-def group(t: Ticket) -> TrajectoryGroup:
-    sample = Sample(input_ids=[1, 2], output_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[1, 1], loss_mask=[1, 1], reward=1.0)
-    return TrajectoryGroup(group_id=t.ticket_id, ticket=t, samples=[sample], agent="agent-0")
-
-
-async def refused(call: Any) -> str:
-    t0 = time.monotonic()
-    with pytest.raises(BusError) as err:
-        await call
-    assert time.monotonic() - t0 < REFUSAL_SECONDS, "a refused call must fail fast, not hang"
-    return str(err.value)
 
 
 def test_each_role_does_its_work_and_the_rollout_user_cannot_touch_weights_or_streams(users_bus: str, tmp_path: Path) -> None:

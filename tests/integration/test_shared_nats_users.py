@@ -22,6 +22,7 @@ from pathlib import Path
 import nats
 import nkeys
 import pytest
+from bus_users_common import group, refused, ticket  # tests/integration/bus_users_common.py
 
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.net import free_port
@@ -30,12 +31,10 @@ from kuberl.operator.builders import bus_auth
 from kuberl.operator.progress import BusReader
 from kuberl.runtime.bus import Bus, BusError
 from kuberl.runtime.bus.connection import CREDS_ENV, INBOX_ENV
-from kuberl.runtime.bus.messages import Sample, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_PROGRESS, KEY_WEIGHTS, RUN_ENV
 from kuberl.runtime.bus.server import find_nats_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-REFUSAL_SECONDS = 12
 
 
 def experiment(namespace: str, uid: str, url: str, account: str) -> RLExperiment:
@@ -137,23 +136,6 @@ async def raw(env: dict, which: str, role: str, denied: list[str]) -> nats.NATS:
 
     prefix = bus_auth.inbox_prefix(bus_auth.bus_objects(env[which]))
     return await nats.connect(env["url"], user_credentials=RawCredentials(env["users"][which][role]), inbox_prefix=prefix, error_cb=on_error)
-
-
-def ticket(ticket_id: str) -> Ticket:
-    return Ticket(ticket_id=ticket_id, index=0, epoch=0, issued_version=1)
-
-
-def group(t: Ticket) -> TrajectoryGroup:
-    sample = Sample(input_ids=[1, 2], output_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[1, 1], loss_mask=[1, 1], reward=1.0)
-    return TrajectoryGroup(group_id=t.ticket_id, ticket=t, samples=[sample], agent="agent-0")
-
-
-async def refused(call) -> str:
-    t0 = time.monotonic()
-    with pytest.raises(BusError) as err:
-        await call
-    assert time.monotonic() - t0 < REFUSAL_SECONDS, "a refused call must fail fast, not hang"
-    return str(err.value)
 
 
 def test_each_role_of_each_experiment_does_its_work_on_the_shared_account(shared: dict, tmp_path: Path) -> None:
