@@ -10,7 +10,7 @@ import torch
 
 from kuberl.runtime.inference.base import GenerateRequest
 from kuberl.runtime.inference.vllm import VLLMEngine
-from kuberl.runtime.rollout.workflows import generate_continuing
+from kuberl.runtime.rollout.workflows import generate_continuing, generate_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -74,6 +74,51 @@ async def test_the_same_seed_gives_the_same_tokens(engine, vllm_server):
     req = GenerateRequest(_prompt(tok), max_new_tokens=10, temperature=1.0, seed=11)
     a, b = await asyncio.gather(engine.generate(req), engine.generate(req))
     assert a.output_ids == b.output_ids
+
+
+async def test_n_samples_in_one_request_are_n_independent_draws_with_their_own_logprobs(engine, vllm_server):
+    await _load(engine, vllm_server.model_dir, 0)
+    tok, model = _hf(vllm_server.model_dir)
+    prompt = _prompt(tok)
+    req = GenerateRequest(prompt, max_new_tokens=12, temperature=0.7)
+    results = await engine.generate_n(req, 6)
+    assert len(results) == 6 and all(r.version == 0 and r.finish_reason == "length" for r in results)
+    assert len({tuple(r.output_ids) for r in results}) > 1  # six draws, not one sample six times
+    for r in results:  # each choice's logprobs are its own tokens' under the temperature-scaled policy
+        assert r.logprobs == pytest.approx(_logprobs(model, prompt, r.output_ids, 0.7), abs=2e-3)
+    with pytest.raises(ValueError, match="unseeded"):
+        await engine.generate_n(GenerateRequest(prompt, max_new_tokens=4, seed=1), 2)
+
+
+async def test_a_group_interrupted_by_a_weight_update_continues_each_sample_on_the_new_weights(engine, vllm_server):
+    tok, old = _hf(vllm_server.model_dir)
+    _, new = _hf(vllm_server.other_weights)
+    prompt = _prompt(tok)
+    n = 512 - len(prompt)
+    for delay in (0.3, 0.1, 0.05, 0.02, 0.01):
+        await _load(engine, vllm_server.model_dir, 0)
+        task = asyncio.create_task(generate_group(engine, prompt, GenerateRequest(prompt, max_new_tokens=n, temperature=1.0), 3))
+        for _ in range(3000):
+            if engine._in_flight or task.done():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(delay)
+        if task.done():
+            continue
+        await _load(engine, vllm_server.other_weights, 1)
+        gens = await asyncio.wait_for(task, 300)
+        if all(g.pieces >= 2 and set(g.versions) == {0, 1} for g in gens):
+            break
+    else:
+        pytest.fail("no attempt caught the group mid-way")
+    assert len(gens) == 3 and len({tuple(g.output_ids) for g in gens}) == 3
+    for g in gens:
+        assert g.finish_reason == "length" and len(g.output_ids) == n
+        switch = g.versions.index(1)
+        assert all(v == 0 for v in g.versions[:switch]) and all(v == 1 for v in g.versions[switch:])
+        assert g.logprobs[:switch] == pytest.approx(_logprobs(old, prompt, g.output_ids)[:switch], abs=2e-3)
+        assert g.logprobs[switch:] == pytest.approx(_logprobs(new, prompt, g.output_ids)[switch:], abs=2e-3)
+    await _load(engine, vllm_server.model_dir, 0)
 
 
 async def test_a_weight_reload_changes_the_outputs_without_a_restart(engine, vllm_server):

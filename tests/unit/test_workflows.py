@@ -3,6 +3,8 @@ multi-turn feedback tokens, workflow selection. The engine-facing behaviour is i
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kuberl.api.v1alpha1 import RLExperimentSpec
@@ -13,6 +15,7 @@ from kuberl.runtime.rollout.workflows import (
     PartialGeneration,
     RLVRWorkflow,
     SamplingConfig,
+    generate_group,
     make_workflow,
 )
 
@@ -65,6 +68,48 @@ class TestPartialGeneration:
     def test_a_result_must_have_one_logprob_per_token(self):
         with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
             GenerateResult([1, 2], [-0.1], "stop")
+
+
+class GroupEngine:
+    """A scripted engine: generate_n answers a group with pieces that each stop or were aborted; generate continues one."""
+
+    def __init__(self, with_n: bool) -> None:
+        self.calls: list[tuple[str, int]] = []
+        if not with_n:
+            self.generate_n = None  # an engine without n-sample requests: n plain requests instead
+
+    async def generate_n(self, req, n):
+        self.calls.append(("n", n))
+        return [GenerateResult([20 + i], [-0.5], "abort" if i % 2 else "stop", version=3) for i in range(n)]
+
+    async def generate(self, req):
+        self.calls.append(("one", len(req.input_ids)))
+        return GenerateResult([30], [-0.7], "stop", version=4)
+
+
+class TestGroupRequests:
+    def test_one_n_sample_request_then_each_aborted_sample_continues_alone(self):
+        eng = GroupEngine(with_n=True)
+        gens = asyncio.run(generate_group(eng, [1, 2, 3], base(10), 4))
+        assert eng.calls == [("n", 4), ("one", 4), ("one", 4)]  # samples 1 and 3 were aborted: prompt + their token
+        assert [g.output_ids for g in gens] == [[20], [21, 30], [22], [23, 30]]
+        assert [g.versions for g in gens] == [[3], [3, 4], [3], [3, 4]]
+        assert all(g.done for g in gens)
+
+    def test_an_engine_without_n_sample_requests_gets_n_requests(self):
+        eng = GroupEngine(with_n=False)
+        eng.generate_n = None
+        gens = asyncio.run(generate_group(eng, [1, 2, 3], base(10), 3))
+        assert eng.calls == [("one", 3)] * 3 and all(g.output_ids == [30] for g in gens)
+
+    def test_single_turn_unseeded_episodes_ask_once_per_group_multi_turn_ones_per_sample(self, tokenizer):
+        from kuberl.runtime.rollout.workflows import EpisodeContext, Item
+
+        for cls, kw, expected in ((RLVRWorkflow, {}, "n"), (MultiTurnWorkflow, {"max_turns": 2, "turn_discount": 1.0}, "one")):
+            eng = GroupEngine(with_n=True)
+            wf = cls(tokenizer, lambda p, c, a: 1.0, SamplingConfig(n=4, max_new_tokens=4), **kw)
+            samples = asyncio.run(wf.arun_episode(eng, Item(index=0, prompt="hi", answer="x"), EpisodeContext()))
+            assert len(samples) == 4 and eng.calls[0][0] == expected
 
 
 class TestMultiTurnFeedback:

@@ -218,6 +218,33 @@ class HTTPServerEngine:
             self._in_flight -= 1
         return self.parse_response(body, version)
 
+    supports_n: ClassVar[bool] = False
+    """Whether one generate_path request can ask for n samples of one prompt (request_payload + "n", parse_choices)."""
+
+    @staticmethod
+    def parse_choices(body: dict | list, version: int) -> list[GenerateResult]:
+        """Every sample of an n-sample response, in order (engines with supports_n)."""
+        raise NotImplementedError
+
+    async def generate_n(self, req: GenerateRequest, n: int) -> list[GenerateResult]:
+        """n samples of one unseeded request: one request that shares the prompt's prefill where the server takes n,
+        else n requests. Each result is a piece as from generate (finish_reason abort: continue it alone)."""
+        if req.seed is not None:
+            raise ValueError("generate_n takes unseeded requests only (one seed would give n equal samples); send seeded ones one by one")
+        if n == 1 or not self.supports_n:
+            return list(await asyncio.gather(*(self.generate(req) for _ in range(n))))
+        await self._gate.wait()
+        version = self._version
+        self._in_flight += 1
+        try:
+            body = await self._post(self.generate_path, json={**self.request_payload(req), "n": n})
+        finally:
+            self._in_flight -= 1
+        results = self.parse_choices(body, version)
+        if len(results) != n:
+            raise EngineError(f"{self.name} {self.generate_path}: asked for {n} samples, got {len(results)}")
+        return results
+
     async def pause(self) -> None:
         """Hold new generations, abort in-flight ones (they return finish_reason abort) and wait until they have all come back."""
         self._gate.clear()

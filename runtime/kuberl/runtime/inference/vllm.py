@@ -212,6 +212,24 @@ class VLLMEngine(HTTPServerEngine):
         """A GenerateResult from a /v1/completions response (one choice)."""
         try:
             choice = body["choices"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"vLLM /v1/completions: unexpected response shape ({exc!r}): {str(body)[:300]}") from exc
+        return VLLMEngine.parse_choice(choice, version)
+
+    supports_n = True
+
+    @staticmethod
+    def parse_choices(body: dict, version: int) -> list[GenerateResult]:
+        """Every choice of an n-sample /v1/completions response, by index."""
+        try:
+            choices = sorted(body["choices"], key=lambda c: int(c["index"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"vLLM /v1/completions: unexpected response shape ({exc!r}): {str(body)[:300]}") from exc
+        return [VLLMEngine.parse_choice(c, version) for c in choices]
+
+    @staticmethod
+    def parse_choice(choice: dict, version: int) -> GenerateResult:
+        try:
             ids = [int(t) for t in choice["token_ids"]]
             lps = choice.get("logprobs") or {}
             logprobs = [float(x) if x is not None else 0.0 for x in lps.get("token_logprobs") or []]

@@ -105,7 +105,27 @@ class PartialGeneration:
 
 async def generate_continuing(engine: InferenceEngine, prompt_ids: list[int], req: GenerateRequest) -> PartialGeneration:
     """Generate one response, continuing after each abort until it stops or reaches max_new_tokens."""
-    gen = PartialGeneration(prompt_ids, req)
+    return await continue_generation(engine, PartialGeneration(prompt_ids, req))
+
+
+async def generate_group(engine: InferenceEngine, prompt_ids: list[int], req: GenerateRequest, n: int) -> list[PartialGeneration]:
+    """n unseeded responses to one prompt, each continued alone after an abort.
+
+    The first pieces go as one n-sample request where the engine takes one (`generate_n`: the server
+    prefills the shared prompt once and parses one request, not n), else as n requests.
+    """
+    many = getattr(engine, "generate_n", None)
+    firsts = await many(req, n) if many is not None else await asyncio.gather(*(engine.generate(req) for _ in range(n)))
+    gens = []
+    for first in firsts:
+        gen = PartialGeneration(prompt_ids, req)
+        gen.add(first)
+        gens.append(gen)
+    return list(await asyncio.gather(*(continue_generation(engine, g) for g in gens)))
+
+
+async def continue_generation(engine: InferenceEngine, gen: PartialGeneration) -> PartialGeneration:
+    """Generate the rest of `gen` piece by piece until it stops or reaches its max_new_tokens."""
     while not gen.done:
         if gen.pieces > MAX_CONTINUATIONS:
             raise RuntimeError(f"generation aborted {gen.pieces} times; giving up")
@@ -153,12 +173,21 @@ class RLVRWorkflow:
 
     async def _one(self, engine: InferenceEngine, item: Item, prompt_ids: list[int], seed: int | None) -> Sample:
         gen = await generate_continuing(engine, prompt_ids, self._request(prompt_ids, self.sampling.max_new_tokens, seed))
+        return self._sample(item, prompt_ids, gen)
+
+    def _sample(self, item: Item, prompt_ids: list[int], gen: PartialGeneration) -> Sample:
         reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
         return Sample(input_ids=prompt_ids, output_ids=gen.output_ids, logprobs=gen.logprobs, versions=gen.versions,
                       loss_mask=[1] * len(gen.output_ids), reward=reward, num_turns=1, finish_reason=gen.finish_reason or "stop")
 
+    # One n-sample request per episode (generate_group) rather than n: single-turn, unseeded episodes only.
+    group_requests = True
+
     async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: EpisodeContext) -> list[Sample] | None:
         prompt_ids = _encode(self.tokenizer, _prompt_text(self.tokenizer, item.prompt, self.use_chat_template))
+        if ctx.seed is None and self.group_requests and self.sampling.n > 1:
+            req = self._request(prompt_ids, self.sampling.max_new_tokens, None)
+            return [self._sample(item, prompt_ids, g) for g in await generate_group(engine, prompt_ids, req, self.sampling.n)]
         seeds = [None if ctx.seed is None else ctx.seed * 1000 + i * 17 for i in range(self.sampling.n)]
         return list(await asyncio.gather(*(self._one(engine, item, prompt_ids, s) for s in seeds)))
 
@@ -176,6 +205,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
                  turn_discount: float, use_chat_template: bool = True, feedback: str = DEFAULT_FEEDBACK,
                  reward_name: str = "reward") -> None:
         super().__init__(tokenizer, reward_fn, sampling, use_chat_template=use_chat_template, reward_name=reward_name)
+        self.group_requests = False  # each sample's turns depend on its own earlier answers
         self.max_turns = max_turns
         self.turn_discount = turn_discount
         self.feedback = feedback
