@@ -106,6 +106,13 @@ class TestThreads:
         _, one = process_settings("engine", {"KUBERL_CPUS": "0", "KUBERL_THREADS": "1"}, [0, 1], None)
         assert one["OMP_NUM_THREADS"] == "1" and one["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
+    def test_an_engine_with_compute_cores_binds_every_one_of_them(self):
+        cpus, env = process_settings("engine", {"KUBERL_CPUS": "0-7", "KUBERL_COMPUTE_CPUS": "0-3", "KUBERL_THREADS": "4"}, list(range(8)), None)
+        assert cpus == list(range(8)) and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and env["OMP_NUM_THREADS"] == "4"
+        _, tp2 = process_settings("engine", {"KUBERL_CPUS": "0-7", "KUBERL_COMPUTE_CPUS": "2-5", "KUBERL_THREADS": "4"}, list(range(8)), None,
+                                  tensor_parallel=2)
+        assert tp2["VLLM_CPU_OMP_THREADS_BIND"] == "2-3|4-5" and tp2["OMP_NUM_THREADS"] == "2"
+
     def test_a_tensor_parallel_engine_binds_one_block_per_rank(self):
         _, env = process_settings("engine", {"KUBERL_CPUS": "0-5", "KUBERL_THREADS": "6"}, list(range(6)), None, tensor_parallel=2)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and env["OMP_NUM_THREADS"] == "2"
@@ -133,15 +140,15 @@ class TestSplit:
 
 
 class TestLocalPlan:
-    def test_engine_and_trainer_get_disjoint_cores_and_the_agent_its_engines(self):
+    def test_engine_workers_and_trainer_compute_on_disjoint_cores_servers_and_agents_run_anywhere(self):
         plan = plan_local_cpus(experiment(), [0, 1])
-        assert set(plan["engine-0"].cpus).isdisjoint(plan["trainer"].cpus)
-        assert plan["rollout-0"].cpus == plan["engine-0"].cpus and plan["rollout-0"].threads == 1
+        assert plan["engine-0"].compute == (0,) and plan["trainer"].cpus == (1,)
+        assert plan["engine-0"].cpus == plan["rollout-0"].cpus == (0, 1) and plan["rollout-0"].threads == 1
 
     def test_cpu_requests_weigh_the_split(self):
         exp = experiment(rollout={"resources": {"requests": {"cpu": "6"}}}, trainer={"resources": {"requests": {"cpu": "2"}}})
         plan = plan_local_cpus(exp, list(range(8)))
-        assert len(plan["engine-0"].cpus) == 6 and len(plan["trainer"].cpus) == 2
+        assert len(plan["engine-0"].compute) == 6 and len(plan["trainer"].cpus) == 2
 
     def test_torchrun_ranks_share_the_trainer_block(self):
         plan = plan_local_cpus(experiment(trainer={"accelerator": {"type": "cpu", "count": 2}}), [0, 1, 2, 3, 4])
@@ -152,8 +159,12 @@ class TestLocalPlan:
         run = LocalRun(experiment(), tmp_path / "e.yaml", tmp_path, "nats://127.0.0.1:1")
         run.plan(gpus=0)
         env = {r.name: r.env for r in run.roles}
-        assert env["engine-0"]["KUBERL_CPUS"] == env["rollout-0"]["KUBERL_CPUS"] == "0"
+        assert env["engine-0"]["KUBERL_CPUS"] == env["rollout-0"]["KUBERL_CPUS"] == "0-1"
+        assert env["engine-0"]["KUBERL_COMPUTE_CPUS"] == "0" and "KUBERL_COMPUTE_CPUS" not in env["rollout-0"]
         assert env["trainer"]["KUBERL_CPUS"] == "1" and env["trainer"]["KUBERL_THREADS"] == "1"
+        # The engine process may run anywhere; its one worker thread is bound to core 0, the trainer's is not there.
+        cpus, eng = process_settings("engine", env["engine-0"], [0, 1], None)
+        assert cpus == [0, 1] and eng["VLLM_CPU_OMP_THREADS_BIND"] == "0" and eng["OMP_NUM_THREADS"] == "1"
 
 
 def test_a_role_process_runs_on_its_cores_with_as_many_torch_threads():

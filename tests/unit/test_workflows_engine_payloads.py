@@ -122,6 +122,26 @@ class TestVLLM:
         assert cmd[-2:] == ["--max-model-len", "256"]  # the user's engineArgs come last and win
         assert vllm.server_env({})["VLLM_SERVER_DEV_MODE"] == "1"
 
+    def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core_process(self, monkeypatch):
+        monkeypatch.setattr(vllm, "on_cpu", lambda: True)
+        one = vllm.build_server_command("/m", port=8000)
+        assert one[one.index("--distributed-executor-backend") + 1] == "uni"
+        assert vllm.server_env({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns uni into mp
+        assert "--distributed-executor-backend" not in vllm.build_server_command("/m", port=8000, tensor_parallel_size=2)
+        mine = vllm.build_server_command("/m", port=8000, extra_args=["--distributed-executor-backend", "mp"])
+        assert mine[-2:] == ["--distributed-executor-backend", "mp"]  # engineArgs still win
+        monkeypatch.setattr(vllm, "on_cpu", lambda: False)
+        assert "--distributed-executor-backend" not in vllm.build_server_command("/m", port=8000)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm.server_env({})
+
+    def test_an_n_sample_response_gives_every_choice_in_order(self):
+        body = {"choices": [{"index": i, "token_ids": [i], "logprobs": {"token_logprobs": [-0.1 * i]}, "finish_reason": "length"}
+                            for i in (2, 0, 1)]}
+        res = vllm.VLLMEngine.parse_choices(body, 3)
+        assert [r.output_ids for r in res] == [[0], [1], [2]] and all(r.version == 3 for r in res)
+        with pytest.raises(EngineError, match="unexpected response shape"):
+            vllm.VLLMEngine.parse_choices({"choices": [{"token_ids": [1]}]}, 0)
+
     def test_an_engine_needs_a_model_or_a_url(self):
         with pytest.raises(ValueError, match="exactly one of model_path"):
             vllm.VLLMEngine()

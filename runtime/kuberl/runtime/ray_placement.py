@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kuberl.api import RLExperiment
-from kuberl.runtime.resources import CPUS_ENV, THREADS_ENV, cpu_quantity
+from kuberl.runtime.resources import COMPUTE_CPUS_ENV, CPUS_ENV, THREADS_ENV, cpu_quantity
 
 TOKEN_ENV = "KUBERL_BUS_TOKEN"
 RAY_INSTALL = "pip install 'kuberl-runtime[ray]'  (or: pip install 'ray>=2.60,<2.61')"
@@ -105,7 +105,7 @@ def bus_url(node_ip: str, port: int) -> str:
 def ray_role_env(base: dict[str, str], placement: Placement, token: str | None) -> dict[str, str]:
     """A role's environment on its node: the run's variables, its thread count, the bus token; never the
     driver's cores (KUBERL_CPUS) or devices (Ray gives the actor its own CUDA_VISIBLE_DEVICES)."""
-    env = {k: v for k, v in base.items() if k not in (CPUS_ENV, "CUDA_VISIBLE_DEVICES")}
+    env = {k: v for k, v in base.items() if k not in (CPUS_ENV, COMPUTE_CPUS_ENV, "CUDA_VISIBLE_DEVICES")}
     env[THREADS_ENV] = str(placement.threads)
     if token:
         env[TOKEN_ENV] = token
