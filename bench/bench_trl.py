@@ -10,7 +10,7 @@ trailing-10-step mean reward of 0.6 (both timed from the end of the first traini
 is out), final reward (mean of the last 10 steps), the ratios, and KubeRL's trainer stage times.
 
     pip install 'kuberl[bench]'   # TRL; never needed by the tests
-    flock /tmp/kuberl-heavy.lock python bench/bench_trl.py [--steps 400] [--eta 2]
+    flock /tmp/kuberl-heavy.lock python bench/bench_trl.py [--steps 400] [--eta 2] [--in-flight abort keep]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def summarise(name: str, steps: list[tuple[float, float, int]]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def kuberl_manifest(model: Path, data: Path, steps: int, eta: int) -> dict:
+def kuberl_manifest(model: Path, data: Path, steps: int, eta: int, in_flight: str = "abort") -> dict:
     return {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "bench-trl"},
         "spec": {
@@ -84,17 +84,17 @@ def kuberl_manifest(model: Path, data: Path, steps: int, eta: int) -> dict:
             "staleness": {"maxHeadOffpolicyness": eta},
             "rollout": {"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}, "concurrency": 2 * PROMPTS},
             "trainer": {"backend": "fsdp", "accelerator": {"type": "cpu", "count": 1}},
-            "weightSync": {"mode": "disk"},
+            "weightSync": {"mode": "disk", "inFlight": in_flight},
             "checkpoint": {"everySteps": steps, "keep": 1},
             "training": {"totalSteps": steps},
         },
     }
 
 
-def run_kuberl(root: Path, model: Path, data: Path, steps: int, eta: int) -> tuple[dict, dict]:
-    path = root / "kuberl.yaml"
-    path.write_text(yaml.safe_dump(kuberl_manifest(model, data, steps, eta), sort_keys=False))
-    workdir = root / "kuberl"
+def run_kuberl(root: Path, model: Path, data: Path, steps: int, eta: int, in_flight: str) -> tuple[dict, dict]:
+    path = root / f"kuberl-{in_flight}.yaml"
+    path.write_text(yaml.safe_dump(kuberl_manifest(model, data, steps, eta, in_flight), sort_keys=False))
+    workdir = root / f"kuberl-{in_flight}"
     proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(path), "--workdir", str(workdir)], cwd=ROOT,
                           stdout=subprocess.DEVNULL)
     if proc.returncode != 0:
@@ -104,7 +104,7 @@ def run_kuberl(root: Path, model: Path, data: Path, steps: int, eta: int) -> tup
     for r in rows[1:]:
         for k, v in r.get("timings", {}).items():
             stages[k] = stages.get(k, 0.0) + v / (len(rows) - 1)
-    return summarise(f"KubeRL (kuberl run, vLLM CPU, eta={eta})", [(r["time"], r["reward_mean"], r["samples"]) for r in rows]), stages
+    return summarise(f"KubeRL (vLLM CPU, eta={eta}, inFlight {in_flight})", [(r["time"], r["reward_mean"], r["samples"]) for r in rows]), stages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +163,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eta", type=int, default=2, help="KubeRL's staleness.maxHeadOffpolicyness")
+    parser.add_argument("--in-flight", nargs="+", default=["abort", "keep"], choices=["abort", "keep"],
+                        help="KubeRL's weightSync.inFlight settings to run (each is one KubeRL run)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and metrics here (default: a temporary folder)")
     args = parser.parse_args()
     try:
@@ -173,19 +175,20 @@ def main() -> int:
         root = args.workdir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         model, data = build_inputs(root)
-        ours, stages = run_kuberl(root, model, data, args.steps, args.eta)
+        runs = [run_kuberl(root, model, data, args.steps, args.eta, mode) for mode in args.in_flight]
         theirs = run_trl(root, model, data, args.steps)
     print(f"\n{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, TRL {trl.__version__}; {args.steps} steps of {PROMPTS} prompts x {G}, "
           f"{NEW_TOKENS} new tokens, reward {THRESHOLD} = trailing {TRAIL}-step mean, times from the end of step 1")
     print(f"{'':<46}{'samples/s':>10}{'reward 0.6 at':>22}{'final reward':>14}")
-    for r in (theirs, ours):
+    for r in (theirs, *(ours for ours, _ in runs)):
         at = f"step {r['reached_step']}, {r['reached_s']:.0f} s" if r["reached_s"] is not None else "not reached"
         print(f"{r['name']:<46}{r['samples_per_s']:>10.1f}{at:>22}{r['final_reward']:>14.3f}")
-    speed = ours["samples_per_s"] / theirs["samples_per_s"]
-    to = (theirs["reached_s"] / ours["reached_s"]) if ours["reached_s"] and theirs["reached_s"] else float("nan")
-    print(f"\nKubeRL / TRL: samples/s {speed:.2f}x; time to reward {THRESHOLD} {to:.2f}x faster "
-          f"(TRL's seconds / KubeRL's); final reward {ours['final_reward']:.3f} vs {theirs['final_reward']:.3f}")
-    print("KubeRL trainer, mean seconds per step: " + ", ".join(f"{k.removeprefix('train.')} {v:.3f}" for k, v in sorted(stages.items())))
+    for ours, stages in runs:
+        speed = ours["samples_per_s"] / theirs["samples_per_s"]
+        to = (theirs["reached_s"] / ours["reached_s"]) if ours["reached_s"] and theirs["reached_s"] else float("nan")
+        print(f"\n{ours['name']} / TRL: samples/s {speed:.2f}x; time to reward {THRESHOLD} {to:.2f}x faster "
+              f"(TRL's seconds / KubeRL's); final reward {ours['final_reward']:.3f} vs {theirs['final_reward']:.3f}")
+        print("  trainer, mean seconds per step: " + ", ".join(f"{k.removeprefix('train.')} {v:.3f}" for k, v in sorted(stages.items())))
     return 0
 
 

@@ -11,6 +11,8 @@ from kuberl.api.base import KubeModel, Quantity, ResourceRequirements, SecretKey
 BROADCAST_NEEDS_VLLM = ("weightSync.mode broadcast needs rollout.engine vllm: the engines receive through a vLLM worker extension "
                         "(SGLang's update_weights_from_distributed is not wired up)")
 BROADCAST_NO_LORA = "weightSync.mode broadcast sends full weights: with algorithm.lora use weightSync.mode disk or bus (adapters are hot-loaded from files)"
+KEEP_NEEDS_VLLM_FILES = ("weightSync.inFlight keep is implemented for rollout.engine vllm with weightSync.mode disk or bus and full weights: "
+                         "use inFlight abort with SGLang, broadcast or algorithm.lora")
 
 
 class WeightSyncSpec(KubeModel):
@@ -28,6 +30,15 @@ class WeightSyncSpec(KubeModel):
         "later ones get the weights at the next step or as soon as the trainer waits for groups.")
     timeout_seconds: int = Field(
         300, ge=5, le=86400, description="broadcast: limit on each collective; a receiver that dies fails that update (it asks again); the trainer goes on.")
+    in_flight: Literal["abort", "keep"] = Field(
+        "abort", alias="inFlight",
+        description="What a weight update does to generations in flight. abort (AReaL's interruptible rollout): the engine pauses, "
+        "aborts them, loads, and each continues from its tokens so far on the new weights, its KV recomputed; every token "
+        "carries the version that produced it. keep (PipelineRL's in-flight update): the engine loads between two decoding "
+        "steps without pausing; generations go on with the KV cache they have (computed by the earlier weights), and all "
+        "tokens of a response carry the version it started on, the oldest that produced any of them, so staleness is "
+        "never under-counted. Either way each token's behaviour logprob is the probability it was sampled with. "
+        "keep: vLLM, weightSync.mode disk or bus, no LoRA.")
 
 
 class EmbeddedBusSpec(KubeModel):

@@ -56,6 +56,7 @@ from kuberl.api.evaluation import EvalProgress, EvaluationSpec
 from kuberl.api.infra import (
     BROADCAST_NEEDS_VLLM,
     BROADCAST_NO_LORA,
+    KEEP_NEEDS_VLLM_FILES,
     BusSpec,
     CheckpointSpec,
     EmbeddedBusSpec,
@@ -209,6 +210,10 @@ class RLExperimentSpec(KubeModel):
          BROADCAST_NEEDS_VLLM, ".weightSync.mode"),
         (f"!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast' || !has(self.algorithm.lora)",
          BROADCAST_NO_LORA, ".weightSync.mode"),
+        (f"!has(self.weightSync) || {_or('self.weightSync.inFlight', 'abort')} != 'keep' || "
+         f"({_or('self.weightSync.mode', 'disk')} != 'broadcast' && !has(self.algorithm.lora) && "
+         f"(has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm'))",
+         KEEP_NEEDS_VLLM_FILES, ".weightSync.inFlight"),
     )
 
     model: ModelSpec = Field(description="The policy model.")
@@ -261,6 +266,8 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.weightSync.mode", "broadcast", BROADCAST_NEEDS_VLLM)
         if self.weight_sync.mode == "broadcast" and self.algorithm.lora is not None:
             raise FieldError("spec.weightSync.mode", "broadcast", BROADCAST_NO_LORA)
+        if self.weight_sync.in_flight == "keep" and (r.engine != "vllm" or self.weight_sync.mode == "broadcast" or self.algorithm.lora is not None):
+            raise FieldError("spec.weightSync.inFlight", "keep", KEEP_NEEDS_VLLM_FILES)
         return self
 
 

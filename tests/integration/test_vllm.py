@@ -121,6 +121,42 @@ async def test_a_group_interrupted_by_a_weight_update_continues_each_sample_on_t
     await _load(engine, vllm_server.model_dir, 0)
 
 
+async def test_an_in_flight_update_swaps_the_weights_under_a_running_generation_without_interrupting_it(engine, vllm_server):
+    """weightSync.inFlight keep: no pause, no abort; one piece stamped with the version it started on."""
+    tok, old = _hf(vllm_server.model_dir)
+    _, new = _hf(vllm_server.other_weights)
+    prompt = _prompt(tok)
+    n = 512 - len(prompt)
+    for delay in (0.3, 0.1, 0.05, 0.02, 0.01):
+        await _load(engine, vllm_server.model_dir, 0)
+        task = asyncio.create_task(engine.generate(GenerateRequest(prompt, max_new_tokens=n, temperature=1.0)))
+        for _ in range(3000):
+            if engine._in_flight or task.done():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(delay)
+        if task.done():
+            continue
+        await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # no pause
+        assert not task.done() and engine.version == 1
+        res = await asyncio.wait_for(task, 300)
+        old_lp = _logprobs(old, prompt, res.output_ids)
+        off = [i for i, (a, b) in enumerate(zip(res.logprobs, old_lp)) if abs(a - b) > 0.05]
+        if off and off[0] > 0:
+            break
+    else:
+        pytest.fail("no attempt caught the generation mid-way")
+    assert res.finish_reason == "length" and len(res.output_ids) == n  # never aborted: one piece
+    assert res.version == 0  # stamped with the version it started on: staleness is not under-counted
+    switch = off[0]
+    assert res.logprobs[:switch] == pytest.approx(old_lp[:switch], abs=2e-3)  # the old weights' tokens...
+    assert len(off) > (n - switch) // 2  # ...then the new weights' for the rest
+    greedy = GenerateRequest(prompt, max_new_tokens=16, temperature=0.0)
+    await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # idle now: the prefix cache is reset too
+    assert (await engine.generate(greedy)).output_ids == _greedy(new, prompt, 16)
+    await _load(engine, vllm_server.model_dir, 0)
+
+
 async def test_a_weight_reload_changes_the_outputs_without_a_restart(engine, vllm_server):
     tok, old = _hf(vllm_server.model_dir)
     _, new = _hf(vllm_server.other_weights)

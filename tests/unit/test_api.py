@@ -11,7 +11,7 @@ from kuberl.api import RLExperiment, RLExperimentSpec
 from kuberl.api.algorithm import LORA_NEEDS_VLLM, LORA_TARGET_UNSERVED
 from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
-from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA
+from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
@@ -216,6 +216,12 @@ AGREEMENT_CASES = [
     ("broadcast on vllm", {"weightSync": {"mode": "broadcast"}}, None),
     ("broadcast on sglang", {"weightSync": {"mode": "broadcast"}, "rollout": {"engine": "sglang"}}, BROADCAST_NEEDS_VLLM),
     ("broadcast with lora", {"weightSync": {"mode": "broadcast"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, BROADCAST_NO_LORA),
+    ("in-flight keep on vllm", {"weightSync": {"inFlight": "keep", "mode": "bus"}}, None),
+    ("in-flight keep on sglang", {"weightSync": {"inFlight": "keep"}, "rollout": {"engine": "sglang"}}, KEEP_NEEDS_VLLM_FILES),
+    ("in-flight keep on an sglang allocation", {"weightSync": {"inFlight": "keep"}, "allocation": "sglang:d1+fsdp:d1"}, KEEP_NEEDS_VLLM_FILES),
+    ("in-flight keep with broadcast", {"weightSync": {"inFlight": "keep", "mode": "broadcast"}}, KEEP_NEEDS_VLLM_FILES),
+    ("in-flight keep with lora", {"weightSync": {"inFlight": "keep"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, KEEP_NEEDS_VLLM_FILES),
+    ("in-flight abort with lora", {"weightSync": {"inFlight": "abort"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, None),
     ("lora on the lm_head", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "lm_head"]}}}, LORA_TARGET_UNSERVED),
     ("lora on the embeddings", {"algorithm": {"lora": {"rank": 8, "alpha": 16, "targetModules": ["model.embed_tokens"]}}}, LORA_TARGET_UNSERVED),
     ("topP 1", {"algorithm": {"topP": 1.0}}, None),

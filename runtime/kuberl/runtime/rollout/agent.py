@@ -125,7 +125,7 @@ class RolloutAgent:
             shutil.rmtree(d, ignore_errors=True)
 
     async def apply_weights(self, w: dict[str, Any]) -> None:
-        """Pause the engine, load the weights named by a `weights` KV value, resume."""
+        """Pause the engine, load the weights named by a `weights` KV value, resume (weightSync.inFlight keep: load, no pause)."""
         async with self._update_lock:
             version = int(w["version"])
             started = time.monotonic()
@@ -133,6 +133,10 @@ class RolloutAgent:
                 from kuberl.runtime.weight_sync.agent_side import receive_broadcast
 
                 version = await receive_broadcast(self, w)
+            elif self.exp.spec.weight_sync.in_flight == "keep":
+                # PipelineRL's in-flight update: vLLM runs the reload between two decoding steps; nothing is paused
+                # or aborted, and responses in flight keep the version they started on (generate stamps it).
+                await self.engine.update_weights_from_disk(await self._weights_dir(w), version)
             else:
                 path = await self._weights_dir(w)  # download before pausing: generation goes on meanwhile
                 await self.engine.pause()

@@ -1,0 +1,49 @@
+"""weightSync.inFlight: abort pauses the engine around a load (AReaL's interruptible rollout); keep loads with no
+pause or abort (PipelineRL's in-flight update). The engine's side of keep runs on real vLLM in
+tests/integration/test_vllm.py; this checks what the agent asks of its engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kuberl.api import RLExperiment
+from kuberl.runtime.rollout.agent import RolloutAgent
+
+
+class Recorder:
+    version = 0
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def pause(self) -> None:
+        self.calls.append("pause")
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        self.calls.append(f"load v{version} {path}")
+        self.version = version
+
+
+def experiment(in_flight: str) -> RLExperiment:
+    return RLExperiment.model_validate({"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "t"}, "spec": {
+        "model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"}, "training": {"totalSteps": 3},
+        "weightSync": {"inFlight": in_flight}}})
+
+
+def calls(in_flight: str, tmp_path) -> list[str]:
+    engine = Recorder()
+    agent = RolloutAgent(experiment(in_flight), None, engine, None, [], workdir=tmp_path)
+    asyncio.run(agent.apply_weights({"version": 3, "mode": "disk", "path": "/w/v3"}))
+    assert engine.version == 3 and agent.stats.weight_updates == 1
+    return engine.calls
+
+
+def test_abort_pauses_the_engine_around_the_load(tmp_path):
+    assert calls("abort", tmp_path) == ["pause", "load v3 /w/v3", "resume"]
+
+
+def test_keep_loads_without_pausing(tmp_path):
+    assert calls("keep", tmp_path) == ["load v3 /w/v3"]
