@@ -72,6 +72,8 @@ def summarise(name: str, steps: list[tuple[float, float, int]]) -> dict:
 
 
 def kuberl_manifest(model: Path, data: Path, steps: int, eta: int, in_flight: str = "abort") -> dict:
+    """KubeRL's side. rollout.concurrency = (eta + 1) * batch: every group the staleness bound lets start at once
+    (AReaL's capacity), so the engine batches as many sequences as it may (measured: 16 -> 24 groups, +5% samples/s)."""
     return {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "bench-trl"},
         "spec": {
@@ -82,7 +84,7 @@ def kuberl_manifest(model: Path, data: Path, steps: int, eta: int, in_flight: st
                           "temperature": 1.0, "topP": 1.0, "learningRate": LR, "epsClip": CLIP, "rewardScaling": 1.0,
                           "rewardBias": 0.0, "ppoMinibatches": 1, "optimizer": {"weightDecay": 0.0, "gradClip": 1.0}},
             "staleness": {"maxHeadOffpolicyness": eta},
-            "rollout": {"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}, "concurrency": 2 * PROMPTS},
+            "rollout": {"engine": "vllm", "replicas": 1, "accelerator": {"type": "cpu", "count": 0}, "concurrency": (eta + 1) * PROMPTS},
             "trainer": {"backend": "fsdp", "accelerator": {"type": "cpu", "count": 1}},
             "weightSync": {"mode": "disk", "inFlight": in_flight},
             "checkpoint": {"everySteps": steps, "keep": 1},
