@@ -1,8 +1,8 @@
-"""Async (eta >= 1) against sync (eta = 0) RL, with the engine and the trainer on disjoint cores: the AReaL gain.
+"""Async (eta >= 1) against sync (eta = 0) RL, with the engine's workers and the trainer on disjoint cores: the AReaL gain.
 
 Runs `kuberl run` on the same manifest twice for the same number of steps, changing only
-staleness.maxHeadOffpolicyness. `kuberl run` gives the engine (with its agent) and the trainer their own
-cores (on 2 cores: one each, the stand-in for separate devices). From the sync run it measures the time
+staleness.maxHeadOffpolicyness. `kuberl run` gives the engine's model workers and the trainer their own
+cores (on 2 cores: one each, the stand-in for separate devices; the engine's server and agent run on both). From the sync run it measures the time
 to generate a batch (the trainer's wait: weight load + generation) and to train on it (the rest of its
 step), prints the ideal overlap gain (gen + train) / max(gen, train), and next to it the achieved
 async / sync throughput ratio. Usage:
@@ -72,8 +72,10 @@ def main() -> int:
     gen, train = sync["wait_s"], sync["train_s"]  # sync: the trainer waits for the whole batch, then trains alone
     ideal = (gen + train) / max(gen, train)
     achieved = asyn["samples_per_s"] / sync["samples_per_s"]
-    print(f"\n{time.strftime('%Y-%m-%d')}: {args.manifest.name}, {args.steps} steps; cores: engine+agent "
-          f"{format_cpu_list(list(plan['engine-0'].cpus))}, trainer {format_cpu_list(list(plan['trainer'].cpus))}")
+    eng = plan["engine-0"]
+    print(f"\n{time.strftime('%Y-%m-%d')}: {args.manifest.name}, {args.steps} steps; cores: engine workers "
+          f"{format_cpu_list(list(eng.compute or eng.cpus))} (its server and agent {format_cpu_list(list(eng.cpus))}), "
+          f"trainer {format_cpu_list(list(plan['trainer'].cpus))}")
     print(f"{'setting':<16}{'samples/s':>10}{'step s':>8}{'wait s':>8}{'idle':>6}{'staleness':>10}{'reward(last5)':>14}{'wall s':>8}")
     for r in results:
         label = "sync (eta=0)" if r["eta"] == 0 else f"async (eta={r['eta']})"

@@ -141,6 +141,8 @@ class TestVLLM:
         assert [r.output_ids for r in res] == [[0], [1], [2]] and all(r.version == 3 for r in res)
         with pytest.raises(EngineError, match="unexpected response shape"):
             vllm.VLLMEngine.parse_choices({"choices": [{"token_ids": [1]}]}, 0)
+        with pytest.raises(EngineError, match="unexpected response shape.*'x'"):
+            vllm.VLLMEngine.parse_choices({"choices": [{"index": 0, "token_ids": ["x"]}]}, 0)
 
     def test_an_engine_needs_a_model_or_a_url(self):
         with pytest.raises(ValueError, match="exactly one of model_path"):

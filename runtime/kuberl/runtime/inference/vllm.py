@@ -242,7 +242,7 @@ class VLLMEngine(HTTPServerEngine):
             lps = choice.get("logprobs") or {}
             logprobs = [float(x) if x is not None else 0.0 for x in lps.get("token_logprobs") or []]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise EngineError(f"vLLM /v1/completions: unexpected response shape ({exc!r}): {str(body)[:300]}") from exc
+            raise EngineError(f"vLLM /v1/completions: unexpected response shape ({exc!r}): {str(choice)[:300]}") from exc
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"vLLM /v1/completions: unexpected finish_reason {reason!r}")
