@@ -141,16 +141,17 @@ async def test_an_in_flight_update_swaps_the_weights_under_a_running_generation_
         assert not task.done() and engine.version == 1
         res = await asyncio.wait_for(task, 300)
         old_lp = _logprobs(old, prompt, res.output_ids)
-        off = [i for i, (a, b) in enumerate(zip(res.logprobs, old_lp)) if abs(a - b) > 0.05]
-        if off and off[0] > 0:
+        differs = [abs(a - b) > 2e-3 for a, b in zip(res.logprobs, old_lp)]
+        switch = differs.index(True) if any(differs) else len(differs)  # the first token the old weights did not give
+        if 0 < switch < n:
             break
     else:
         pytest.fail("no attempt caught the generation mid-way")
     assert res.finish_reason == "length" and len(res.output_ids) == n  # never aborted: one piece
     assert res.version == 0  # stamped with the version it started on: staleness is not under-counted
-    switch = off[0]
-    assert res.logprobs[:switch] == pytest.approx(old_lp[:switch], abs=2e-3)  # the old weights' tokens...
-    assert len(off) > (n - switch) // 2  # ...then the new weights' for the rest
+    # The old weights' tokens up to the switch, then the new weights': most later logprobs are far from the old ones'.
+    far = sum(abs(a - b) > 0.05 for a, b in zip(res.logprobs[switch:], old_lp[switch:]))
+    assert far > (n - switch) // 2, (switch, far)
     greedy = GenerateRequest(prompt, max_new_tokens=16, temperature=0.0)
     await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # idle now: the prefix cache is reset too
     assert (await engine.generate(greedy)).output_ids == _greedy(new, prompt, 16)

@@ -181,7 +181,8 @@ def test_kuberl_run_with_broadcast_finishes(tmp_path):
 def _broadcast_manifest(tmp_path: Path, name: str, **more):
     from test_run import quickstart_manifest
 
-    return quickstart_manifest(tmp_path, name, **{"weightSync.mode": "broadcast", "weightSync.bucketMB": 1, **more})
+    # inFlight abort: the quickstart's keep is refused with broadcast (tests/unit/test_api.py)
+    return quickstart_manifest(tmp_path, name, **{"weightSync.mode": "broadcast", "weightSync.bucketMB": 1, "weightSync.inFlight": "abort", **more})
 
 
 def _received(log: Path) -> list[int]:
