@@ -60,13 +60,16 @@ class KubeRLWorkerExtension:
 
     def kuberl_receive_weights(self, assign: dict) -> dict:
         """Join the trainer's broadcast `assign` (broadcast.py) and reload the weights bucket by bucket as they arrive."""
-        from kuberl.runtime.weight_sync.broadcast import receive_weights
+        from kuberl.runtime.weight_sync.broadcast import join_update, receive_weights
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         device = next(model.parameters()).device
+        if device.type == "meta":  # a reload that failed mid-way left parameters unmaterialised: buffers go to the worker's device
+            device = torch.device(getattr(self, "device", "cpu"))
         stats: dict = {}
         local_rank = int(getattr(self, "rank", 0) or 0)  # this worker among the engine's (tensor/pipeline parallel) workers
-        self.reload_weights(weights_iterator=receive_weights(assign, local_rank=local_rank, device=device, stats=stats))  # type: ignore[attr-defined]
+        joined = join_update(assign, local_rank=local_rank)  # a dead trainer fails here, before any weight changes
+        self.reload_weights(weights_iterator=receive_weights(assign, local_rank=local_rank, device=device, stats=stats, joined=joined))  # type: ignore[attr-defined]
         if not stats.get("complete"):
             raise RuntimeError(f"weight broadcast {assign.get('update')}: the reload stopped after {stats.get('buckets', 0)} buckets")
         return {**stats, **refresh_tied_layers(model)}

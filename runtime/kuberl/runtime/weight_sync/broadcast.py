@@ -196,19 +196,33 @@ def parse_rendezvous(text: str) -> tuple[str, int]:
 # -- the engine worker's side -------------------------------------------------------------------
 
 
-def receive_weights(assign: dict[str, Any], *, local_rank: int, device: torch.device | str, stats: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Join update `assign["update"]` as rank assign["rank"] + local_rank and yield each received (name, tensor).
+def join_update(assign: dict[str, Any], *, local_rank: int) -> tuple[Any, list]:
+    """Connect to the trainer's store and join update `assign["update"]`: (its group, its buckets).
+
+    Within the join window, not weightSync.timeoutSeconds: a trainer killed after it assigned this update leaves a
+    dead store, and torch's client retries its connect for the whole timeout (seen in CI: the engine blocked
+    2 x 300 s). Call it before the engine starts reloading (vllm_worker.py), so that such a failure leaves the
+    model untouched. The collectives keep the longer limit.
+    """
+    host, port = parse_rendezvous(assign["rendezvous"])
+    joining = float(assign.get("rendezvous_timeout", assign["timeout"]))
+    store = connect_store(host, port, joining)
+    buckets = parse_manifest(store.get(manifest_key(assign["update"])))
+    pg = new_group(store, assign["update"], int(assign["rank"]) + local_rank, int(assign["world"]), assign["backend"], joining)
+    return pg, buckets
+
+
+def receive_weights(assign: dict[str, Any], *, local_rank: int, device: torch.device | str, stats: dict[str, Any],
+                    joined: tuple[Any, list] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Join update `assign["update"]` as rank assign["rank"] + local_rank (or use `joined`, join_update's) and yield each
+    received (name, tensor).
 
     A generator for vLLM's reload_weights(weights_iterator=...): bucket k+1 is received only after the model took
     bucket k, so at most one bucket is held. stats gets buckets/bytes/seconds, and complete=True once all came.
     """
-    host, port = parse_rendezvous(assign["rendezvous"])
     timeout = float(assign["timeout"])
     started = time.monotonic()
-    store = connect_store(host, port, timeout)
-    buckets = parse_manifest(store.get(manifest_key(assign["update"])))
-    pg = new_group(store, assign["update"], int(assign["rank"]) + local_rank, int(assign["world"]), assign["backend"],
-                   float(assign.get("rendezvous_timeout", timeout)))
+    pg, buckets = joined if joined is not None else join_update(assign, local_rank=local_rank)
     stats.update(buckets=0, bytes=0, complete=False)
     for bucket in buckets:
         buf = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=device)
