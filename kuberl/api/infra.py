@@ -35,9 +35,10 @@ class WeightSyncSpec(KubeModel):
         description="What a weight update does to generations in flight. abort (AReaL's interruptible rollout): the engine pauses, "
         "aborts them, loads, and each continues from its tokens so far on the new weights, its KV recomputed; every token "
         "carries the version that produced it. keep (PipelineRL's in-flight update): the engine loads between two decoding "
-        "steps without pausing; generations go on with the KV cache they have (computed by the earlier weights), and all "
-        "tokens of a response carry the version it started on, the oldest that produced any of them, so staleness is "
-        "never under-counted. Either way each token's behaviour logprob is the probability it was sampled with. "
+        "steps without pausing; generations go on with the KV cache they have (computed by the earlier weights), and "
+        "each token carries the version that sampled it (vLLM's weight-version spans; the label follows each load by "
+        "one call, so a token sampled just after it may carry the previous version: staleness is over-counted, never "
+        "under). Either way each token's behaviour logprob is the probability it was sampled with. "
         "keep: vLLM, weightSync.mode disk or bus, no LoRA.")
 
 

@@ -110,7 +110,7 @@ async def sample(engine: VLLMEngine, tok, n: int = 4, payload_filter=None) -> li
             if payload_filter is None:
                 res = await engine.generate(req)
             else:  # a hand-made body (what a client that leaves fields out sends)
-                res = engine.parse_completion(await engine._post("/v1/completions", json=payload_filter(engine.completion_payload(req))), engine.version)
+                res = engine.parse_generate(await engine._post(engine.generate_path, json=payload_filter(engine.generate_payload(req))), engine.version)
             out.append(Sample(prompt, res.output_ids, res.logprobs))
     return out
 
@@ -157,7 +157,7 @@ async def test_the_server_ignores_the_models_generation_config_even_when_a_reque
     await load(engine, vllm_instruct_server.model_dir, 0)
 
     def strip(body: dict) -> dict:
-        return {k: v for k, v in body.items() if k not in NEUTRAL_SAMPLING}
+        return {**body, "sampling_params": {k: v for k, v in body["sampling_params"].items() if k not in NEUTRAL_SAMPLING}}
 
     got = parity(trainer_model(vllm_instruct_server.model_dir), await sample(engine, tok, n=2, payload_filter=strip))
     assert got.holds(), got

@@ -21,7 +21,7 @@ from kuberl.runtime.inference.vllm import VLLMEngine, build_server_command, serv
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "k3y-for-tests"
-DEV_ENDPOINTS = ["/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/abort_requests"]
+DEV_ENDPOINTS = ["/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/abort_requests", "/update_weight_version"]
 
 
 def vllm_app(middleware: list[str], api_key: list[str] | None = None) -> FastAPI:
@@ -29,7 +29,7 @@ def vllm_app(middleware: list[str], api_key: list[str] | None = None) -> FastAPI
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 
     app = FastAPI()
-    for path in ["/health", "/v1/completions", *DEV_ENDPOINTS]:
+    for path in ["/health", "/v1/completions", "/inference/v1/generate", *DEV_ENDPOINTS]:
         app.add_api_route(path, lambda: {"ok": True}, methods=["GET", "POST"])
     args = Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"], allowed_headers=["*"],
                      api_key=api_key, enable_request_id_headers=False, middleware=middleware)
@@ -48,7 +48,7 @@ def test_vllm_api_key_alone_leaves_the_dev_endpoints_open(monkeypatch) -> None:
 def test_middleware_guards_every_engine_endpoint_but_health(monkeypatch) -> None:
     monkeypatch.setenv(API_KEY_ENV, KEY)
     client = TestClient(vllm_app([MIDDLEWARE]))
-    for path in ["/v1/completions", *DEV_ENDPOINTS]:
+    for path in ["/v1/completions", "/inference/v1/generate", *DEV_ENDPOINTS]:
         assert client.post(path).status_code == 401, path
         assert client.post(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
         assert client.post(path, headers={"Authorization": f"Basic {KEY}"}).status_code == 401, path
@@ -80,8 +80,9 @@ async def recording_engine():
 
     async def handler(request: web.Request) -> web.Response:
         seen.append((request.path, request.headers.get("Authorization")))
-        if request.path == "/v1/completions":
-            return web.json_response({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+        if request.path == "/inference/v1/generate":
+            return web.json_response({"choices": [{"index": 0, "token_ids": [5], "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}]},
+                                                   "finish_reason": "length"}]})
         if request.path == "/collective_rpc":
             return web.json_response({"results": [{}]})
         return web.json_response({})
@@ -114,7 +115,7 @@ async def test_client_sends_the_key_on_every_request(monkeypatch, tmp_path) -> N
     async with recording_engine() as (url, seen):
         await drive(VLLMEngine(url=url), tmp_path)
     paths = {p for p, _ in seen}
-    assert {"/health", "/v1/completions", "/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"} <= paths
+    assert {"/health", "/inference/v1/generate", "/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"} <= paths
     assert {auth for _, auth in seen} == {f"Bearer {KEY}"}
 
 

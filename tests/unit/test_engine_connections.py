@@ -2,7 +2,7 @@
 update's /pause is sent at once even while every generation is still running.
 
 A loopback aiohttp server stands in for the engine's HTTP front (the behaviour under test is the client's
-connection pool, not the engine): it holds each /v1/completions request until released.
+connection pool, not the engine): it holds each /inference/v1/generate request until released.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ async def serve_holding():
     async def completions(request: web.Request) -> web.Response:
         arrived.append(await request.json())
         await release.wait()
-        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+        return web.json_response({"choices": [{"index": 0, "token_ids": [7], "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}]},
+                                               "finish_reason": "length"}]})
 
     async def pause(request: web.Request) -> web.Response:
         paused.set()
         return web.json_response({"status": "paused"})
 
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/inference/v1/generate", completions)
     app.router.add_post("/pause", pause)
     runner = web.AppRunner(app)
     await runner.setup()

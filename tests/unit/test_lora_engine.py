@@ -145,8 +145,9 @@ class FakeVLLM:
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
         self.calls.append((request.path, body))
-        if request.path == "/v1/completions":
-            return web.json_response({"choices": [{"token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "length"}]})
+        if request.path == "/inference/v1/generate":
+            return web.json_response({"choices": [{"index": 0, "token_ids": [7, 8], "finish_reason": "length",
+                                                   "logprobs": {"content": [{"token_id": 7, "logprob": -0.1}, {"token_id": 8, "logprob": -0.2}]}}]})
         if request.path == "/v1/load_lora_adapter":
             if not self.lora_enabled:
                 return web.json_response({"error": {"message": "LoRA is not enabled"}}, status=400)

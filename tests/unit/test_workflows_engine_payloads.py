@@ -86,32 +86,57 @@ class TestSGLang:
 
 
 class TestVLLM:
-    def test_completion_payload_uses_token_ids_and_returns_exact_ids(self):
-        body = vllm.VLLMEngine.completion_payload(REQ)
-        assert body["prompt"] == [1, 292, 201] and body["max_tokens"] == 16 and body["seed"] == 5
-        assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["ignore_eos"] is True
-        assert body["stop_token_ids"] == [2] and body["skip_special_tokens"] is False
+    def test_generate_payload_sends_token_ids_and_asks_for_tokens_back(self):
+        body = vllm.VLLMEngine.generate_payload(REQ)
+        sp = body["sampling_params"]
+        assert body["token_ids"] == [1, 292, 201] and body["output_mode"] == "tokens" and body["model"] == "policy"
+        assert sp["max_tokens"] == 16 and sp["seed"] == 5 and sp["detokenize"] is False
+        assert sp["logprobs"] == 0 and sp["ignore_eos"] is True
+        assert sp["stop_token_ids"] == [2] and sp["skip_special_tokens"] is False
+        assert vllm.VLLMEngine.with_n(body, 8)["sampling_params"]["n"] == 8 and "n" not in sp
 
     def test_every_sampling_field_of_the_installed_vllm_is_explicit_and_neutral(self):
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest as VGenerateRequest
 
-        body = vllm.VLLMEngine.completion_payload(REQ)
+        body = vllm.VLLMEngine.generate_payload(REQ)
         # Whatever vLLM would fill from the server's defaults (= the model's generation_config under
         # --generation-config auto) is named in the request.
-        assert set(CompletionRequest.__private_attributes__["_DEFAULT_SAMPLING_PARAMS"].default) <= set(body)
-        # Through vLLM's own request model, with Qwen2.5-Instruct's generation_config as the server defaults:
-        # the sampling parameters are the manifest's temperature and top_p and nothing else.
-        qwen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05}
-        sp = CompletionRequest(**body).to_sampling_params(max_tokens=16, default_sampling_params=qwen)
+        assert set(CompletionRequest.__private_attributes__["_DEFAULT_SAMPLING_PARAMS"].default) <= set(body["sampling_params"])
+        # Through vLLM's own request model: the sampling parameters are the manifest's temperature and top_p and nothing else.
+        parsed = VGenerateRequest(**body)
+        sp = parsed.sampling_params
+        assert all(parsed.is_sampling_param_provided(k) for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens"))
         assert (sp.temperature, sp.top_p) == (0.7, 0.9)
         assert sp.top_k in (0, -1) and sp.min_p == 0.0
         assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, 0.0, 0.0)
+        assert sp.logprobs == 0 and sp.detokenize is False and sp.ignore_eos is True and sp.stop_token_ids == [2]
 
-    def test_an_unexpected_completion_is_an_error(self):
+    def test_an_unexpected_response_is_an_error(self):
         with pytest.raises(EngineError, match="unexpected response shape"):
-            vllm.VLLMEngine.parse_completion({"choices": []}, 0)
-        ok = {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}]}
-        assert vllm.VLLMEngine.parse_completion(ok, 2).finish_reason == "abort"
+            vllm.VLLMEngine.parse_generate({"choices": []}, 0)
+        ok = {"choices": [{"index": 0, "token_ids": [5], "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}]}, "finish_reason": "abort"}]}
+        assert vllm.VLLMEngine.parse_generate(ok, 2).finish_reason == "abort"
+        with pytest.raises(ValueError, match="1 tokens but 0 logprobs"):
+            vllm.VLLMEngine.parse_generate({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "length"}]}, 0)
+        with pytest.raises(EngineError, match="unexpected finish_reason"):
+            vllm.VLLMEngine.parse_generate({"choices": [{**ok["choices"][0], "finish_reason": "error"}]}, 0)
+
+    def test_each_token_takes_the_version_of_its_weight_version_span(self):
+        def choice(spans):
+            return {"index": 0, "token_ids": [5, 6, 7, 8], "finish_reason": "length", "weight_versions": spans,
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (5, 6, 7, 8)]}}
+
+        # An in-flight update (weightSync.inFlight keep) after two tokens: the rest are v4's.
+        res = vllm.VLLMEngine.parse_choice(choice([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4}]), 3)
+        assert res.versions == [3, 3, 4, 4] and res.token_versions() == [3, 3, 4, 4] and res.version == 3
+        # "default" (the weights the server started with, never labelled) and tokens no span covers: the request's version.
+        res = vllm.VLLMEngine.parse_choice(choice([{"version": "default", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 3}]), 6)
+        assert res.versions == [6, 7, 7, 6]
+        # No spans (an older vLLM): every token is the request's.
+        assert vllm.VLLMEngine.parse_choice(choice(None), 2).token_versions() == [2, 2, 2, 2]
+        with pytest.raises(EngineError, match="unexpected response shape"):
+            vllm.VLLMEngine.parse_choice(choice([{"version": "1"}]), 0)
 
     def test_the_server_runs_the_module_in_dev_mode_with_processed_logprobs(self):
         cmd = vllm.build_server_command("/m", port=8000, max_model_len=512, extra_args=["--max-model-len", "256"])
@@ -119,6 +144,7 @@ class TestVLLM:
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # the model's sampling defaults are off
         assert cmd[cmd.index("--worker-extension-cls") + 1] == vllm.WORKER_EXTENSION  # tied-head-safe reload
+        assert "--enable-scale-out" in cmd  # /inference/v1/generate, the path generation takes
         assert cmd[-2:] == ["--max-model-len", "256"]  # the user's engineArgs come last and win
         assert vllm.server_env({})["VLLM_SERVER_DEV_MODE"] == "1"
 
@@ -135,7 +161,7 @@ class TestVLLM:
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm.server_env({})
 
     def test_an_n_sample_response_gives_every_choice_in_order(self):
-        body = {"choices": [{"index": i, "token_ids": [i], "logprobs": {"token_logprobs": [-0.1 * i]}, "finish_reason": "length"}
+        body = {"choices": [{"index": i, "token_ids": [i], "logprobs": {"content": [{"token_id": i, "logprob": -0.1 * i}]}, "finish_reason": "length"}
                             for i in (2, 0, 1)]}
         res = vllm.VLLMEngine.parse_choices(body, 3)
         assert [r.output_ids for r in res] == [[0], [1], [2]] and all(r.version == 3 for r in res)

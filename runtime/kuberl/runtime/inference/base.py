@@ -36,18 +36,27 @@ class GenerateResult:
 
     `finish_reason == "abort"` means a pause (weight update) cut the generation short: the tokens so far
     are valid and the caller may continue from input_ids + output_ids. `version` is the engine's
-    weights version when the result came back (all tokens of one result come from one version,
-    because a pause aborts every in-flight request before weights change).
+    weights version when the request started (with a pausing update all tokens of one result come from
+    it, because a pause aborts every in-flight request before weights change). `versions`, where the
+    engine reports it (vLLM's weight-version spans), is each token's own version: with an in-flight update
+    (weightSync.inFlight keep) one result spans several.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     version: int = 0
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(f"engine returned {len(self.output_ids)} tokens but {len(self.logprobs)} logprobs")
+        if self.versions is not None and len(self.versions) != len(self.output_ids):
+            raise ValueError(f"engine returned {len(self.output_ids)} tokens but {len(self.versions)} token versions")
+
+    def token_versions(self) -> list[int]:
+        """Each token's weights version: the engine's own where it reported them, else the request's."""
+        return list(self.versions) if self.versions is not None else [self.version] * len(self.output_ids)
 
 
 class EngineError(RuntimeError):

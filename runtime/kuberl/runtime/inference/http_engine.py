@@ -222,6 +222,11 @@ class HTTPServerEngine:
     """Whether one generate_path request can ask for n samples of one prompt (request_payload + "n", parse_choices)."""
 
     @staticmethod
+    def with_n(payload: dict, n: int) -> dict:
+        """request_payload asking for n samples (where the server's request names it)."""
+        return {**payload, "n": n}
+
+    @staticmethod
     def parse_choices(body: dict | list, version: int) -> list[GenerateResult]:
         """Every sample of an n-sample response, in order (engines with supports_n)."""
         raise NotImplementedError
@@ -237,7 +242,7 @@ class HTTPServerEngine:
         version = self._version
         self._in_flight += 1
         try:
-            body = await self._post(self.generate_path, json={**self.request_payload(req), "n": n})
+            body = await self._post(self.generate_path, json=self.with_n(self.request_payload(req), n))
         finally:
             self._in_flight -= 1
         results = self.parse_choices(body, version)

@@ -60,7 +60,7 @@ class PartialGeneration:
 
     A piece that ends with finish_reason abort (a weight update paused the engine) leaves the response
     unfinished: `next_request()` asks for the rest from prompt + tokens so far, with the remaining budget.
-    Each token is stamped with the version of the piece that produced it.
+    Each token is stamped with the version that produced it (the engine's per-token versions, else its piece's).
     """
 
     def __init__(self, prompt_ids: list[int], base: GenerateRequest) -> None:
@@ -96,7 +96,7 @@ class PartialGeneration:
         self.pieces += 1
         self.output_ids += res.output_ids
         self.logprobs += res.logprobs
-        self.versions += [res.version] * len(res.output_ids)
+        self.versions += res.token_versions()
         if res.finish_reason != "abort":
             self.finish_reason = res.finish_reason
         elif self.remaining <= 0:
