@@ -29,7 +29,8 @@ async def test_a_keyed_vllm_server_refuses_requests_without_the_key(tmp_path, mo
             async with anyone.get(engine.url + "/health") as resp:
                 assert resp.status == 200  # kubelet probes carry no key
             for method, path in [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/resume"),
-                                 ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions"), ("GET", "/v1/models")]:
+                                 ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions"), ("POST", "/inference/v1/generate"),
+                                 ("POST", "/update_weight_version"), ("GET", "/v1/models")]:
                 async with anyone.request(method, engine.url + path, json={}) as resp:
                     assert resp.status == 401, path
         # The client sends the key: generation and a weight reload work.

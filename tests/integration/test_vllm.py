@@ -164,6 +164,21 @@ async def test_an_in_flight_update_swaps_the_weights_under_a_running_generation_
     await _load(engine, vllm_server.model_dir, 0)
 
 
+async def test_no_request_reuses_prefix_kv_that_earlier_weights_computed(engine, vllm_server):
+    """Each request's cache_salt names the weights' version: a prompt cached under v0 is computed afresh under v1, with
+    no prefix-cache reset (which vLLM refuses while a request runs, i.e. always under weightSync.inFlight keep)."""
+    tok, _ = _hf(vllm_server.model_dir)
+    _, new = _hf(vllm_server.other_weights)
+    long_prompt = _prompt(tok, "Repeat the digit 7, and nothing else. " * 12)
+    assert 130 < len(long_prompt) < 480, len(long_prompt)  # at least one full KV block (128 tokens on CPU) to cache
+    await _load(engine, vllm_server.model_dir, 0)
+    await engine.generate(GenerateRequest(long_prompt, max_new_tokens=2, temperature=1.0, seed=1))  # its blocks cached under v0
+    await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # as keep does it: no pause
+    res = await engine.generate(GenerateRequest(long_prompt, max_new_tokens=8, temperature=1.0, seed=2))
+    assert res.logprobs == pytest.approx(_logprobs(new, long_prompt, res.output_ids), abs=2e-3)
+    await _load(engine, vllm_server.model_dir, 0)
+
+
 async def test_a_weight_reload_changes_the_outputs_without_a_restart(engine, vllm_server):
     tok, old = _hf(vllm_server.model_dir)
     _, new = _hf(vllm_server.other_weights)

@@ -115,7 +115,7 @@ async def test_client_sends_the_key_on_every_request(monkeypatch, tmp_path) -> N
     async with recording_engine() as (url, seen):
         await drive(VLLMEngine(url=url), tmp_path)
     paths = {p for p, _ in seen}
-    assert {"/health", "/inference/v1/generate", "/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"} <= paths
+    assert {"/health", "/inference/v1/generate", "/pause", "/collective_rpc", "/update_weight_version", "/resume"} <= paths
     assert {auth for _, auth in seen} == {f"Bearer {KEY}"}
 
 

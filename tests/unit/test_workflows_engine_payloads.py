@@ -94,6 +94,8 @@ class TestVLLM:
         assert sp["logprobs"] == 0 and sp["ignore_eos"] is True
         assert sp["stop_token_ids"] == [2] and sp["skip_special_tokens"] is False
         assert vllm.VLLMEngine.with_n(body, 8)["sampling_params"]["n"] == 8 and "n" not in sp
+        # The prefix cache is salted with the weights' version: no request reuses KV that other weights computed.
+        assert body["cache_salt"] != vllm.VLLMEngine.generate_payload(REQ, version=1)["cache_salt"]
 
     def test_every_sampling_field_of_the_installed_vllm_is_explicit_and_neutral(self):
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest

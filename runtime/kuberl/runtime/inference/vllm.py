@@ -5,7 +5,8 @@ Generation goes through vLLM's token-in/token-out endpoint /inference/v1/generat
 token ids in; exact output ids, the sampled tokens' logprobs and each token's weight version (the spans
 label_weights names after every update) out. Weight updates through the dev-mode endpoints (VLLM_SERVER_DEV_MODE=1):
 /pause?mode=abort, /abort_requests, /collective_rpc kuberl_reload_weights(weights_path) (vllm_worker.py:
-reload, then refresh tied LM heads), /reset_prefix_cache, /resume; weightSync.mode broadcast: /collective_rpc kuberl_receive_weights(assign) (the worker joins
+reload, then refresh tied LM heads), /update_weight_version, /resume (no prefix-cache reset: each request's cache_salt
+names its version); weightSync.mode broadcast: /collective_rpc kuberl_receive_weights(assign) (the worker joins
 the trainer's torch.distributed group, reloads bucket by bucket). With algorithm.lora the server starts with
 --enable-lora and each update hot-loads the published adapter under its own name (kuberl-v{N}, through
 /v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), which generation then names as its `model`; older
@@ -213,11 +214,13 @@ class VLLMEngine(HTTPServerEngine):
     # -- generation ----------------------------------------------------------------------------
 
     @staticmethod
-    def generate_payload(req: GenerateRequest, model: str = SERVED_MODEL_NAME) -> dict:
+    def generate_payload(req: GenerateRequest, model: str = SERVED_MODEL_NAME, version: int = 0) -> dict:
         """The /inference/v1/generate body for a token-ids request: every sampling field explicit; `model`: the base or an adapter.
 
         Tokens in, tokens out: no prompt rendering, no detokenising (`detokenize: false`), only the sampled tokens'
-        logprobs. Measured against /v1/completions on this CPU: 43 vs 65 ms of API-server CPU per 64 samples."""
+        logprobs. Measured against /v1/completions on this CPU: 43 vs 65 ms of API-server CPU per 64 samples.
+        `version` (the weights being served) salts the prefix cache: a request reuses only KV that the same weights
+        computed, with or without a pause at the update."""
         sampling = {
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
@@ -233,7 +236,8 @@ class VLLMEngine(HTTPServerEngine):
         }
         if req.seed is not None:
             sampling["seed"] = req.seed
-        return {"model": model, "token_ids": list(req.input_ids), "sampling_params": sampling, "output_mode": "tokens"}
+        return {"model": model, "token_ids": list(req.input_ids), "sampling_params": sampling, "output_mode": "tokens",
+                "cache_salt": f"{LORA_NAME_PREFIX}{version}"}
 
     @staticmethod
     def with_n(payload: dict, n: int) -> dict:
@@ -277,7 +281,7 @@ class VLLMEngine(HTTPServerEngine):
         return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason, version=version, versions=versions)
 
     def request_payload(self, req: GenerateRequest) -> dict:
-        return self.generate_payload(req, self.served_model)
+        return self.generate_payload(req, self.served_model, self._version)
 
     parse_response = parse_generate
 
@@ -331,10 +335,9 @@ class VLLMEngine(HTTPServerEngine):
                     f"--worker-extension-cls {WORKER_EXTENSION} (a plain reload leaves a tied LM head stale on CPU)",
                     status=exc.status) from exc
             raise
-        # Cached KV was computed by the old weights. Without a pause (weightSync.inFlight keep) this succeeds only when
-        # no request is running ({"success": false} otherwise): those requests, and new ones sharing their prompt
-        # blocks, go on with the earlier weights' KV, as keep documents.
-        await self._post("/reset_prefix_cache")
+        # No prefix-cache reset: requests name their version in cache_salt (generate_payload), so no later request
+        # reuses KV the earlier weights computed. (A reset cannot do it under weightSync.inFlight keep: vLLM refuses
+        # it while any request runs, which without a pause is always.)
         await self.label_weights(version)
         self._version = version
         self.served_model = SERVED_MODEL_NAME
@@ -360,8 +363,7 @@ class VLLMEngine(HTTPServerEngine):
                 raise EngineError(f"vLLM at {self.url} has no {self.receive_method} method: start it with `kuberl engine` or pass "
                                   f"--worker-extension-cls {WORKER_EXTENSION}", status=exc.status) from exc
             raise
-        await self._post("/reset_prefix_cache")  # cached KV was computed by the old weights
-        version = int(assign["version"])
+        version = int(assign["version"])  # no prefix-cache reset: the version is in each request's cache_salt
         await self.label_weights(version)
         self._version = version
         self.served_model = SERVED_MODEL_NAME
