@@ -69,3 +69,47 @@ def test_every_generation_reaches_the_engine_and_a_pause_is_not_queued_behind_th
     assert seen == IN_FLIGHT, f"only {seen} of {IN_FLIGHT} generations reached the engine: the client's connection pool capped them"
     assert paused
     assert all(r.output_ids == [7] for r in results)
+
+
+def test_a_pause_that_fails_lets_generation_go_on_instead_of_holding_it_for_ever() -> None:
+    """An engine killed as an update pauses it: /pause fails. Generation must not stay held at the client's gate (the
+    agent's episodes would wait for ever and never see the engine is gone); it reaches the engine and fails or runs."""
+    async def scenario():
+        resumed = []
+
+        async def generate(request: web.Request) -> web.Response:
+            return web.json_response({"choices": [{"index": 0, "token_ids": [7], "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}]},
+                                                   "finish_reason": "length"}]})
+
+        async def pause(request: web.Request) -> web.Response:
+            return web.json_response({"error": "engine core died"}, status=500)
+
+        async def resume(request: web.Request) -> web.Response:
+            resumed.append(True)
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        app.router.add_post("/pause", pause)
+        app.router.add_post("/resume", resume)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        engine = VLLMEngine(url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        try:
+            try:
+                await engine.pause()
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            else:
+                error = None
+            result = await asyncio.wait_for(engine.generate(GenerateRequest(input_ids=[1, 2], max_new_tokens=1)), 5)
+            return error, result, resumed
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    error, result, resumed = asyncio.run(scenario())
+    assert error is not None and "/pause" in str(error)  # the failure is still reported to the caller
+    assert result.output_ids == [7] and resumed  # and generation was let go (the server told to resume, just in case)

@@ -251,17 +251,28 @@ class HTTPServerEngine:
         return results
 
     async def pause(self) -> None:
-        """Hold new generations, abort in-flight ones (they return finish_reason abort) and wait until they have all come back."""
+        """Hold new generations, abort in-flight ones (they return finish_reason abort) and wait until they have all come back.
+
+        If pausing fails (a dead engine, say), generation is let go again before the error is raised: held at the gate
+        it would wait for ever, where sent on it fails and the agent notices the engine is gone."""
         self._gate.clear()
-        await self._pause_server()
-        # A request that reached the server after the pause would wait for resume and then run on the
-        # new weights while stamped with the old version: abort until everything sent has returned.
-        deadline = time.monotonic() + 60
-        while self._in_flight:
-            await self._abort_requests()
-            for _ in range(self.drain_polls):
-                if not self._in_flight:
-                    break
-                await asyncio.sleep(self.drain_poll_s)
-            if time.monotonic() > deadline:
-                raise EngineError(f"{self.name}: {self._in_flight} generations still running 60 s after {self.pause_path}")
+        try:
+            await self._pause_server()
+            # A request that reached the server after the pause would wait for resume and then run on the
+            # new weights while stamped with the old version: abort until everything sent has returned.
+            deadline = time.monotonic() + 60
+            while self._in_flight:
+                await self._abort_requests()
+                for _ in range(self.drain_polls):
+                    if not self._in_flight:
+                        break
+                    await asyncio.sleep(self.drain_poll_s)
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{self.name}: {self._in_flight} generations still running 60 s after {self.pause_path}")
+        except Exception:
+            try:
+                await self.resume()  # the weights did not change: generation goes on with the version it had
+            except Exception as exc:  # noqa: BLE001  the pause's own error is the one to raise
+                log.debug("%s: resume after a failed pause failed too: %s", self.name, exc)
+            self._gate.set()
+            raise
