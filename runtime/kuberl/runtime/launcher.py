@@ -455,6 +455,9 @@ def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C too, even where the launcher inherited SIGINT ignored (a command started with `&` by a non-interactive
+    # shell, e.g. a CI script, ignores it: Python then installs no handler, and SIGINT would not stop the run).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     report = None
     try:
         report = loop.run_until_complete(both())
@@ -470,10 +473,25 @@ def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> 
         failure = failure or f"{type(exc).__name__}: {exc} (traceback in {workdir / 'logs' / 'launcher.log'})"
     finally:
         run.stop_all()
+        _cancel_pending(loop)  # an interrupted loop still holds the progress watch and its bus connection
         if bus_proc is not None:
             bus_proc.stop()
         loop.close()
     return report, failure, interrupted
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+    """Cancel the loop's unfinished tasks and let them clean up (close the bus), at most `timeout` seconds: closed with
+    them pending, the loop prints their tracebacks on the user's terminal."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    try:
+        loop.run_until_complete(asyncio.wait(pending, timeout=timeout))
+    except BaseException as exc:  # noqa: BLE001  a second Ctrl-C, or a task that fails while cancelled: stop anyway
+        log.debug("launcher: tasks left after the run: %s", exc)
 
 
 def _finish(run: LocalRun, workdir: Path, report: dict | None, failure: str | None, interrupted: bool) -> int:
