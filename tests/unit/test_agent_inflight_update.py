@@ -47,3 +47,26 @@ def test_abort_pauses_the_engine_around_the_load(tmp_path):
 
 def test_keep_loads_without_pausing(tmp_path):
     assert calls("keep", tmp_path) == ["load v3 /w/v3"]
+
+
+def test_an_engine_restarted_behind_the_agents_back_counts_as_lost(tmp_path):
+    """A ticket that failed with EngineRestarted (the engine answers, with its initial weights) sends the agent to wait
+    for the engine and reload the current weights, even though the engine's health check passes."""
+    from kuberl.runtime.inference.base import EngineRestarted
+
+    class Healthy(Recorder):
+        async def health(self) -> bool:
+            return True
+
+    class Lease:
+        delivered = 1
+        value = type("T", (), {"ticket_id": "t-1"})()
+
+        async def nak(self, delay=None) -> None:
+            pass
+
+    agent = RolloutAgent(experiment("keep"), None, Healthy(), None, [], workdir=tmp_path)
+    asyncio.run(agent._give_back(Lease(), RuntimeError("a prompt the engine refused")))
+    assert not agent.engine_down  # healthy engine, ordinary failure: just give the ticket back
+    asyncio.run(agent._give_back(Lease(), EngineRestarted("vLLM restarted")))
+    assert agent.engine_down

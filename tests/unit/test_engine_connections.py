@@ -113,3 +113,56 @@ def test_a_pause_that_fails_lets_generation_go_on_instead_of_holding_it_for_ever
     error, result, resumed = asyncio.run(scenario())
     assert error is not None and "/pause" in str(error)  # the failure is still reported to the caller
     assert result.output_ids == [7] and resumed  # and generation was let go (the server told to resume, just in case)
+
+
+def test_an_engine_back_with_its_initial_weights_is_told_apart_by_its_weight_label(tmp_path) -> None:
+    """A restarted vLLM (a container restart the agent did not see fail) answers, but labels its tokens "default":
+    after the agent has loaded and labelled weights, that is an EngineRestarted, so the agent reloads before going on."""
+    from kuberl.runtime.inference.base import EngineRestarted
+
+    async def scenario():
+        label = {"now": "default"}
+
+        async def generate(request: web.Request) -> web.Response:
+            return web.json_response({"choices": [{"index": 0, "token_ids": [7], "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}]},
+                                                   "finish_reason": "length", "weight_versions": [{"version": label["now"], "start": 0, "end": 1}]}]})
+
+        async def relabel(request: web.Request) -> web.Response:
+            label["now"] = (await request.json())["new_version"]
+            return web.json_response({"success": True})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"results": [{}]})
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        app.router.add_post("/update_weight_version", relabel)
+        app.router.add_post("/collective_rpc", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        engine = VLLMEngine(url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        req = GenerateRequest(input_ids=[1, 2], max_new_tokens=1)
+        (tmp_path / "config.json").write_text("{}")
+        try:
+            first = await engine.generate(req)  # nothing loaded yet: "default" is the weights it started with, v0
+            await engine.update_weights_from_disk(str(tmp_path), 4)
+            loaded = await engine.generate(req)
+            label["now"] = "default"  # the engine restarts
+            try:
+                await engine.generate(req)
+                restarted = None
+            except EngineRestarted as exc:
+                restarted = exc
+            engine.set_version(0)  # the agent found no weights to load: the initial ones are v0 again
+            after = await engine.generate(req)
+            return first, loaded, restarted, after
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    first, loaded, restarted, after = asyncio.run(scenario())
+    assert first.versions == [0] and loaded.versions == [4]
+    assert restarted is not None and "restarted" in str(restarted) and not restarted.permanent
+    assert after.versions == [0]

@@ -75,6 +75,11 @@ class EngineError(RuntimeError):
         return self.status is not None and 400 <= self.status < 500
 
 
+class EngineRestarted(EngineError):
+    """The engine answers, but serves the weights it started with, not the ones the agent loaded: it was restarted
+    (a container restart the agent did not see fail). The agent reloads the current weights before going on."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """What a rollout agent needs from an inference engine."""

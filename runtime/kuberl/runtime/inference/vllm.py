@@ -26,7 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
+from kuberl.runtime.inference.base import EngineError, EngineRestarted, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.engine_auth import API_KEY_ENV, engine_api_key
 from kuberl.runtime.inference.engine_auth import MIDDLEWARE as AUTH_MIDDLEWARE
 from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # noqa: F401 (free_port stays importable from here)
@@ -158,6 +158,12 @@ def token_versions(spans: list[dict] | None, count: int, version: int) -> list[i
     return out
 
 
+def _unlabelled(body: dict | list) -> bool:
+    """Whether a generate response has tokens labelled "default": sampled by weights no label_weights named."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    return any(str(span.get("version")) == "default" for c in choices or [] for span in (c.get("weight_versions") or []))
+
+
 class VLLMEngine(HTTPServerEngine):
     """An InferenceEngine over a vLLM server: launched here (model_path) or attached to (url)."""
 
@@ -198,6 +204,9 @@ class VLLMEngine(HTTPServerEngine):
         )
         # What generation requests name as `model`: the base model, or the adapter of the current version (LoRA).
         self.served_model = SERVED_MODEL_NAME
+        # Whether the weights served now carry our label (label_weights): then a token labelled "default" comes from
+        # an engine that restarted with its initial weights since.
+        self._labelled = False
 
     def server_command(self) -> list[str]:
         return build_server_command(self.model_path, port=self.port, **self._launch)
@@ -287,12 +296,21 @@ class VLLMEngine(HTTPServerEngine):
 
     async def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict | list:
         try:
-            return await super()._post(path, json=json, params=params)
+            body = await super()._post(path, json=json, params=params)
         except EngineError as exc:
             if path == GENERATE_PATH and exc.status in (403, 404):
                 raise EngineError(f"vLLM at {self.url} does not serve {GENERATE_PATH}: start it with `kuberl engine` or pass "
                                   f"{SCALE_OUT_FLAG} (its token-in/token-out endpoint): {exc}", status=exc.status) from exc
             raise
+        if path == GENERATE_PATH and self._labelled and _unlabelled(body):
+            self._labelled = False
+            raise EngineRestarted(f"vLLM at {self.url} restarted: it serves its initial weights, not v{self._version}")
+        return body
+
+    def set_version(self, version: int) -> None:
+        """The engine serves `version` as it started (no weights loaded into it since)."""
+        super().set_version(version)
+        self._labelled = False
 
     async def label_weights(self, version: int) -> None:
         """Name the weights now served `version` in vLLM's per-token weight-version spans (parse_choice reads them back).
@@ -300,6 +318,7 @@ class VLLMEngine(HTTPServerEngine):
         Sent right after each update: tokens sampled between the update and this call still carry the previous
         label, so a token's version is never newer than the weights that sampled it (staleness is over-counted, never under)."""
         await self._post("/update_weight_version", json={"new_version": str(version)})
+        self._labelled = True
 
     # -- weight updates ------------------------------------------------------------------------
 

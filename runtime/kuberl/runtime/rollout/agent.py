@@ -26,7 +26,7 @@ from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
 from kuberl.runtime.data import Item
 from kuberl.runtime.evaluation import run_eval_ticket
-from kuberl.runtime.inference.base import EngineError, InferenceEngine
+from kuberl.runtime.inference.base import EngineError, EngineRestarted, InferenceEngine
 from kuberl.runtime.rollout.workflows import EpisodeContext, RolloutWorkflow
 
 log = logging.getLogger(__name__)
@@ -265,8 +265,8 @@ class RolloutAgent:
 
     async def _give_back(self, lease: Lease[Ticket], exc: Exception) -> None:
         self.stats.failed += 1
-        if not self._engine_down and not await self.engine.health():
-            self._engine_lost(exc)
+        if not self._engine_down and (isinstance(exc, EngineRestarted) or not await self.engine.health()):
+            self._engine_lost(exc)  # gone, or back with its initial weights: wait for it, then load the current ones
         log.error("agent %s: ticket %s failed (delivery %d of at most %d), giving it back: %s", self.agent_id,
                   lease.value.ticket_id, lease.delivered, self.max_attempts, exc, exc_info=exc)
         with contextlib.suppress(Exception):
