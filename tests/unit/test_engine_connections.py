@@ -71,6 +71,18 @@ def test_every_generation_reaches_the_engine_and_a_pause_is_not_queued_behind_th
     assert all(r.output_ids == [7] for r in results)
 
 
+async def serve(posts: dict) -> tuple[web.AppRunner, str]:
+    """A loopback aiohttp server answering POSTs with the given handlers: (its runner, its URL)."""
+    app = web.Application()
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def test_a_pause_that_fails_lets_generation_go_on_instead_of_holding_it_for_ever() -> None:
     """An engine killed as an update pauses it: /pause fails. Generation must not stay held at the client's gate (the
     agent's episodes would wait for ever and never see the engine is gone); it reaches the engine and fails or runs."""
@@ -88,15 +100,8 @@ def test_a_pause_that_fails_lets_generation_go_on_instead_of_holding_it_for_ever
             resumed.append(True)
             return web.json_response({})
 
-        app = web.Application()
-        app.router.add_post("/inference/v1/generate", generate)
-        app.router.add_post("/pause", pause)
-        app.router.add_post("/resume", resume)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        engine = VLLMEngine(url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        runner, url = await serve({"/inference/v1/generate": generate, "/pause": pause, "/resume": resume})
+        engine = VLLMEngine(url=url)
         try:
             try:
                 await engine.pause()
@@ -134,15 +139,8 @@ def test_an_engine_back_with_its_initial_weights_is_told_apart_by_its_weight_lab
         async def ok(request: web.Request) -> web.Response:
             return web.json_response({"results": [{}]})
 
-        app = web.Application()
-        app.router.add_post("/inference/v1/generate", generate)
-        app.router.add_post("/update_weight_version", relabel)
-        app.router.add_post("/collective_rpc", ok)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        engine = VLLMEngine(url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        runner, url = await serve({"/inference/v1/generate": generate, "/update_weight_version": relabel, "/collective_rpc": ok})
+        engine = VLLMEngine(url=url)
         req = GenerateRequest(input_ids=[1, 2], max_new_tokens=1)
         (tmp_path / "config.json").write_text("{}")
         try:
