@@ -83,3 +83,44 @@ def test_the_digest_sees_any_changed_value_and_ignores_dict_order():
     assert digest_state(a) == digest_state(b)
     b["x"][3] += 1e-6
     assert digest_state(a) != digest_state(b)
+
+
+def test_a_published_version_skips_fsync_until_it_is_made_durable(tmp_path, tiny, monkeypatch):
+    """Each step's version is written without fsync (the rename makes it appear whole); the final one is synced."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from kuberl.runtime.trainer import dist as D
+    from kuberl.runtime.trainer.weights import export_model_weights, sync_folder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    info = D.DistInfo(0, 1, 0, torch.device("cpu"))
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    fast = export_model_weights(model, info, tmp_path, 1, shard_bytes=None, source_dir=tiny, durable=False)
+    assert synced == [] and load_weights(fast).keys() == model.state_dict().keys()
+    sync_folder(fast)
+    assert len(synced) == len(list(fast.iterdir())) + 1  # every file, then the folder
+    synced.clear()
+    export_model_weights(model, info, tmp_path, 2, shard_bytes=None, source_dir=tiny)  # durable by default
+    assert len(synced) == len(list((tmp_path / "v2").iterdir())) + 1
+
+
+def test_cached_state_entries_follow_a_replaced_parameter(tiny):
+    """The trainer reuses the entry list each step; a parameter swapped for a new tensor must show up in it."""
+    from transformers import AutoModelForCausalLM
+
+    from kuberl.runtime.trainer import dist as D
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    first = D.model_state_entries(model, cached=True)
+    assert D.model_state_entries(model, cached=True) is first  # nothing changed: the same list
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # in place, as the optimizer does: still the same tensors
+    assert D.model_state_entries(model, cached=True) is first
+    model.model.norm.weight = torch.nn.Parameter(torch.full_like(model.model.norm.weight, 7.0))
+    entries = dict(D.model_state_entries(model, cached=True))
+    assert torch.equal(entries["model.norm.weight"], torch.full_like(model.model.norm.weight, 7.0))
+    assert [n for n, _ in first] == list(entries)

@@ -155,11 +155,13 @@ class TestVLLM:
         one = vllm.build_server_command("/m", port=8000)
         assert one[one.index("--distributed-executor-backend") + 1] == "uni"
         assert vllm.server_env({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns uni into mp
+        assert "--disable-log-stats" in one  # per-step statistics nobody reads, on the engine's own CPU
         assert "--distributed-executor-backend" not in vllm.build_server_command("/m", port=8000, tensor_parallel_size=2)
         mine = vllm.build_server_command("/m", port=8000, extra_args=["--distributed-executor-backend", "mp"])
         assert mine[-2:] == ["--distributed-executor-backend", "mp"]  # engineArgs still win
         monkeypatch.setattr(vllm, "on_cpu", lambda: False)
         assert "--distributed-executor-backend" not in vllm.build_server_command("/m", port=8000)
+        assert "--disable-log-stats" not in vllm.build_server_command("/m", port=8000)  # a GPU engine keeps its /metrics
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm.server_env({})
 
     def test_an_n_sample_response_gives_every_choice_in_order(self):

@@ -98,6 +98,10 @@ def build_server_command(
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if on_cpu():
         cmd.append("--enforce-eager")  # no graph capture on CPU; starts in ~25 s
+        # vLLM's per-step statistics (its Prometheus /metrics and the periodic throughput log line) cost CPU that
+        # a CPU engine takes from its own forward passes: 29-32 -> 24-25 ms of API-server CPU per 64 samples on
+        # bench/bench_trl.py's model. KubeRL reads none of them; GPU engines keep them for dashboards.
+        cmd.append("--disable-log-stats")
         if tensor_parallel_size * pipeline_parallel_size == 1:
             # The one worker runs inside the engine-core process (server_env sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
             # without which vLLM's CPU platform turns uni back into mp): no worker process spinning on a shared-memory

@@ -7,8 +7,10 @@ HCCL on Ascend NPU (when torch_npu imports and sees an NPU: the runtime-npu imag
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,9 +159,22 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_FULL)
 
 
-def model_state_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every rank: the model's state dict entries as they are (DTensor shards under FSDP2), under full_model_state's names; no gather."""
-    return list(get_model_state_dict(model, options=StateDictOptions()).items())
+_ENTRIES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, list]] = weakref.WeakKeyDictionary()
+
+
+def model_state_entries(model: torch.nn.Module, *, cached: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Every rank: the model's state dict entries as they are (DTensor shards under FSDP2), under full_model_state's names; no gather.
+
+    cached: reuse the entries of an earlier call while the model holds the same tensors (the optimizer updates them
+    in place): the trainer asks after every step, and working out the names costs ~1.5 ms of Python each time.
+    """
+    if not cached:
+        return list(get_model_state_dict(model, options=StateDictOptions()).items())
+    key = tuple((id(t), (t.to_local() if isinstance(t, DTensor) else t).data_ptr()) for t in itertools.chain(model.parameters(), model.buffers()))
+    hit = _ENTRIES.get(model)
+    if hit is None or hit[0] != key:
+        hit = _ENTRIES[model] = (key, model_state_entries(model))
+    return hit[1]
 
 
 def iter_full_tensors(entries: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

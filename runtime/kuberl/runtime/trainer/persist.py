@@ -13,7 +13,7 @@ import torch
 
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights
+from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights, sync_folder, version_dir
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -99,7 +99,8 @@ class PersistMixin:
         else:
             stats: dict = {}
             path = export_model_weights(self.model, self.info, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
-                                        source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats)  # collective: every rank gathers
+                                        source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats,  # collective: every rank gathers
+                                        durable=False)  # no fsync each step: a version lost to a node crash is published again on resume
             if path is None:
                 return
             log.debug("weights v%d: %.1f MB in %d shard(s), at most %.1f MB held", self.version, stats["total_bytes"] / 1e6, stats["shards"],
@@ -127,6 +128,12 @@ class PersistMixin:
             await self._ack_held()
             await self.bus.put_progress(self._progress_base())
         D.barrier(self.info)
+
+    def sync_final_weights(self) -> None:
+        """fsync the last published version (published without, each step): it is the run's trained model."""
+        path = version_dir(self.weights_root, self.version)
+        if self.info.is_main and path.is_dir():
+            sync_folder(path)
 
     def _full_params_everywhere(self) -> dict[str, torch.Tensor]:
         """Every rank's own view of the full weights (all-gathered from its shards), for the final cross-check."""

@@ -119,6 +119,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin)
                 if not await self.train_one_step():
                     break
             await self.stage_checkpoint()
+            self.sync_final_weights()
             digest = digest_state(self._full_params_everywhere())
             log.info("final weights sha256 %s", digest)  # every rank logs it: they must agree
             if self.stop_reason is None:

@@ -118,6 +118,7 @@ def write_weights_streamed(
     dtype: torch.dtype | None = None,
     keep: int | None = 3,
     stats: dict[str, Any] | None = None,
+    durable: bool = True,
 ) -> Path:
     """Write `root/v{version}/` atomically from (name, tensor) pairs that arrive one at a time, and return it.
 
@@ -128,6 +129,8 @@ def write_weights_streamed(
     dtype: cast floating tensors (e.g. to the engine's bfloat16); None keeps them as they are.
     stats (filled when given): shards, total_bytes, peak_bytes (the most bytes of converted tensors held at once: one shard at most,
     or one tensor bigger than a shard).
+    durable: fsync the files before the rename. Readers see a complete folder either way (the rename is atomic, and
+    NFS flushes a file on close); False skips the disk wait for versions that a node crash may lose (`sync_version`).
     If writing fails, the rest of `tensors` is still run through (under FSDP each item is a collective) before raising.
     """
     it = iter(tensors)
@@ -176,7 +179,7 @@ def write_weights_streamed(
             raise ValueError(f"weights v{version}: no config.json (pass source_dir with one, or config)")
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
-        _commit_folder(tmp, final, root, version)
+        _commit_folder(tmp, final, root, version, durable=durable)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception):
@@ -216,30 +219,29 @@ def export_weights(
 
 def export_model_weights(model: torch.nn.Module, info: Any, root: str | Path, version: int, *, shard_bytes: int | None,
                          source_dir: str | Path | None = None, dtype: torch.dtype | None = None, keep: int | None = 3,
-                         stats: dict[str, Any] | None = None) -> Path | None:
+                         stats: dict[str, Any] | None = None, durable: bool = True) -> Path | None:
     """Collective (every rank calls): `model`'s weights as `root/v{version}/`, written by rank 0 shard by shard.
 
     The ranks gather one state dict entry at a time in the same order (FSDP2: `full_tensor()`); rank 0 keeps at most
     one shard (`shard_bytes`) of them. Same names as a full state dict (`dist.full_model_state`), tied ones under each
-    name. info: the trainer's `dist.DistInfo`. Returns the folder on rank 0, None elsewhere.
+    name. info: the trainer's `dist.DistInfo`. Returns the folder on rank 0, None elsewhere. durable: `write_weights_streamed`.
     """
     from kuberl.runtime.trainer import dist as D
 
-    entries = D.model_state_entries(model)
+    entries = D.model_state_entries(model, cached=True)
     tensors = D.iter_full_tensors(entries)
     if not info.is_main:
         deque(tensors, maxlen=0)  # take part in every gather, in rank 0's order, holding none once the next one starts
         return None
     sizes = [(name, tensor_nbytes(t, dtype)) for name, t in entries]
     return write_weights_streamed(sizes, tensors, root, version, shard_bytes=shard_bytes, source_dir=source_dir, dtype=dtype,
-                                  keep=keep, stats=stats)
+                                  keep=keep, stats=stats, durable=durable)
 
 
-def _commit_folder(tmp: Path, final: Path, root: Path, version: int) -> None:
-    """fsync every file of `tmp`, then rename it to `final` (replacing a version written before)."""
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def _commit_folder(tmp: Path, final: Path, root: Path, version: int, *, durable: bool = True) -> None:
+    """fsync every file of `tmp` (durable), then rename it to `final` (replacing a version written before)."""
+    if durable:
+        sync_folder(tmp)
     if final.exists():  # a restarted trainer re-publishes a version it wrote before
         old = root / f".old-v{version}-{os.getpid()}"
         os.rename(final, old)
@@ -247,6 +249,20 @@ def _commit_folder(tmp: Path, final: Path, root: Path, version: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
+
+
+def sync_folder(path: str | Path) -> None:
+    """fsync every file of a folder, then the folder itself: a version written with durable=False made crash-safe."""
+    path = Path(path)
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
