@@ -1,0 +1,130 @@
+"""Run megatron-core on the CPU with gloo: the dev/test path of the Megatron backend, never the production one.
+
+megatron-core assumes CUDA in a few places that a CPU run reaches (measured on megatron-core 0.16.1, see
+docs/design/megatron-cpu.md; RE-CHECK THIS LIST ON EVERY megatron-core UPGRADE):
+
+* the RNG tracker (`tensor_parallel/random.py`, `CudaRNGStatesTracker.add`) forks `torch.cuda` RNG states:
+  `CpuRNGStatesTracker` below forks the CPU generator instead;
+* hard-coded CUDA allocations: `torch.empty(..., device=torch.cuda.current_device())` in
+  `utils.py GlobalMemoryBuffer.get_tensor` (local attention), `device="cuda"` in every schedule
+  (`pipeline_parallel/schedules.py`, `total_num_tokens`), the p2p shape/receive buffers
+  (`pipeline_parallel/p2p_communication.py`), the grad-norm buffers (`optimizer/clip_grads.py`,
+  `utils.py local_multi_tensor_l2_norm`); RoPE moves `inv_freq` to `torch.cuda.current_device()`
+  (`models/common/embeddings/rotary_pos_embedding.py get_emb`); tied embeddings under pipeline parallelism
+  call `weight.data.cuda()` (`models/common/language_module/language_module.py`).
+  `cpu_compat()` maps them to the CPU: a `TorchFunctionMode` that rewrites a CUDA `device=` argument to
+  "cpu" and makes `Tensor.cuda()` a no-op, plus `torch.cuda.current_device() -> 0` and a no-op
+  `torch.cuda.synchronize()` while it is active.
+
+Not shimmed (fails on CPU, so the backend does not call it): `optimizer/clip_grads.py
+clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the backend clips by
+the total norm itself (model.py `clip_grads`).
+
+Everything here is global process state; it is installed only when the model runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class CudaToCpu(torch.overrides.TorchFunctionMode):
+    """Rewrites megatron's hard-coded CUDA placements to the CPU while active.
+
+    `device="cuda"`, `device="cuda:N"`, `device=torch.device("cuda")` and an integer device (what
+    `torch.cuda.current_device()` returns) become "cpu"; `tensor.cuda()` returns the tensor itself.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        dev = kwargs.get("device")
+        if dev is not None and (isinstance(dev, int) or str(dev).startswith("cuda")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _install_cpu_rng_tracker_class():
+    """A subclass of megatron's CudaRNGStatesTracker that forks the CPU generator (what dropout uses on CPU)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Named RNG states of the CPU default generator; `fork(name)` runs a block on state `name`."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise ValueError(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def seed_cpu(seed: int) -> None:
+    """CPU twin of `tensor_parallel.model_parallel_cuda_manual_seed` (same seeds per tracker name).
+
+    Call after `parallel_state.initialize_model_parallel`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    tracker = _install_cpu_rng_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + tp_rank)
+
+
+_depth = 0
+_saved: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def cpu_compat(enabled: bool = True) -> Iterator[None]:
+    """Run the block with megatron's CUDA placements mapped to the CPU (re-entrant; a no-op when not enabled).
+
+    The backend enters it around model construction, forward/backward schedules and the grad norm when its
+    device is the CPU.
+    """
+    global _depth
+    if not enabled:
+        yield
+        return
+    if _depth == 0:
+        _saved.update(current_device=torch.cuda.current_device, synchronize=torch.cuda.synchronize)
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.synchronize = lambda *a, **k: None
+    _depth += 1
+    try:
+        with CudaToCpu():
+            yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            torch.cuda.current_device = _saved.pop("current_device")
+            torch.cuda.synchronize = _saved.pop("synchronize")
