@@ -37,7 +37,8 @@ def _serve(tmp_path_factory: pytest.TempPathFactory, builtin: str) -> Iterator[V
     model_dir = Path(resolve_model(ModelSpec(builtin=builtin), workdir))
     other = build_tiny_model(workdir / "weights" / "v1", seed=1, variant=builtin)
     log_path = workdir / "vllm.log"
-    engine = VLLMEngine(str(model_dir), max_model_len=512, max_num_seqs=16, log_path=log_path, startup_timeout=300)
+    # log_stats: generated_tokens (below) reads vLLM's token counter, which a CPU engine leaves off by default.
+    engine = VLLMEngine(str(model_dir), max_model_len=512, max_num_seqs=16, log_path=log_path, startup_timeout=300, log_stats=True)
 
     async def start() -> None:
         await engine.start()

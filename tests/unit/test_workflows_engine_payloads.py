@@ -156,6 +156,7 @@ class TestVLLM:
         assert one[one.index("--distributed-executor-backend") + 1] == "uni"
         assert vllm.server_env({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns uni into mp
         assert "--disable-log-stats" in one  # per-step statistics nobody reads, on the engine's own CPU
+        assert "--disable-log-stats" not in vllm.build_server_command("/m", port=8000, log_stats=True)  # asked for
         assert "--distributed-executor-backend" not in vllm.build_server_command("/m", port=8000, tensor_parallel_size=2)
         mine = vllm.build_server_command("/m", port=8000, extra_args=["--distributed-executor-backend", "mp"])
         assert mine[-2:] == ["--distributed-executor-backend", "mp"]  # engineArgs still win

