@@ -62,13 +62,22 @@ def role_process(launcher_pid: int, role: str) -> psutil.Process:
     raise AssertionError(f"no {role} process under the launcher")
 
 
+def role_log_tails(workdir: Path, lines: int = 25) -> str:
+    """The last lines of each role's log (workdir/logs), for a failure message: pytest's basetemp rotation deletes them."""
+    out = []
+    for log in sorted((workdir / "logs").glob("*.log")):
+        tail = [x for x in log.read_text(errors="replace").splitlines() if "it/s]" not in x][-lines:]
+        out.append(f"--- {log.name}\n" + "\n".join(x[:300] for x in tail))
+    return "\n".join(out) or f"(no role logs under {workdir / 'logs'})"
+
+
 def finish(run: subprocess.Popen, workdir: Path, timeout: float = 600) -> None:
     try:
         code = run.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         run.send_signal(signal.SIGINT)
         run.wait(timeout=60)
-        raise AssertionError("the run did not finish after the fault") from None
+        raise AssertionError(f"the run did not finish after the fault\n{role_log_tails(workdir)}") from None
     log = (workdir.parent / f"{workdir.name}.launcher.log").read_text()
     assert code == 0, log[-4000:]
     assert processes_mentioning(str(workdir)) == []
