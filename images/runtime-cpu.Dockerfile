@@ -11,7 +11,7 @@ FROM ${PYTHON_IMAGE} AS build
 # Versions agree with pyproject.toml (tests/unit/test_images.py checks them).
 ARG TORCH_VERSION=2.13.0
 ARG VLLM_VERSION=0.32.0
-ARG KUBERL_EXTRAS=runtime
+ARG KUBERL_EXTRAS=runtime,megatron
 # The CPU wheel index first: plain PyPI's torch for Linux x86_64 is the CUDA build (several GB).
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_INDEX_URL=https://download.pytorch.org/whl/cpu \

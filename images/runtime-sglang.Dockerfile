@@ -20,7 +20,7 @@ FROM ${CUDA_DEVEL_IMAGE} AS build
 ARG TORCH_VERSION=2.14.1
 ARG SGLANG_VERSION=0.5.23
 ARG FLASH_ATTN_VERSION=2.8.3.post2
-ARG KUBERL_EXTRAS=runtime,sglang,gpu
+ARG KUBERL_EXTRAS=runtime,sglang,gpu,megatron
 # flash-attn's CUDA build is memory hungry: each job takes several GB.
 ARG MAX_JOBS=4
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=${MAX_JOBS}

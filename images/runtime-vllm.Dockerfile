@@ -17,7 +17,7 @@ ARG TORCH_VERSION=2.13.0
 # vLLM 0.32.0 pins torch==2.13.0 itself.
 ARG VLLM_VERSION=0.32.0
 ARG FLASH_ATTN_VERSION=2.8.3.post2
-ARG KUBERL_EXTRAS=runtime,vllm,gpu
+ARG KUBERL_EXTRAS=runtime,vllm,gpu,megatron
 # flash-attn's CUDA build is memory hungry: each job takes several GB.
 ARG MAX_JOBS=4
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=${MAX_JOBS}

@@ -4,8 +4,8 @@ Called by RLExperimentSpec's validator: the shorthand expands into rollout.{engi
 tensorParallelSize, pipelineParallelSize, accelerator.count} and trainer.{backend, nodes,
 accelerator.count, parallelism}. A field the manifest sets explicitly must agree with it, else the
 spec is rejected with both values named; the one exception is rollout.replicas: the shorthand's d is
-only its default (an explicit count, e.g. from `kubectl scale`, wins). A megatron backend or a context
-dimension above 1 parses but is refused: neither is implemented yet (issue #13).
+only its default (an explicit count, e.g. from `kubectl scale`, wins). megatron takes d, t and p (issue #13);
+a context or expert dimension above 1 parses but is refused: neither is implemented yet.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kuberl.api.v1alpha1 import ALLOCATION_CONTEXT_UNSUPPORTED, ALLOCATION_MEGATRON_UNSUPPORTED, FieldError
+from kuberl.api.v1alpha1 import ALLOCATION_CONTEXT_UNSUPPORTED, ALLOCATION_EXPERT_UNSUPPORTED, FieldError
 
 if TYPE_CHECKING:
     from kuberl.api.v1alpha1 import RLExperimentSpec
@@ -63,8 +63,8 @@ def parse_allocation(text: str) -> Allocation:
         raise ValueError(f"allocation {text!r} is not of the form <sglang|vllm>:d<N>[t<N>][p<N>]+<fsdp|megatron>:d<N>[t<N>][p<N>][c<N>][e<N>]")
     engine, rdims, backend, tdims = m.groups()
     alloc = Allocation(engine, _dims(rdims, "dtp"), backend, _dims(tdims, "dtpce"))
-    if backend == "fsdp" and (alloc.trainer["t"], alloc.trainer["p"], alloc.trainer["e"]) != (1, 1, 1):
-        raise ValueError(f"allocation {text!r}: fsdp takes only d (data parallel); t, p and e need the megatron backend, which is not implemented yet")
+    if backend == "fsdp" and (alloc.trainer["t"], alloc.trainer["p"]) != (1, 1):
+        raise ValueError(f"allocation {text!r}: fsdp takes only d (data parallel); t and p need the megatron backend (e.g. vllm:d2+megatron:d2t2)")
     return alloc
 
 
@@ -75,10 +75,10 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     except ValueError as exc:
         raise FieldError("spec.allocation", spec.allocation, str(exc)) from None
     # AReaL's grammar parses; what no trainer implements yet is refused here (and by the CRD's CEL rules).
-    if alloc.backend == "megatron":
-        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_MEGATRON_UNSUPPORTED)
     if alloc.trainer["c"] > 1:
         raise FieldError("spec.allocation", spec.allocation, ALLOCATION_CONTEXT_UNSUPPORTED)
+    if alloc.trainer["e"] > 1:
+        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_UNSUPPORTED)
     r, t = spec.rollout, spec.trainer
     world = alloc.trainer_world_size
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)

@@ -82,25 +82,30 @@ class RolloutSpec(SchedulingSpec):
 
 
 # Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
-# the trainer's own exit-2 refusal (runtime/kuberl/runtime/trainer/trainer.py) stays as a second line of defence.
-MEGATRON_UNSUPPORTED = ("trainer.backend megatron is not implemented yet: use trainer.backend fsdp (FSDP2, data parallel); "
-                        "tensor, pipeline and expert parallel come with the megatron backend (README: support table)")
+# the trainer's own exit-2 refusals (runtime/kuberl/runtime/trainer/megatron/backend.py) stay as a second line of defence.
 CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "
-                       "FSDP2 trains data parallel over nodes * accelerator.count")
-ALLOCATION_MEGATRON_UNSUPPORTED = "allocation: the megatron backend is not implemented yet: use fsdp:d<N> (e.g. vllm:d2+fsdp:d4)"
-ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: use fsdp:d<N> without c (e.g. vllm:d2+fsdp:d4)"
-TPE_NEED_MEGATRON = ("tensor, pipeline and expert parallelism need trainer.backend megatron, which is not implemented yet: "
-                     "use trainer.parallelism.data only")
+                       "trainer.backend megatron trains tensor, pipeline and data parallel, fsdp data parallel")
+EXPERT_UNSUPPORTED = ("trainer.parallelism.expert > 1 (expert parallel, MoE) is not implemented yet: use expert 1; "
+                      "trainer.backend megatron trains tensor, pipeline and data parallel")
+ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: leave c out (e.g. vllm:d2+fsdp:d4, vllm:d2+megatron:d2t2)"
+ALLOCATION_EXPERT_UNSUPPORTED = "allocation: expert parallel (e > 1) is not implemented yet: leave e out (e.g. vllm:d2+megatron:d2t2p2)"
+TPE_NEED_MEGATRON = ("tensor and pipeline parallelism need trainer.backend megatron: set trainer.backend megatron, "
+                     "or use trainer.parallelism.data only")
+MEGATRON_TP_PP_DIVIDE = "trainer.parallelism tensor*pipeline must divide nodes * accelerator.count (trainer.backend megatron: data parallel over the rest)"
+MEGATRON_ON_ASCEND = ("trainer.backend megatron on Ascend NPUs is not implemented (megatron-core runs there only through MindSpeed, "
+                      "which KubeRL does not integrate): use trainer.backend fsdp with trainer.accelerator.type ascend")
+MEGATRON_FULL_WEIGHTS = ("trainer.backend megatron trains full weights without activation recomputation, published through weightSync.mode "
+                         "disk or bus: algorithm.lora, weightSync.mode broadcast and trainer.gradientCheckpointing need trainer.backend fsdp")
 
 
 class ParallelismSpec(KubeModel):
     """Trainer parallel dims; each defaults to `allocation` when set, else 1."""
 
     data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
-    tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (megatron).")
-    pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (megatron).")
+    tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (trainer.backend megatron).")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (trainer.backend megatron).")
     context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size; above 1 is refused (not implemented yet).")
-    expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE, megatron).")
+    expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE); above 1 is refused (not implemented yet).")
 
 
 class TrainerSpec(SchedulingSpec):
@@ -108,7 +113,8 @@ class TrainerSpec(SchedulingSpec):
 
     # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
     backend: Literal["fsdp", "megatron"] = Field(
-        "fsdp", description="fsdp (FSDP2). megatron (megatron-core) is refused: not implemented yet. Default: from `allocation` when set, else fsdp.")
+        "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline and data parallel; full weights, "
+                             "weightSync disk or bus). Default: from `allocation` when set, else fsdp."))
     nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel dims.")
@@ -130,10 +136,12 @@ class TrainerSpec(SchedulingSpec):
         p = self.parallelism
         if p.data is not None and p.data * p.tensor * p.pipeline * p.context != self.world_size:
             raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
-        if self.backend != "megatron" and (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
+        if self.backend != "megatron" and (p.tensor, p.pipeline) != (1, 1):
             raise ValueError(TPE_NEED_MEGATRON)
-        if self.backend == "megatron":
-            raise FieldError("spec.trainer.backend", self.backend, MEGATRON_UNSUPPORTED)
+        if self.backend == "megatron" and self.world_size % (p.tensor * p.pipeline):
+            raise FieldError("spec.trainer.parallelism", f"tensor {p.tensor} x pipeline {p.pipeline}", MEGATRON_TP_PP_DIVIDE)
+        if p.expert != 1:
+            raise FieldError("spec.trainer.parallelism.expert", p.expert, EXPERT_UNSUPPORTED)
         if p.context != 1:
             raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_UNSUPPORTED)
 

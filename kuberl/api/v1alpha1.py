@@ -79,11 +79,14 @@ from kuberl.api.pods import (
 )
 from kuberl.api.roles import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
-    ALLOCATION_MEGATRON_UNSUPPORTED,
+    ALLOCATION_EXPERT_UNSUPPORTED,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
     CONTEXT_UNSUPPORTED,
-    MEGATRON_UNSUPPORTED,
+    EXPERT_UNSUPPORTED,
+    MEGATRON_FULL_WEIGHTS,
+    MEGATRON_ON_ASCEND,
+    MEGATRON_TP_PP_DIVIDE,
     TPE_NEED_MEGATRON,
     AutoscalingSpec,
     EngineName,
@@ -98,7 +101,7 @@ from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, Sandbo
 __all__ = [
     "ACCELERATOR_RESOURCE",
     "ALLOCATION_CONTEXT_UNSUPPORTED",
-    "ALLOCATION_MEGATRON_UNSUPPORTED",
+    "ALLOCATION_EXPERT_UNSUPPORTED",
     "ALLOCATION_PATTERN",
     "API_VERSION",
     "ASCEND_IMAGE_MESSAGE",
@@ -130,7 +133,10 @@ __all__ = [
     "KIND",
     "KubeModel",
     "LocalObjectReference",
-    "MEGATRON_UNSUPPORTED",
+    "EXPERT_UNSUPPORTED",
+    "MEGATRON_FULL_WEIGHTS",
+    "MEGATRON_ON_ASCEND",
+    "MEGATRON_TP_PP_DIVIDE",
     "ModelSpec",
     "OVERRIDE_ENV_MESSAGE",
     "OVERRIDE_LABEL_MESSAGE",
@@ -193,15 +199,27 @@ class RLExperimentSpec(KubeModel):
           f"{_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)"),
          "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count", ".trainer.parallelism"),
         ((f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
-          f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1 && {_or(_TP + '.expert', 1)} == 1)"),
+          f"({_or(_TP + '.tensor', 1)} == 1 && {_or(_TP + '.pipeline', 1)} == 1)"),
          TPE_NEED_MEGATRON, ".trainer.backend"),
-        (f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} != 'megatron'", MEGATRON_UNSUPPORTED, ".trainer.backend"),
+        ((f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} != 'megatron' || "
+          f"({_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? "
+          f"self.trainer.accelerator.count : 1)) % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) == 0"),
+         MEGATRON_TP_PP_DIVIDE, ".trainer.parallelism"),
+        (f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1", EXPERT_UNSUPPORTED, ".trainer.parallelism.expert"),
         (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1", CONTEXT_UNSUPPORTED, ".trainer.parallelism.context"),
-        # The shorthand itself: CEL cannot expand it, but can see a megatron backend or a context dim above 1.
-        ("!has(self.allocation) || !self.allocation.contains('+megatron:')", ALLOCATION_MEGATRON_UNSUPPORTED, ".allocation"),
+        # The shorthand itself: CEL cannot expand it, but can see a context or expert dim above 1.
         ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)')", ALLOCATION_CONTEXT_UNSUPPORTED, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)')", ALLOCATION_EXPERT_UNSUPPORTED, ".allocation"),
+        # The megatron trainer (with or without the shorthand): full weights through disk or the bus, no recomputation.
+        ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
+          f"(!has(self.algorithm.lora) && (!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast') && "
+          f"!(has(self.trainer.gradientCheckpointing) && self.trainer.gradientCheckpointing))"),
+         MEGATRON_FULL_WEIGHTS, ".trainer.backend"),
+        ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
+          f"{_or('self.trainer.accelerator.type', 'nvidia')} != 'ascend'"),
+         MEGATRON_ON_ASCEND, ".trainer.backend"),
         # LoRA: adapters hot-loaded by vLLM only (the shorthand names the engine first). Only the fsdp trainer wraps
-        # the model with PEFT; the megatron backend is refused above, with or without LoRA.
+        # the model with PEFT; the megatron backend refuses LoRA above.
         (f"!has(self.algorithm.lora) || (has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm')",
          LORA_NEEDS_VLLM, ".algorithm.lora"),
         # weightSync.mode broadcast: engines receive through the vLLM worker extension; full weights only (no LoRA).
@@ -260,6 +278,11 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.rollout.accelerator.count", r.accelerator.count,
                              "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
         self.trainer.check()
+        if self.trainer.backend == "megatron" and (self.algorithm.lora is not None or self.weight_sync.mode == "broadcast"
+                                                   or self.trainer.gradient_checkpointing):
+            raise FieldError("spec.trainer.backend", "megatron", MEGATRON_FULL_WEIGHTS)
+        if self.trainer.backend == "megatron" and self.trainer.accelerator.type == AcceleratorType.ASCEND:
+            raise FieldError("spec.trainer.backend", "megatron", MEGATRON_ON_ASCEND)
         if self.algorithm.lora is not None and r.engine != "vllm":
             raise FieldError("spec.algorithm.lora", "set", LORA_NEEDS_VLLM)
         if self.weight_sync.mode == "broadcast" and r.engine != "vllm":

@@ -15,10 +15,13 @@ from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
-    ALLOCATION_MEGATRON_UNSUPPORTED,
+    ALLOCATION_EXPERT_UNSUPPORTED,
     ASCEND_IMAGE_MESSAGE,
     CONTEXT_UNSUPPORTED,
-    MEGATRON_UNSUPPORTED,
+    EXPERT_UNSUPPORTED,
+    MEGATRON_FULL_WEIGHTS,
+    MEGATRON_ON_ASCEND,
+    MEGATRON_TP_PP_DIVIDE,
     OVERRIDE_ENV_MESSAGE,
     OVERRIDE_LABEL_MESSAGE,
     OVERRIDE_VOLUME_MESSAGE,
@@ -117,11 +120,16 @@ class TestAllocation:
         assert (s.trainer.backend, s.trainer.nodes, s.trainer.accelerator.count) == ("fsdp", 1, 4)
         assert (s.trainer.parallelism.data, s.trainer.parallelism.tensor) == (4, 1)
 
-    def test_megatron_and_context_parallel_parse_but_are_refused_naming_the_allocation(self):
-        # AReaL's grammar parses (parse_allocation); no trainer implements megatron or c > 1 yet (issue #13).
-        a = parse_allocation("vllm:d2t2+megatron:d2p2t2")
+    def test_megatron_expands_into_the_trainer_layout(self):
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d2t2+megatron:d2p2t2"))
+        p = s.trainer.parallelism
+        assert (s.trainer.backend, s.trainer.world_size, p.data, p.tensor, p.pipeline) == ("megatron", 8, 2, 2, 2)
+
+    def test_context_and_expert_parallel_parse_but_are_refused_naming_the_allocation(self):
+        # AReaL's grammar parses (parse_allocation); no trainer implements c > 1 or e > 1 yet (issue #13).
+        a = parse_allocation("vllm:d2t2+megatron:d2p2t2e2")
         assert (a.backend, a.trainer_world_size, a.rollout_accelerators) == ("megatron", 8, 2)
-        for text, message in (("vllm:d2t2+megatron:d2p2t2", ALLOCATION_MEGATRON_UNSUPPORTED), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED)):
+        for text, message in (("vllm:d2t2+megatron:d2p2t2e2", ALLOCATION_EXPERT_UNSUPPORTED), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED)):
             with pytest.raises(pydantic.ValidationError) as info:
                 RLExperimentSpec.model_validate(make_spec(allocation=text))
             cause = info.value.errors()[0]["ctx"]["error"]
@@ -241,13 +249,27 @@ AGREEMENT_CASES = [
     ("data parallel that does not", {"trainer": {"nodes": 2, "accelerator": {"count": 4}, "parallelism": {"data": 4}}},
      "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
     ("cpu trainer process counts", {"trainer": {"accelerator": {"type": "cpu", "count": 0}, "parallelism": {"data": 1}}}, None),
-    ("megatron tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"tensor": 2}}}, MEGATRON_UNSUPPORTED),
-    ("megatron backend", {"trainer": {"backend": "megatron"}}, MEGATRON_UNSUPPORTED),
+    ("megatron tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"tensor": 2}}}, None),
+    ("megatron tensor x pipeline x data", {"trainer": {"backend": "megatron", "nodes": 2, "accelerator": {"count": 4},
+                                                      "parallelism": {"tensor": 2, "pipeline": 2, "data": 2}}}, None),
+    ("megatron backend", {"trainer": {"backend": "megatron"}}, None),
+    ("megatron tensor x pipeline not dividing the processes", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                                           "parallelism": {"tensor": 3}}}, MEGATRON_TP_PP_DIVIDE),
+    ("megatron expert parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"expert": 2}}}, EXPERT_UNSUPPORTED),
+    ("megatron with lora", {"trainer": {"backend": "megatron"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, MEGATRON_FULL_WEIGHTS),
+    ("megatron with broadcast weights", {"trainer": {"backend": "megatron"}, "weightSync": {"mode": "broadcast"}}, MEGATRON_FULL_WEIGHTS),
+    ("megatron with gradient checkpointing", {"trainer": {"backend": "megatron", "gradientCheckpointing": True}}, MEGATRON_FULL_WEIGHTS),
+    ("megatron on ascend", {"trainer": {"backend": "megatron", "accelerator": {"type": "ascend", "count": 2}}}, MEGATRON_ON_ASCEND),
+    ("allocation megatron on ascend", {"allocation": "vllm:d2+megatron:d2t2", "trainer": {"accelerator": {"type": "ascend"}}}, MEGATRON_ON_ASCEND),
+    ("fsdp on ascend", {"trainer": {"accelerator": {"type": "ascend", "count": 2}}}, None),
+    ("allocation megatron with lora", {"allocation": "vllm:d2+megatron:d2t2", "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, MEGATRON_FULL_WEIGHTS),
     ("fsdp tensor parallel", {"trainer": {"backend": "fsdp", "parallelism": {"tensor": 2}}}, TPE_NEED_MEGATRON),
     ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, TPE_NEED_MEGATRON),
     ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, CONTEXT_UNSUPPORTED),
     ("context 1", {"trainer": {"parallelism": {"context": 1}}}, None),
-    ("allocation with megatron", {"allocation": "vllm:d2+megatron:d2t2"}, ALLOCATION_MEGATRON_UNSUPPORTED),
+    ("allocation with megatron", {"allocation": "vllm:d2+megatron:d2t2"}, None),
+    ("allocation with expert parallel", {"allocation": "vllm:d2+megatron:d2t2e2"}, ALLOCATION_EXPERT_UNSUPPORTED),
+    ("allocation with e1", {"allocation": "vllm:d2+megatron:d2t2e1"}, None),
     ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, ALLOCATION_CONTEXT_UNSUPPORTED),
     ("allocation with context 12", {"allocation": "vllm:d1+fsdp:d1c12"}, ALLOCATION_CONTEXT_UNSUPPORTED),
     ("allocation with c1 and d16", {"allocation": "vllm:d1+fsdp:d16c1"}, None),

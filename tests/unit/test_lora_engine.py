@@ -86,9 +86,11 @@ class TestAdmission:
 
     @pytest.mark.parametrize("spec", [{"trainer": {"backend": "megatron"}}, {"allocation": "vllm:d2+megatron:d2"}])
     def test_lora_with_a_backend_other_than_fsdp_is_refused(self, spec):
-        # only the fsdp trainer wraps the model with PEFT; megatron is refused with or without LoRA (its own rule)
-        assert any("megatron" in m and "not implemented" in m for m in cel_messages(manifest(**spec)))
-        with pytest.raises(ValueError, match="megatron"):
+        # only the fsdp trainer wraps the model with PEFT; the megatron trainer trains full weights (its own rule)
+        from kuberl.api.v1alpha1 import MEGATRON_FULL_WEIGHTS
+
+        assert MEGATRON_FULL_WEIGHTS in cel_messages(manifest(**spec))
+        with pytest.raises(ValueError, match="algorithm.lora, weightSync.mode broadcast and trainer.gradientCheckpointing need trainer.backend fsdp"):
             RLExperiment.model_validate(manifest(**spec))
 
     def test_lora_with_vllm_and_fsdp_is_accepted_with_or_without_the_allocation(self):

@@ -80,7 +80,7 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
 
     path = manifest(tmp_path)
     doc = yaml.safe_load(path.read_text())
-    doc["spec"]["trainer"] = {"backend": "megatron"}
+    doc["spec"]["trainer"] = {"backend": "megatron", "parallelism": {"expert": 2}}
     path.write_text(yaml.safe_dump(doc))
     log = tmp_path / "termination-log"
     env = {**os.environ, "KUBERL_TERMINATION_LOG": str(log)}
@@ -88,22 +88,24 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
                            "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = log.read_text()
-    # Admission refuses megatron (issue #13); a trainer handed such a file refuses it the same way on load.
-    from kuberl.api.v1alpha1 import MEGATRON_UNSUPPORTED
+    # Admission refuses expert parallel (issue #13); a trainer handed such a file refuses it the same way on load.
+    from kuberl.api.v1alpha1 import EXPERT_UNSUPPORTED
 
-    assert MEGATRON_UNSUPPORTED in message
+    assert EXPERT_UNSUPPORTED in message
     assert message.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "configuration error: " in proc.stderr and MEGATRON_UNSUPPORTED in proc.stderr
+    assert "configuration error: " in proc.stderr and EXPERT_UNSUPPORTED in proc.stderr
 
 
 def test_the_trainer_still_refuses_a_backend_it_cannot_run_that_slipped_past_validation(tmp_path):
-    """Second line of defence behind admission: a spec changed after validation (or an older model
-    that accepted megatron) still gets the trainer's own refusal, not an FSDP run."""
+    """Second line of defence behind admission: a spec changed after validation (megatron with LoRA adapters,
+    which only the fsdp trainer trains) still gets the trainer's own refusal, not a run without the adapters."""
     from kuberl.api import load_experiment
+    from kuberl.api.algorithm import LoRASpec
     from kuberl.runtime.errors import ConfigError
     from kuberl.runtime.trainer.trainer import Trainer
 
     exp = load_experiment(manifest(tmp_path))
     exp.spec.trainer.backend = "megatron"  # no validation on assignment: what admission would have refused
-    with pytest.raises(ConfigError, match=r"^trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp$"):
+    exp.spec.algorithm.lora = LoRASpec(rank=8, alpha=16)
+    with pytest.raises(ConfigError, match=r"^algorithm.lora: LoRA adapters are trained by trainer.backend fsdp only; remove algorithm.lora or use fsdp$"):
         Trainer(exp, bus_url="nats://127.0.0.1:1", workdir=tmp_path / "work")

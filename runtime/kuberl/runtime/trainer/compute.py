@@ -22,6 +22,9 @@ class ComputeMixin:
         One no-grad forward in eval mode (dropout off), or none at all where the update's own forward
         gives the same numbers (`prox_in_update`): then stage_ppo_update takes pi_prox from it.
         """
+        if self.megatron:
+            self.megatron_prox_logp(batch)
+            return
         rows = list(range(batch.num_samples))
         width = batch.loss_mask.shape[1]
         batch.extra["prox_in_update"] = self.prox_in_update()
@@ -77,6 +80,8 @@ class ComputeMixin:
 
     def stage_ppo_update(self, batch: RolloutBatch) -> dict[str, float]:
         """train.ppo_update: algorithm.ppoMinibatches optimizer steps of the decoupled PPO loss."""
+        if self.megatron:
+            return self.megatron_ppo_update(batch)
         self.model.train()
         width = batch.loss_mask.shape[1]
         fused_prox = torch.zeros(batch.num_samples, width) if batch.extra.get("prox_in_update") else None

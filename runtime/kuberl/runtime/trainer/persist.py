@@ -13,6 +13,7 @@ import torch
 
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.megatron.backend import read_layout
 from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights, sync_folder, version_dir
 
 log = logging.getLogger("kuberl.trainer")
@@ -59,12 +60,17 @@ class PersistMixin:
         # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files).
         found = None
         if main and (latest := ck.latest_checkpoint(self.ckpt_root)) is not None:
-            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"), ck.is_sharded(latest.path))
+            # The format: megatron's layout (None for an FSDP checkpoint), or whether FSDP's is sharded.
+            fmt = read_layout(latest.path) if self.megatron else ck.is_sharded(latest.path)
+            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"), fmt)
         found = D.broadcast_object(found, self.info)
         if found is None:
             return None
-        path, state, sched, sharded = found
-        read_state(self.info, Path(path), sharded, self.model, self.optimizer)
+        path, state, sched, fmt = found
+        if self.megatron:
+            self.megatron_read_state(Path(path), fmt)
+        else:
+            read_state(self.info, Path(path), fmt, self.model, self.optimizer)
         self.scheduler.load_state_dict(sched)
         rng = Path(path) / f"rng-rank{self.info.rank}.pt"
         if rng.is_file():  # absent when the world size grew since the checkpoint
@@ -98,9 +104,12 @@ class PersistMixin:
             path = export_adapter(state, self.model.peft_config["default"], self.weights_root, self.version, dtype=dtype, keep=3)
         else:
             stats: dict = {}
-            path = export_model_weights(self.model, self.info, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
-                                        source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats,  # collective: every rank gathers
-                                        durable=False)  # no fsync each step: a version lost to a node crash is published again on resume
+            if self.megatron:  # one parameter at a time: TP all-gather, later pipeline stages send to rank 0
+                path = self.megatron_export_weights(dtype, stats)
+            else:
+                path = export_model_weights(self.model, self.info, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
+                                            source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats,  # collective: every rank gathers
+                                            durable=False)  # no fsync each step: a version lost to a node crash is published again on resume
             if path is None:
                 return
             log.debug("weights v%d: %.1f MB in %d shard(s), at most %.1f MB held", self.version, stats["total_bytes"] / 1e6, stats["shards"],
@@ -114,7 +123,10 @@ class PersistMixin:
             if self.info.is_main:
                 await self._ack_held()
             return  # this step is saved already (e.g. the end right after a periodic checkpoint)
-        write_state(self.info, self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler)
+        if self.megatron:
+            self.megatron_write_state(self.ckpt_root, self.step)
+        else:
+            write_state(self.info, self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler)
         if self.info.is_main:  # every rank has written its shards (write_state ends on a barrier)
             if request is not None:
                 self.answered_request = request
@@ -137,6 +149,8 @@ class PersistMixin:
 
     def _full_params_everywhere(self) -> dict[str, torch.Tensor]:
         """Every rank's own view of the full weights (all-gathered from its shards), for the final cross-check."""
+        if self.megatron:
+            return self.megatron_full_params()
         out = {}
         for name, p in self.model.state_dict().items():
             out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p

@@ -1,4 +1,5 @@
-"""Trainer set-up: process group, model (FSDP2; PEFT LoRA adapters with algorithm.lora), reference model, data set size, optimizer, schedule, ticket book.
+"""Trainer set-up: process group, model (FSDP2; PEFT LoRA adapters with algorithm.lora; or megatron-core), reference model,
+data set size, optimizer, schedule, ticket book.
 
 A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
 """
@@ -69,13 +70,16 @@ class SetUpMixin:
             D.shard_model(peft_model.get_base_model(), self.info, param_dtype)  # in place: shards the decoder layers
             return peft_model
 
-        self.model = load(adapters=lora is not None)
-        if self.spec.trainer.gradient_checkpointing:
-            # transformers' default is non-reentrant checkpointing: adapters get gradients behind frozen embeddings
-            self.model.gradient_checkpointing_enable()
-        self.ref_model = None
-        if self.cfg.kl_coef > 0:  # the initial policy: with LoRA, the base model (zero adapters)
-            self.ref_model = load().eval().requires_grad_(False)
+        if self.megatron:  # megatron-core GPTModel shards (megatron/backend.py)
+            self.setup_megatron_model()
+        else:
+            self.model = load(adapters=lora is not None)
+            if self.spec.trainer.gradient_checkpointing:
+                # transformers' default is non-reentrant checkpointing: adapters get gradients behind frozen embeddings
+                self.model.gradient_checkpointing_enable()
+            self.ref_model = None
+            if self.cfg.kl_coef > 0:  # the initial policy: with LoRA, the base model (zero adapters)
+                self.ref_model = load().eval().requires_grad_(False)
         with spec_errors():  # dataset.path missing, a row without promptField/answerField...
             items = load_items(self.spec.dataset, self.spec.seed)
         self.total_steps = self._total_steps(len(items))

@@ -426,7 +426,7 @@ def _reduce_grads(mm: MegatronModel) -> None:
 
 
 def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batches: Sequence[MicroBatch], cfg: Any, *, denominator: float,
-               temperature: float = 1.0, grad_clip: float | None = 1.0, pad_id: int = 0) -> dict[str, float]:
+               temperature: float = 1.0, grad_clip: float | None = 1.0, pad_id: int = 0, prox_from_update: bool = False) -> dict[str, Any]:
     """One optimizer step of KubeRL's decoupled PPO loss (algorithms.ppo_actor_loss, unchanged) over the micro-batches.
 
     `denominator` is loss_denominator(...) of the whole minibatch (all DP ranks), so the micro-batch losses
@@ -434,6 +434,10 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
     which the loss function undoes. Returns on every rank: grad_norm (before clipping), and the sums over
     this rank's micro-batches of loss, tokens and entropy x tokens, plus ppo_actor_loss's stats weighted
     by tokens (`<stat>_x_tokens`).
+
+    `prox_from_update` (the trainer's prox_in_update: one minibatch, no dropout): log pi_prox is this forward's
+    log pi_theta, detached, instead of the micro-batches' prox_logp; it comes back as `prox_logp`, one
+    [rows, width] CPU tensor per micro-batch, on every pipeline stage.
     """
     from kuberl.runtime.algorithms import ppo_actor_loss
 
@@ -446,6 +450,7 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
         at += len(mb.prompts)
     batches = _micro_rows(mm, prompts, outputs, width, pad_id, plans)
     n = len(micro_batches)
+    fused: dict[int, torch.Tensor] = {}  # micro-batch -> its log pi_prox (last stage, prox_from_update)
 
     def loss_func_for(k, b):
         mb = micro_batches[k]
@@ -455,6 +460,9 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
             dev = lp.device
             prox, behave, adv, mask, ref = (None if t is None else t.to(dev) for t in (mb.prox_logp, mb.behave_logp, mb.advantages, mb.loss_mask,
                                                                                        mb.ref_logp))
+            if prox_from_update:  # pre-update weights: pi_prox is this very forward, detached
+                prox = lp.detach()
+                fused[k] = prox.cpu()
             loss, st = ppo_actor_loss(lp, prox, behave, adv, mask, cfg, ref_logp=ref, denominator=denominator)
             st = dict(st, entropy_x_tokens=float((ent * mask).sum()))
             return loss * n, st  # the schedule divides by num_microbatches
@@ -476,6 +484,8 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
     norm = grad_norm_and_clip(mm, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    out = _last_stage_to_all(sums)
-    out["grad_norm"] = norm
+    sums, prox = _last_stage_to_all((sums, [fused.get(k) for k in range(n)]))
+    out: dict[str, Any] = dict(sums, grad_norm=norm)
+    if prox_from_update:
+        out["prox_logp"] = prox
     return out

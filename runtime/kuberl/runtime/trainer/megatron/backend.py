@@ -1,0 +1,331 @@
+"""The Trainer's Megatron path (trainer.backend megatron, issue #13): the stages' work on a megatron-core GPTModel.
+
+A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py). The FSDP stages (setup_model.py, compute.py,
+persist.py) hand over to these methods when `self.megatron`; everything else (tickets, collect, advantages,
+reports, the bus) is the same code for both backends.
+
+Layout: tensor x pipeline from trainer.parallelism, data parallel over the rest (world / (tp * pp)),
+megatron's groups over the trainer's default process group (model.init_parallel). Every rank of one
+tensor/pipeline group computes the same rows; rows are split over the data-parallel ranks (each row is
+scored and trained by exactly one DP rank), whose gradients model.train_step sums. Published weights are
+gathered one parameter at a time: an all-gather within the TP group, then (pipeline stages other than the
+first) sent to global rank 0, which writes them as HF tensors (convert.merge_tp + full_to_hf) into
+weights/v{N}. Checkpoints: each (tp, pp) rank of data-parallel replica 0 saves its own model and optimizer
+shard; resuming needs the same tensor and pipeline sizes (any data-parallel size).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kuberl.runtime.algorithms import loss_denominator
+from kuberl.runtime.errors import ConfigError, spec_errors
+from kuberl.runtime.trainer import checkpoint as ck
+from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.batch import RolloutBatch, minibatch_rows, plan_micro_batches
+
+log = logging.getLogger("kuberl.trainer")
+
+LAYOUT_FILE = "megatron.json"  # in a checkpoint folder: the tensor and pipeline sizes that wrote it
+
+
+def check_megatron_spec(spec: Any) -> None:
+    """ConfigError for what the Megatron path does not do (yet), naming the field; called by Trainer.__init__."""
+    if spec.algorithm.lora is not None:
+        raise ConfigError("algorithm.lora: LoRA adapters are trained by trainer.backend fsdp only; remove algorithm.lora or use fsdp")
+    if spec.weight_sync.mode == "broadcast":
+        raise ConfigError("weightSync.mode broadcast is not implemented for trainer.backend megatron: use weightSync.mode disk or bus")
+    if spec.trainer.gradient_checkpointing:
+        raise ConfigError("trainer.gradientCheckpointing is not implemented for trainer.backend megatron: set it to false")
+    p = spec.trainer.parallelism
+    if p.context != 1 or p.expert != 1:
+        raise ConfigError("trainer.parallelism.context and .expert must be 1 with trainer.backend megatron (tensor, pipeline and data only)")
+
+
+class MegatronMixin:
+    """Set-up, pi_prox, PPO update, weights out, checkpoint in and out for trainer.backend megatron (collectives: every rank calls)."""
+
+    @property
+    def megatron(self) -> bool:
+        return self.spec.trainer.backend == "megatron"
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+
+    def setup_megatron_model(self) -> None:
+        """megatron's process groups, this rank's GPTModel (self.mm; self.model is its module, for the optimizer) and,
+        with a KL term, a frozen reference copy (self.ref_mm)."""
+        from megatron.core import parallel_state as ps
+
+        from kuberl.runtime.trainer.megatron.model import build_model, init_parallel
+
+        p, world = self.spec.trainer.parallelism, self.info.world_size
+        tp, pp = p.tensor, p.pipeline
+        if world % (tp * pp):
+            raise ConfigError(f"trainer.parallelism tensor {tp} x pipeline {pp} does not divide the trainer's {world} processes "
+                              "(nodes * accelerator.count)")
+        init_parallel(tp, pp, device=self.info.device, seed=self.spec.seed)
+        with spec_errors():  # a model type or head count megatron cannot cut (convert.model_shape / check_parallel)
+            self.mm = build_model(str(self.model_dir), device=self.info.device)
+            self.ref_mm = None
+            if self.cfg.kl_coef > 0:  # the initial policy
+                self.ref_mm = build_model(str(self.model_dir), device=self.info.device)
+                self.ref_mm.module.eval().requires_grad_(False)
+        self.model, self.ref_model = self.mm.module, None
+        if self.info.is_main:
+            log.info("megatron: tensor %d x pipeline %d x data %d over %d processes", tp, pp, ps.get_data_parallel_world_size(), world)
+
+    # ---- pi_prox and the update ------------------------------------------------------------------------------
+
+    def _dp(self) -> tuple[int, int, Any]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (the TP/PP ranks of one replica hold the same numbers: not summed)."""
+        _, size, group = self._dp()
+        if size > 1:
+            t = t.to(self.info.device)
+            dist.all_reduce(t, group=group)
+        return t.cpu()
+
+    def megatron_prox_logp(self, batch: RolloutBatch) -> None:
+        """train.prox_logp: as ComputeMixin.stage_prox_logp, each DP rank scoring its own rows."""
+        width = batch.loss_mask.shape[1]
+        batch.extra["prox_in_update"] = self.prox_in_update()
+        if not batch.extra["prox_in_update"]:
+            batch.prox_logp = self._megatron_logprobs(self.mm, batch, width)
+        if self.ref_mm is not None:
+            batch.ref_logp = self._megatron_logprobs(self.ref_mm, batch, width)
+
+    def _megatron_logprobs(self, mm: Any, batch: RolloutBatch, width: int) -> torch.Tensor:
+        from kuberl.runtime.trainer.megatron.model import response_logprobs
+
+        dp_rank, dp, _ = self._dp()
+        mine = list(range(batch.num_samples))[dp_rank::dp]
+        out = torch.zeros(batch.num_samples, width)
+        if mine:  # the same on every rank of this replica's TP/PP group: they run the forward together
+            plans = plan_micro_batches([batch.seq_lens[i] for i in mine], range(len(mine)), self.spec.trainer.micro_batch_tokens)
+            was_training = mm.module.training
+            mm.module.eval()
+            try:
+                out[mine] = response_logprobs(mm, [batch.prompts[i] for i in mine], [batch.outputs[i] for i in mine], width,
+                                              temperature=self.cfg_temperature, micro_batches=plans)
+            finally:
+                mm.module.train(was_training)
+        return self._dp_sum(out)
+
+    def megatron_ppo_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """train.ppo_update: algorithm.ppoMinibatches optimizer steps through model.train_step; the same stats as the FSDP path.
+
+        A minibatch's rows are dealt to the DP ranks (row k to rank k mod dp); a rank left without rows trains a
+        filler row with an all-zero loss mask (zero loss and gradient), since the gradient sum needs every DP rank.
+        """
+        from kuberl.runtime.trainer.megatron.model import MicroBatch, train_step
+
+        dp_rank, dp, _ = self._dp()
+        width = batch.loss_mask.shape[1]
+        fused = bool(batch.extra.get("prox_in_update"))
+        fused_prox = torch.zeros(batch.num_samples, width) if fused else None
+        sums: dict[str, float] = {}
+        token_total, losses, grad_norms = 0.0, [], []
+        for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
+            denom = loss_denominator(batch.loss_mask[rows], self.cfg)  # the whole minibatch's, over every DP rank
+            mine = rows[dp_rank::dp]
+            filler = not mine
+            idx = mine or rows[:1]
+            plans = [[idx[j] for j in plan] for plan in
+                     plan_micro_batches([batch.seq_lens[i] for i in idx], range(len(idx)), self.spec.trainer.micro_batch_tokens)]
+
+            def rows_of(t: torch.Tensor | None, sel: list[int]) -> torch.Tensor | None:
+                return None if t is None else t[sel]
+
+            mbs = [MicroBatch(prompts=[batch.prompts[i] for i in sel], outputs=[batch.outputs[i] for i in sel],
+                              loss_mask=batch.loss_mask[sel] * (0.0 if filler else 1.0), behave_logp=batch.behave_logp[sel],
+                              advantages=batch.advantages[sel], prox_logp=None if fused else rows_of(batch.prox_logp, sel),
+                              ref_logp=rows_of(batch.ref_logp, sel)) for sel in plans]
+            st = train_step(self.mm, self.optimizer, mbs, self.cfg, denominator=denom, temperature=self.cfg_temperature,
+                            grad_clip=self.spec.algorithm.optimizer.grad_clip, prox_from_update=fused)
+            self.scheduler.step()
+            if fused and not filler:
+                for sel, prox in zip(plans, st["prox_logp"]):
+                    fused_prox[sel] = prox
+            grad_norms.append(float(st["grad_norm"]))
+            losses.append(st["loss"])
+            token_total += st["tokens"]
+            sums["entropy"] = sums.get("entropy", 0.0) + st["entropy_x_tokens"]
+            for k, v in st.items():
+                if k.endswith("_x_tokens") and k != "entropy_x_tokens":
+                    sums[k[: -len("_x_tokens")]] = sums.get(k[: -len("_x_tokens")], 0.0) + v
+        if fused_prox is not None:  # every row's pi_prox on every rank, as the separate forward gives it
+            batch.prox_logp = self._dp_sum(fused_prox)
+        keys = sorted(sums)
+        totals = self._dp_sum(torch.tensor([token_total, sum(losses)] + [sums[k] for k in keys], dtype=torch.float64)).tolist()
+        tokens = max(totals[0], 1.0)
+        out = {k: v / tokens for k, v in zip(keys, totals[2:])}
+        out.update(loss=totals[1] / max(len(losses), 1), grad_norm=sum(grad_norms) / len(grad_norms),
+                   lr=self.scheduler.get_last_lr()[0], tokens=totals[0])
+        return out
+
+    # ---- weights out -----------------------------------------------------------------------------------------
+
+    def _publish_plan(self) -> list[list[tuple[str, str, tuple[int, ...], torch.dtype]]]:
+        """Per pipeline stage: (megatron name, global megatron name, full shape, dtype) of each parameter to publish.
+        Cached: the same every version (an all-gather of names and shapes over the pipeline group, once)."""
+        if getattr(self, "_mg_plan", None) is not None:
+            return self._mg_plan
+        from megatron.core import parallel_state as ps
+
+        from kuberl.runtime.trainer.megatron import convert
+
+        shape, tp = self.mm.shape, ps.get_tensor_model_parallel_world_size()
+        offset = convert.stage_layers(shape.num_layers, ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()).start
+        mine = []
+        for name, p in convert.megatron_names(dict(self.mm.module.named_parameters()), te=False).items():
+            if name == "output_layer.weight" and shape.tied:
+                continue  # the last stage's copy of a tied embedding
+            kind, full = convert.tp_kind(name), list(p.shape)
+            if kind == "vocab":
+                full[0] = shape.vocab
+            elif kind in ("column", "gated"):
+                full[0] *= tp
+            elif kind == "row":
+                full[1] *= tp
+            mine.append((name, convert.renumber(name, offset), tuple(full), p.dtype))
+        stages: list[Any] = [mine]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            stages = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
+        self._mg_plan = stages
+        return stages
+
+    def _tp_full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """Collective over the TP group: megatron parameter `name` of this stage, merged from its TP shards (CPU)."""
+        from megatron.core import parallel_state as ps
+
+        from kuberl.runtime.trainer.megatron import convert
+
+        t = param.detach().contiguous()
+        parts = [t]
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            parts = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
+        return convert.merge_tp(name, [x.cpu() for x in parts], self.mm.shape)
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0: every HF tensor, one megatron parameter at a time (the stages after the first send theirs).
+        Other ranks of data-parallel replica 0 take part in the gathers and sends and yield nothing."""
+        from megatron.core import parallel_state as ps
+
+        from kuberl.runtime.trainer.megatron import convert
+
+        stages, shape = self._publish_plan(), self.mm.shape
+        pp_rank, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+        if self._dp()[0] != 0:
+            return  # the other replicas hold the same weights
+        sender = ps.get_tensor_model_parallel_rank() == 0 and pp_rank > 0
+        params = convert.megatron_names(dict(self.mm.module.named_parameters()), te=False)
+        stage_ranks = dist.get_process_group_ranks(group) if len(stages) > 1 else [0]
+        for s, entries in enumerate(stages):
+            if not self.info.is_main and s != pp_rank:
+                continue
+            for name, gname, full_shape, dtype in entries:
+                if s == pp_rank:
+                    full = self._tp_full(name, params[name])
+                    if sender:
+                        dist.send(full.to(self.info.device), dst=0)
+                else:  # rank 0, a later stage's parameter
+                    full = torch.empty(full_shape, dtype=dtype, device=self.info.device)
+                    dist.recv(full, src=stage_ranks[s])
+                    full = full.cpu()
+                if self.info.is_main:
+                    for hname, t in convert.full_to_hf({gname: full}, shape).items():
+                        yield hname, t
+                        if shape.tied and hname == "model.embed_tokens.weight":
+                            yield "lm_head.weight", t  # under both names, as the FSDP path's state dict has them
+
+    def _hf_sizes(self, dtype: torch.dtype | None) -> list[tuple[str, int]]:
+        """(HF name, bytes) of everything _hf_tensors yields, in its order (from shapes alone: meta tensors)."""
+        from kuberl.runtime.trainer.megatron import convert
+        from kuberl.runtime.trainer.weights import tensor_nbytes
+
+        out = []
+        for entries in self._publish_plan():
+            for _, gname, full_shape, pdtype in entries:
+                for hname, t in convert.full_to_hf({gname: torch.empty(full_shape, dtype=pdtype, device="meta")}, self.mm.shape).items():
+                    out.append((hname, tensor_nbytes(t, dtype)))
+                    if self.mm.shape.tied and hname == "model.embed_tokens.weight":
+                        out.append(("lm_head.weight", tensor_nbytes(t, dtype)))
+        return out
+
+    def megatron_export_weights(self, dtype: torch.dtype, stats: dict) -> Path | None:
+        """Collective: weights/v{version} in HF layout (the names vLLM loads), written by rank 0 in shards of weightSync.bucketMB."""
+        from kuberl.runtime.trainer.weights import write_weights_streamed
+
+        tensors = self._hf_tensors()
+        if not self.info.is_main:
+            for _ in tensors:
+                pass
+            return None
+        return write_weights_streamed(self._hf_sizes(dtype), tensors, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
+                                      source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats, durable=False)
+
+    def megatron_full_params(self) -> dict[str, torch.Tensor]:
+        """Every rank: the full weights under HF names (gathered whole: for the final cross-check only)."""
+        from kuberl.runtime.trainer.megatron.model import gather_hf_state
+
+        out = gather_hf_state(self.mm)
+        if self.mm.shape.tied:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    def _shard_file(self) -> str:
+        from megatron.core import parallel_state as ps
+
+        return f"megatron-tp{ps.get_tensor_model_parallel_rank()}-pp{ps.get_pipeline_model_parallel_rank()}.pt"
+
+    def megatron_write_state(self, root: Path, step: int) -> None:
+        """Collective: this checkpoint's tensors into `.tmp-step-N/` (persist.write_state's contract): each (tp, pp) rank
+        of DP replica 0 its model and optimizer shard, every rank its RNG state, rank 0 the schedule and the layout."""
+        info = self.info
+        if info.is_main:
+            ck.begin_checkpoint(root, step)
+        D.barrier(info)
+        tmp = ck.tmp_checkpoint_path(root, step)
+        ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
+        if self._dp()[0] == 0:  # DP replicas hold the same weights and (summed gradients) the same optimizer state
+            ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict(), "optimizer": self.optimizer.state_dict()})
+        if info.is_main:
+            ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
+            p = self.spec.trainer.parallelism
+            ck.write_json(tmp, LAYOUT_FILE, {"tensor": p.tensor, "pipeline": p.pipeline})
+        D.barrier(info)
+
+    def megatron_read_state(self, path: Path, layout: dict | None) -> None:
+        """This rank's model and optimizer shard of checkpoint `path`; `layout`: its LAYOUT_FILE (rank 0 read it), None if absent."""
+        p = self.spec.trainer.parallelism
+        if layout is None:
+            raise ConfigError(f"checkpoint {path} was written by trainer.backend fsdp; trainer.backend megatron cannot resume it "
+                              f"(start a new experiment, or set trainer.backend fsdp)")
+        if (layout["tensor"], layout["pipeline"]) != (p.tensor, p.pipeline):
+            raise ConfigError(f"checkpoint {path} was written with trainer.parallelism tensor {layout['tensor']}, pipeline {layout['pipeline']}; "
+                              f"this trainer runs tensor {p.tensor}, pipeline {p.pipeline}: resume with the same tensor and pipeline sizes "
+                              "(data parallel may differ)")
+        state = ck.read_torch(path, self._shard_file())
+        self.mm.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def read_layout(path: str | Path) -> dict | None:
+    """The tensor/pipeline layout a Megatron checkpoint was written with; None for an FSDP checkpoint."""
+    file = Path(path) / LAYOUT_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
