@@ -129,6 +129,30 @@ def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:
     return box[0]
 
 
+class RankZeroError(RuntimeError):
+    """What rank 0 raised in rank0_call, raised on every rank (so none waits in a collective for a rank that failed)."""
+
+
+def rank0_call(fn: Any, info: DistInfo) -> Any:
+    """fn() on rank 0, its result on every rank; if fn raises there, every rank raises RankZeroError with its message.
+
+    For what only rank 0 reads (the checkpoint's trainer state, an older checkpoint's full state dict): a bare
+    `broadcast_object(fn() if main else None)` leaves the other ranks blocked in the broadcast until the process
+    group's timeout when fn raises on rank 0."""
+    outcome: tuple[str, Any] | None = None
+    if info.is_main:
+        try:
+            outcome = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001  re-raised below, on every rank
+            if info.world_size == 1:
+                raise
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+    kind, value = broadcast_object(outcome, info)
+    if kind == "error":
+        raise RankZeroError(f"rank 0: {value}")
+    return value
+
+
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()

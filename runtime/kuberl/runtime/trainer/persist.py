@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -47,9 +48,13 @@ def read_state(info: D.DistInfo, path: Path, sharded: bool, model: torch.nn.Modu
     if sharded:
         D.load_sharded_state(path, model, optimizer)
         return
-    model_sd = ck.read_torch(path, ck.MODEL_FILE) if info.is_main else {}
-    optim_sd = ck.read_torch(path, ck.OPTIMIZER_FILE) if info.is_main else {}
-    D.load_full_state(model, optimizer, model_sd, optim_sd)
+    full: dict[str, Any] = {"model": {}, "optim": {}}
+
+    def read_full() -> None:  # rank 0 only; what it cannot read fails every rank (D.rank0_call), not a hang in the scatter
+        full["model"], full["optim"] = ck.read_torch(path, ck.MODEL_FILE), ck.read_torch(path, ck.OPTIMIZER_FILE)
+
+    D.rank0_call(read_full, info)
+    D.load_full_state(model, optimizer, full["model"], full["optim"])
 
 
 class PersistMixin:
@@ -57,13 +62,16 @@ class PersistMixin:
 
     def _resume(self) -> Path | None:
         main = self.info.is_main
-        # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files).
-        found = None
-        if main and (latest := ck.latest_checkpoint(self.ckpt_root)) is not None:
+        # Rank 0 reads and decides; the other ranks get the same answer (they may not see the same files),
+        # or the same error when rank 0 cannot read the checkpoint (rather than waiting in the broadcast).
+        def read_latest() -> tuple | None:
+            if (latest := ck.latest_checkpoint(self.ckpt_root)) is None:
+                return None
             # The format: megatron's layout (None for an FSDP checkpoint), or whether FSDP's is sharded.
             fmt = read_layout(latest.path) if self.megatron else ck.is_sharded(latest.path)
-            found = (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"), fmt)
-        found = D.broadcast_object(found, self.info)
+            return (latest.path, ck.load_trainer_state(latest.path), ck.read_torch(latest.path, "scheduler.pt"), fmt)
+
+        found = D.rank0_call(read_latest, self.info)
         if found is None:
             return None
         path, state, sched, fmt = found
