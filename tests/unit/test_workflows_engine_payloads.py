@@ -227,6 +227,47 @@ def test_a_stale_tied_head_is_found_and_repacked_with_vllms_own_cpu_gemm():
     assert callable(KubeRLWorkerExtension.kuberl_reload_weights) and vllm.VLLMEngine.reload_method == "kuberl_reload_weights"
 
 
+def test_live_weight_gemms_compute_from_the_weight_a_reload_writes_in_place(monkeypatch):
+    """KUBERL_VLLM_CPU_LIVE_WEIGHTS=1 (CPU engines' default): no packed copy, so an in-place copy is what the GEMM uses."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from kuberl.runtime.inference.vllm_worker import gemm_is_current, live_weights, refresh_tied_layers, use_live_weight_gemms
+
+    assert vllm.server_env({})[vllm.LIVE_WEIGHTS_ENV] == "1" or not vllm.on_cpu()
+    for cls in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):  # restored after the test
+        monkeypatch.setattr(cls, "process_weights_after_loading", cls.process_weights_after_loading)
+    monkeypatch.setenv(vllm.LIVE_WEIGHTS_ENV, "0")
+    assert not use_live_weight_gemms()
+    monkeypatch.setenv(vllm.LIVE_WEIGHTS_ENV, "1")
+    assert use_live_weight_gemms() and use_live_weight_gemms()  # idempotent: one wrapper, not two
+
+    class Layer(torch.nn.Module):
+        def __init__(self, weight: torch.nn.Parameter, method) -> None:
+            super().__init__()
+            self.weight, self.quant_method = weight, method
+
+    shared = torch.nn.Parameter(torch.randn(320, 128), requires_grad=False)
+    model = torch.nn.ModuleDict({"embed_tokens": Layer(shared, UnquantizedEmbeddingMethod()),
+                                 "lm_head": Layer(shared, UnquantizedEmbeddingMethod()),
+                                 "o_proj": Layer(torch.nn.Parameter(torch.randn(64, 128), requires_grad=False), UnquantizedLinearMethod())})
+    for layer in model.values():
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.cpu_linear is F.linear and layer.weight.numel() > 0  # vLLM's packing would drop o_proj's weight
+    assert live_weights(model)
+    shared.data.copy_(torch.randn(320, 128))
+    model["o_proj"].weight.data.copy_(torch.randn(64, 128))
+    assert gemm_is_current(model["lm_head"]) and gemm_is_current(model["o_proj"])
+    assert refresh_tied_layers(model) == {"tied_layers": 2, "refreshed": 0}
+    half = Layer(torch.nn.Parameter(torch.randn(8, 8).half(), requires_grad=False), UnquantizedLinearMethod())
+    half.quant_method.process_weights_after_loading(half)  # not float32: vLLM's own dispatch
+    assert getattr(half, "cpu_linear", None) is not F.linear
+    model["fp16_proj"] = half
+    assert not live_weights(model)  # then a reload takes vLLM's layerwise path
+
+
 def test_the_engine_command_is_the_registered_engines_server(tmp_path):
     cmd, env = server_command(exp(accelerator={"type": "cpu"}), "/models/m", 8000, "0.0.0.0")
     assert "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
