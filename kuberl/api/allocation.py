@@ -4,8 +4,10 @@ Called by RLExperimentSpec's validator: the shorthand expands into rollout.{engi
 tensorParallelSize, pipelineParallelSize, accelerator.count} and trainer.{backend, nodes,
 accelerator.count, parallelism}. A field the manifest sets explicitly must agree with it, else the
 spec is rejected with both values named; the one exception is rollout.replicas: the shorthand's d is
-only its default (an explicit count, e.g. from `kubectl scale`, wins). megatron takes d, t and p (issue #13);
-a context or expert dimension above 1 parses but is refused: neither is implemented yet.
+only its default (an explicit count, e.g. from `kubectl scale`, wins). megatron takes d, t, p and e (issue #13):
+e (expert parallel) is not a factor of the world size (d x t x p x c) but cuts the experts over the d
+data-parallel ranks, so it must divide d, as in AReaL. A context dimension above 1 parses but is refused
+(not implemented yet), and so is e above 1 with fsdp.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kuberl.api.v1alpha1 import ALLOCATION_CONTEXT_UNSUPPORTED, ALLOCATION_EXPERT_UNSUPPORTED, FieldError
+from kuberl.api.v1alpha1 import (
+    ALLOCATION_CONTEXT_UNSUPPORTED,
+    ALLOCATION_EXPERT_DIVIDE,
+    ALLOCATION_EXPERT_NEED_MEGATRON,
+    ALLOCATION_EXPERT_TENSOR,
+    FieldError,
+)
 
 if TYPE_CHECKING:
     from kuberl.api.v1alpha1 import RLExperimentSpec
@@ -74,11 +82,15 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
         alloc = parse_allocation(spec.allocation or "")
     except ValueError as exc:
         raise FieldError("spec.allocation", spec.allocation, str(exc)) from None
-    # AReaL's grammar parses; what no trainer implements yet is refused here (and by the CRD's CEL rules).
+    # AReaL's grammar parses; what no trainer implements yet is refused here (and, but for e dividing d, by the CRD's CEL rules).
     if alloc.trainer["c"] > 1:
         raise FieldError("spec.allocation", spec.allocation, ALLOCATION_CONTEXT_UNSUPPORTED)
-    if alloc.trainer["e"] > 1:
-        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_UNSUPPORTED)
+    if alloc.trainer["e"] > 1 and alloc.backend != "megatron":
+        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_NEED_MEGATRON)
+    if alloc.trainer["e"] > 1 and alloc.trainer["t"] > 1:
+        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_TENSOR)
+    if alloc.trainer["d"] % alloc.trainer["e"]:
+        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_DIVIDE)
     r, t = spec.rollout, spec.trainer
     world = alloc.trainer_world_size
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)

@@ -84,11 +84,19 @@ class RolloutSpec(SchedulingSpec):
 # Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
 # the trainer's own exit-2 refusals (runtime/kuberl/runtime/trainer/megatron/backend.py) stay as a second line of defence.
 CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "
-                       "trainer.backend megatron trains tensor, pipeline and data parallel, fsdp data parallel")
-EXPERT_UNSUPPORTED = ("trainer.parallelism.expert > 1 (expert parallel, MoE) is not implemented yet: use expert 1; "
-                      "trainer.backend megatron trains tensor, pipeline and data parallel")
+                       "trainer.backend megatron trains tensor, pipeline, expert and data parallel, fsdp data parallel")
+EXPERT_NEED_MEGATRON = ("trainer.parallelism.expert > 1 (expert parallel, MoE) needs trainer.backend megatron: set trainer.backend megatron, "
+                        "or use expert 1 (fsdp trains data parallel only)")
+MEGATRON_EXPERT_DIVIDE = ("trainer.parallelism.expert must divide the data-parallel size, nodes * accelerator.count / (tensor * pipeline) "
+                          "(trainer.backend megatron cuts the experts over data-parallel ranks)")
 ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: leave c out (e.g. vllm:d2+fsdp:d4, vllm:d2+megatron:d2t2)"
-ALLOCATION_EXPERT_UNSUPPORTED = "allocation: expert parallel (e > 1) is not implemented yet: leave e out (e.g. vllm:d2+megatron:d2t2p2)"
+ALLOCATION_EXPERT_NEED_MEGATRON = "allocation: expert parallel (e > 1) needs the megatron backend (e.g. vllm:d2+megatron:d2e2)"
+ALLOCATION_EXPERT_DIVIDE = "allocation: e (expert parallel) must divide d (data parallel), e.g. vllm:d2+megatron:d4e2"
+MEGATRON_EXPERT_TENSOR = ("trainer.parallelism.expert > 1 needs trainer.parallelism.tensor 1: megatron-core trains MoE layers under tensor "
+                          "parallelism only with sequence parallelism, which trainer.backend megatron does not implement (use pipeline, expert "
+                          "and data parallel)")
+ALLOCATION_EXPERT_TENSOR = ("allocation: expert parallel (e > 1) needs t1 in the megatron dims (MoE layers under tensor parallelism need "
+                            "sequence parallelism, not implemented), e.g. vllm:d2+megatron:d4e2")
 TPE_NEED_MEGATRON = ("tensor and pipeline parallelism need trainer.backend megatron: set trainer.backend megatron, "
                      "or use trainer.parallelism.data only")
 MEGATRON_TP_PP_DIVIDE = "trainer.parallelism tensor*pipeline must divide nodes * accelerator.count (trainer.backend megatron: data parallel over the rest)"
@@ -105,7 +113,9 @@ class ParallelismSpec(KubeModel):
     tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (trainer.backend megatron).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (trainer.backend megatron).")
     context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size; above 1 is refused (not implemented yet).")
-    expert: int = Field(1, ge=1, le=256, description="Expert parallel size (MoE); above 1 is refused (not implemented yet).")
+    expert: int = Field(1, ge=1, le=256, description=(
+        "Expert parallel size (MoE models, trainer.backend megatron): each expert lives on one of `expert` data-parallel ranks; "
+        "must divide the data-parallel size. Not a factor of the world size."))
 
 
 class TrainerSpec(SchedulingSpec):
@@ -113,7 +123,7 @@ class TrainerSpec(SchedulingSpec):
 
     # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
     backend: Literal["fsdp", "megatron"] = Field(
-        "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline and data parallel; full weights, "
+        "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline, expert and data parallel; full weights, "
                              "weightSync disk or bus). Default: from `allocation` when set, else fsdp."))
     nodes: int = Field(1, ge=1, le=1024, description="Trainer pods (one per node). Default: from `allocation` when set, else 1.")
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec, description="Accelerators per node; for cpu, processes per node.")
@@ -140,8 +150,13 @@ class TrainerSpec(SchedulingSpec):
             raise ValueError(TPE_NEED_MEGATRON)
         if self.backend == "megatron" and self.world_size % (p.tensor * p.pipeline):
             raise FieldError("spec.trainer.parallelism", f"tensor {p.tensor} x pipeline {p.pipeline}", MEGATRON_TP_PP_DIVIDE)
-        if p.expert != 1:
-            raise FieldError("spec.trainer.parallelism.expert", p.expert, EXPERT_UNSUPPORTED)
+        if p.expert != 1 and self.backend != "megatron":
+            raise FieldError("spec.trainer.parallelism.expert", p.expert, EXPERT_NEED_MEGATRON)
+        if p.expert != 1 and self.backend == "megatron" and not self.world_size % (p.tensor * p.pipeline):
+            if p.tensor != 1:
+                raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_TENSOR)
+            if (self.world_size // p.pipeline) % p.expert:
+                raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_DIVIDE)
         if p.context != 1:
             raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_UNSUPPORTED)
 

@@ -79,11 +79,15 @@ from kuberl.api.pods import (
 )
 from kuberl.api.roles import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
-    ALLOCATION_EXPERT_UNSUPPORTED,
+    ALLOCATION_EXPERT_DIVIDE,
+    ALLOCATION_EXPERT_NEED_MEGATRON,
+    ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
     CONTEXT_UNSUPPORTED,
-    EXPERT_UNSUPPORTED,
+    EXPERT_NEED_MEGATRON,
+    MEGATRON_EXPERT_DIVIDE,
+    MEGATRON_EXPERT_TENSOR,
     MEGATRON_FULL_WEIGHTS,
     MEGATRON_ON_ASCEND,
     MEGATRON_TP_PP_DIVIDE,
@@ -101,7 +105,9 @@ from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, Sandbo
 __all__ = [
     "ACCELERATOR_RESOURCE",
     "ALLOCATION_CONTEXT_UNSUPPORTED",
-    "ALLOCATION_EXPERT_UNSUPPORTED",
+    "ALLOCATION_EXPERT_DIVIDE",
+    "ALLOCATION_EXPERT_NEED_MEGATRON",
+    "ALLOCATION_EXPERT_TENSOR",
     "ALLOCATION_PATTERN",
     "API_VERSION",
     "ASCEND_IMAGE_MESSAGE",
@@ -133,7 +139,9 @@ __all__ = [
     "KIND",
     "KubeModel",
     "LocalObjectReference",
-    "EXPERT_UNSUPPORTED",
+    "EXPERT_NEED_MEGATRON",
+    "MEGATRON_EXPERT_DIVIDE",
+    "MEGATRON_EXPERT_TENSOR",
     "MEGATRON_FULL_WEIGHTS",
     "MEGATRON_ON_ASCEND",
     "MEGATRON_TP_PP_DIVIDE",
@@ -182,6 +190,8 @@ __all__ = [
 
 _RP = "self.rollout"
 _TP = "self.trainer.parallelism"
+_WORLD = ("(has(self.trainer.nodes) ? self.trainer.nodes : 1) * "
+          "(has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)")
 
 
 
@@ -205,11 +215,25 @@ class RLExperimentSpec(KubeModel):
           f"({_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? "
           f"self.trainer.accelerator.count : 1)) % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) == 0"),
          MEGATRON_TP_PP_DIVIDE, ".trainer.parallelism"),
-        (f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1", EXPERT_UNSUPPORTED, ".trainer.parallelism.expert"),
+        (f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} == 'megatron'",
+         EXPERT_NEED_MEGATRON, ".trainer.parallelism.expert"),
+        # Megatron's experts (tensor 1: MoE under tensor parallelism needs sequence parallelism) are cut over data-parallel
+        # ranks: expert divides world / pipeline. Both only where tensor x pipeline divides the world (else that rule speaks).
+        ((f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} != 'megatron' || "
+          f"{_WORLD} % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) != 0 || {_or(_TP + '.tensor', 1)} == 1"),
+         MEGATRON_EXPERT_TENSOR, ".trainer.parallelism.expert"),
+        ((f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} != 'megatron' || "
+          f"{_WORLD} % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) != 0 || {_or(_TP + '.tensor', 1)} != 1 || "
+          f"({_WORLD} / {_or(_TP + '.pipeline', 1)}) % {_or(_TP + '.expert', 1)} == 0"),
+         MEGATRON_EXPERT_DIVIDE, ".trainer.parallelism.expert"),
         (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1", CONTEXT_UNSUPPORTED, ".trainer.parallelism.context"),
         # The shorthand itself: CEL cannot expand it, but can see a context or expert dim above 1.
         ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)')", ALLOCATION_CONTEXT_UNSUPPORTED, ".allocation"),
-        ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)')", ALLOCATION_EXPERT_UNSUPPORTED, ".allocation"),
+        # (whether e divides d is the model's check after expansion: CEL cannot read the numbers)
+        ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+megatron:')",
+         ALLOCATION_EXPERT_NEED_MEGATRON, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || "
+         "!self.allocation.matches('megatron:[a-z0-9]*t0*([2-9]|[1-9][0-9]+)')", ALLOCATION_EXPERT_TENSOR, ".allocation"),
         # The megatron trainer (with or without the shorthand): full weights through disk or the bus, no recomputation.
         ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
           f"(!has(self.algorithm.lora) && (!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast') && "

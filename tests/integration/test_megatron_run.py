@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from kuberl.runtime.bus import Bus, Sample, TrajectoryGroup
+from kuberl.runtime.trainer.megatron.convert_moe import checkpoint_names
 from kuberl.runtime.trainer.weights import load_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.megatron, pytest.mark.timeout(300)]
@@ -43,10 +44,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, backend: str, world: int, tensor: int = 1, pipeline: int = 1,
-                   minibatches: int = 1, kl: float = 0.0, every: int = 1) -> Path:
+                   expert: int = 1, minibatches: int = 1, kl: float = 0.0, every: int = 1) -> Path:
     trainer = {"backend": backend, "accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64}
     if backend == "megatron":
-        trainer["parallelism"] = {"tensor": tensor, "pipeline": pipeline}
+        trainer["parallelism"] = {"tensor": tensor, "pipeline": pipeline, "expert": expert}
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
@@ -161,16 +162,19 @@ _REFS: dict[tuple, Path] = {}
 
 
 async def reference(tmp_path_factory, bus_url: str, model_dir: Path, agent: ScriptedAgent, minibatches: int, kl: float) -> Path:
-    """The FSDP trainer on one rank, same batches (cached per algorithm variant)."""
-    key = (minibatches, kl)
+    """The FSDP trainer on one rank, same batches (cached per model and algorithm variant)."""
+    key = (str(model_dir), minibatches, kl)
     if key not in _REFS:
-        name = f"ref-mb{minibatches}-kl{int(kl * 100)}"
+        name = f"ref-{model_dir.name}-mb{minibatches}-kl{int(kl * 100)}"
         _REFS[key] = await train(tmp_path_factory.mktemp(name), name, bus_url, model_dir, agent, backend="fsdp", world=1,
                                  minibatches=minibatches, kl=kl)
     return _REFS[key]
 
 
 def max_diff(a: dict, b: dict) -> float:
+    """Max |a - b| over the same names (a MoE model's fused in-memory experts, as the FSDP path publishes them,
+    compared under their per-expert checkpoint names)."""
+    a, b = checkpoint_names(a), checkpoint_names(b)
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -216,7 +220,11 @@ async def test_megatron_trains_the_same_weights_as_fsdp_on_the_same_batches(tmp_
 
         model = AutoModelForCausalLM.from_pretrained(got / "weights" / f"v{STEPS}")
         assert sorted(model.state_dict()) == sorted(load_weights(got / "weights" / f"v{STEPS}"))
-        assert (got / "checkpoints" / "latest").exists()
+        # the last checkpoint (step 3, per-rank files) read back as one HF state dict: the weights published after step 3
+        from kuberl.runtime.trainer import checkpoint as ck
+
+        latest = ck.latest_checkpoint(got / "checkpoints")
+        assert latest.step == STEPS and max_diff(ck.read_model_state(latest.path), load_weights(got / "weights" / f"v{STEPS}")) == 0
 
 
 async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on_the_same_weights(tmp_path, tmp_path_factory, nats_server,
@@ -257,7 +265,7 @@ async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on
         await bus.close()
 
 
-def test_resuming_with_another_tensor_parallel_size_is_refused(tmp_path):
+def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_path):
     """The checkpoint's layout is checked before any shard is read: a clear ConfigError naming both layouts."""
     from types import SimpleNamespace
 
@@ -265,9 +273,12 @@ def test_resuming_with_another_tensor_parallel_size_is_refused(tmp_path):
     from kuberl.runtime.trainer.megatron.backend import MegatronMixin
 
     t = MegatronMixin()
-    t.spec = SimpleNamespace(trainer=SimpleNamespace(parallelism=SimpleNamespace(tensor=2, pipeline=1)))
-    with pytest.raises(ConfigError, match="tensor 1, pipeline 2; this trainer runs tensor 2, pipeline 1"):
-        t.megatron_read_state(tmp_path, {"tensor": 1, "pipeline": 2})
+    t.spec = SimpleNamespace(trainer=SimpleNamespace(parallelism=SimpleNamespace(tensor=2, pipeline=1, expert=1)))
+    with pytest.raises(ConfigError, match="tensor 1, pipeline 2, expert 1; this trainer runs tensor 2, pipeline 1, expert 1"):
+        t.megatron_read_state(tmp_path, {"tensor": 1, "pipeline": 2})  # written before expert parallelism: expert 1
+    t.spec.trainer.parallelism = SimpleNamespace(tensor=1, pipeline=1, expert=2)
+    with pytest.raises(ConfigError, match="tensor 1, pipeline 1, expert 1; this trainer runs tensor 1, pipeline 1, expert 2"):
+        t.megatron_read_state(tmp_path, {"tensor": 1, "pipeline": 1, "expert": 1})
     with pytest.raises(ConfigError, match="written by trainer.backend fsdp"):
         t.megatron_read_state(tmp_path, None)
 

@@ -19,12 +19,19 @@ TINY = {
 }
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6)
+# Qwen3-MoE: 4 experts of hidden 32, top-2. "qwen3-moe": every layer MoE, normalised top-k weights (Qwen3-30B-A3B's
+# setting); "qwen3-moe-mixed": layer 0 a dense MLP (mlp_only_layers), softmax weights not normalised.
+_MOE = dict(vocab_size=128, head_dim=32, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+TINY_MOE = {
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_MOE, norm_topk_prob=True)),
+    "qwen3-moe-mixed": ("Qwen3MoeConfig", dict(_MOE, norm_topk_prob=False, mlp_only_layers=[0])),
+}
 
 
 def tiny_config(name: str):
     import transformers
 
-    cls, kw = TINY[name]
+    cls, kw = TINY[name] if name in TINY else TINY_MOE[name]
     return getattr(transformers, cls)(**COMMON, **kw)
 
 
@@ -43,8 +50,11 @@ def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under the names save_pretrained writes (lm_head left out when tied)."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The model's tensors under the names save_pretrained writes (lm_head left out when tied; a MoE model's
+    fused in-memory experts as the per-expert checkpoint tensors)."""
+    from kuberl.runtime.trainer.megatron.convert_moe import checkpoint_names
+
+    state = checkpoint_names({k: v.detach().clone() for k, v in model.state_dict().items()})
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return state
+    return {k: v.contiguous() for k, v in state.items()}

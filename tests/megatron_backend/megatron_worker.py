@@ -1,8 +1,8 @@
-"""One rank of the Megatron backend's gloo runs (tests/megatron_backend/test_megatron_tp.py starts two with torch.distributed.run).
+"""One rank of the Megatron backend's gloo runs (test_megatron_tp.py and test_megatron_moe.py start two with torch.distributed.run).
 
     python -m torch.distributed.run --nproc-per-node 2 megatron_worker.py JOB.pt OUT.pt
 
-For every model directory in the job and every layout in it ((tp, pp); data parallel over the rest): build the GPTModel
+For every model directory in the job and every layout in it ((tp, pp) or (tp, pp, ep); data parallel over the rest): build the GPTModel
 from the HF directory, gather its weights back to HF names, compute response log-probs and entropies, run
 one decoupled-PPO train step (recording the gathered gradients just before the optimizer step) and gather
 the updated weights. Rank 0 writes everything to OUT.pt; the test compares it with the HF model.
@@ -44,8 +44,9 @@ def run(job: dict) -> dict:
     results: dict = {}
     for name, model_dir in job["models"].items():
         tr = job["train"][name]
-        for tp, pp in job["layouts"]:
-            init_parallel(tp, pp, device="cpu")
+        for layout in job["layouts"]:
+            tp, pp, ep = (*layout, 1)[:3]
+            init_parallel(tp, pp, ep, device="cpu")
             mm = build_model(model_dir, device="cpu")
             out = {"loaded": gather_hf_state(mm)}
             out["logp"], out["entropy"] = response_logprobs(mm, prompts, outputs, width, temperature=T, entropy=True, micro_batches=plans)
@@ -62,7 +63,7 @@ def run(job: dict) -> dict:
                 dist.all_reduce(loss)
                 out["stats"]["loss"] = float(loss)
             out["after"] = gather_hf_state(mm)
-            results[f"{name}/tp{tp}-pp{pp}-dp{dp}"] = out
+            results[f"{name}/tp{tp}-pp{pp}-dp{dp}" + (f"-ep{ep}" if ep > 1 else "")] = out
     assert torch.cuda.current_device is cuda_current_device, "cpu_compat left its torch.cuda patch behind"
     return results
 

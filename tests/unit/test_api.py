@@ -15,10 +15,14 @@ from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_UNSUPPORTED,
-    ALLOCATION_EXPERT_UNSUPPORTED,
+    ALLOCATION_EXPERT_DIVIDE,
+    ALLOCATION_EXPERT_NEED_MEGATRON,
+    ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
     CONTEXT_UNSUPPORTED,
-    EXPERT_UNSUPPORTED,
+    EXPERT_NEED_MEGATRON,
+    MEGATRON_EXPERT_DIVIDE,
+    MEGATRON_EXPERT_TENSOR,
     MEGATRON_FULL_WEIGHTS,
     MEGATRON_ON_ASCEND,
     MEGATRON_TP_PP_DIVIDE,
@@ -125,11 +129,18 @@ class TestAllocation:
         p = s.trainer.parallelism
         assert (s.trainer.backend, s.trainer.world_size, p.data, p.tensor, p.pipeline) == ("megatron", 8, 2, 2, 2)
 
-    def test_context_and_expert_parallel_parse_but_are_refused_naming_the_allocation(self):
-        # AReaL's grammar parses (parse_allocation); no trainer implements c > 1 or e > 1 yet (issue #13).
-        a = parse_allocation("vllm:d2t2+megatron:d2p2t2e2")
-        assert (a.backend, a.trainer_world_size, a.rollout_accelerators) == ("megatron", 8, 2)
-        for text, message in (("vllm:d2t2+megatron:d2p2t2e2", ALLOCATION_EXPERT_UNSUPPORTED), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED)):
+    def test_expert_parallel_folds_into_megatrons_data_parallel(self):
+        # AReaL's e: not a factor of the world size; the experts are cut over the d data-parallel ranks.
+        a = parse_allocation("vllm:d2t2+megatron:d2p2e2")
+        assert (a.backend, a.trainer_world_size, a.rollout_accelerators) == ("megatron", 4, 2)
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d2+megatron:d4e2"))
+        p = s.trainer.parallelism
+        assert (s.trainer.world_size, p.data, p.expert, p.tensor) == (4, 4, 2, 1)
+
+    def test_context_parallel_fsdp_experts_and_e_not_dividing_d_are_refused_naming_the_allocation(self):
+        # c > 1 is not implemented (issue #13), e > 1 only by megatron, and e must divide d.
+        for text, message in (("vllm:d2+fsdp:d2e2", ALLOCATION_EXPERT_NEED_MEGATRON), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED),
+                              ("vllm:d2+megatron:d3e2", ALLOCATION_EXPERT_DIVIDE), ("vllm:d2t2+megatron:d2t2e2", ALLOCATION_EXPERT_TENSOR)):
             with pytest.raises(pydantic.ValidationError) as info:
                 RLExperimentSpec.model_validate(make_spec(allocation=text))
             cause = info.value.errors()[0]["ctx"]["error"]
@@ -255,7 +266,19 @@ AGREEMENT_CASES = [
     ("megatron backend", {"trainer": {"backend": "megatron"}}, None),
     ("megatron tensor x pipeline not dividing the processes", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
                                                                            "parallelism": {"tensor": 3}}}, MEGATRON_TP_PP_DIVIDE),
-    ("megatron expert parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"expert": 2}}}, EXPERT_UNSUPPORTED),
+    ("megatron expert parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"expert": 2}}}, None),
+    ("megatron expert x pipeline x data", {"trainer": {"backend": "megatron", "nodes": 2, "accelerator": {"count": 4},
+                                                      "parallelism": {"pipeline": 2, "expert": 4}}}, None),
+    ("megatron expert not dividing the data parallel size", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                                         "parallelism": {"pipeline": 2, "expert": 4}}}, MEGATRON_EXPERT_DIVIDE),
+    ("megatron expert with tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                          "parallelism": {"tensor": 2, "expert": 2}}}, MEGATRON_EXPERT_TENSOR),
+    ("megatron expert 1 with tensor parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                            "parallelism": {"tensor": 2, "expert": 1}}}, None),
+    ("megatron expert on one process", {"trainer": {"backend": "megatron", "parallelism": {"expert": 2}}}, MEGATRON_EXPERT_DIVIDE),
+    ("megatron expert with a tensor size not dividing", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                                     "parallelism": {"tensor": 3, "expert": 2}}}, MEGATRON_TP_PP_DIVIDE),
+    ("fsdp expert parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"expert": 2}}}, EXPERT_NEED_MEGATRON),
     ("megatron with lora", {"trainer": {"backend": "megatron"}, "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, MEGATRON_FULL_WEIGHTS),
     ("megatron with broadcast weights", {"trainer": {"backend": "megatron"}, "weightSync": {"mode": "broadcast"}}, MEGATRON_FULL_WEIGHTS),
     ("megatron with gradient checkpointing", {"trainer": {"backend": "megatron", "gradientCheckpointing": True}}, MEGATRON_FULL_WEIGHTS),
@@ -268,7 +291,11 @@ AGREEMENT_CASES = [
     ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, CONTEXT_UNSUPPORTED),
     ("context 1", {"trainer": {"parallelism": {"context": 1}}}, None),
     ("allocation with megatron", {"allocation": "vllm:d2+megatron:d2t2"}, None),
-    ("allocation with expert parallel", {"allocation": "vllm:d2+megatron:d2t2e2"}, ALLOCATION_EXPERT_UNSUPPORTED),
+    ("allocation with expert parallel", {"allocation": "vllm:d2t2+megatron:d2p2e2"}, None),
+    ("allocation with expert and tensor parallel", {"allocation": "vllm:d2+megatron:d2t2e2"}, ALLOCATION_EXPERT_TENSOR),
+    ("allocation with rollout tensor parallel and experts", {"allocation": "vllm:d1t2+megatron:d2e2"}, None),
+    ("allocation fsdp with expert parallel", {"allocation": "vllm:d2+fsdp:d2e2"}, ALLOCATION_EXPERT_NEED_MEGATRON),
+    ("allocation fsdp with e10", {"allocation": "vllm:d1+fsdp:d10e10"}, ALLOCATION_EXPERT_NEED_MEGATRON),
     ("allocation with e1", {"allocation": "vllm:d2+megatron:d2t2e1"}, None),
     ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, ALLOCATION_CONTEXT_UNSUPPORTED),
     ("allocation with context 12", {"allocation": "vllm:d1+fsdp:d1c12"}, ALLOCATION_CONTEXT_UNSUPPORTED),
@@ -346,3 +373,6 @@ def test_with_allocation_set_admission_defers_the_cross_checks_to_the_model():
     doc = make_manifest(allocation="vllm:d2t2+fsdp:d4", rollout={"accelerator": {"count": 2}})
     assert cel_messages(doc) == []
     assert pydantic_messages(doc) == []
+    doc = make_manifest(allocation="vllm:d2+megatron:d3e2")  # e must divide d: only the model reads the numbers
+    assert cel_messages(doc) == []
+    assert pydantic_messages(doc) == [ALLOCATION_EXPERT_DIVIDE]

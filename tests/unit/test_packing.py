@@ -270,7 +270,9 @@ class TestTrainerPacking:
         (prox_off, st_off, w_off), (prox_on, st_on, w_on) = results
         assert torch.allclose(prox_on, prox_off, atol=1e-5, rtol=0)
         assert st_on["tokens"] == st_off["tokens"] and st_on["loss"] == pytest.approx(st_off["loss"], abs=1e-5)
-        assert all(torch.allclose(w_on[n], w_off[n], atol=1e-5) for n in w_off)
+        # Two AdamW steps at lr 3e-3 move every weight by ~3e-3 whatever its gradient's size: where a gradient is ~0 (embedding
+        # rows of unseen tokens), float32 summation order alone moves the step by a few 1e-5 (3.3e-5 seen on an AVX-512 Xeon).
+        assert all(torch.allclose(w_on[n], w_off[n], atol=1e-4) for n in w_off)
 
 
 FSDP_WORKER = '''

@@ -5,7 +5,8 @@ own DCP shards of model and optimizer, `.metadata` their index, `rng-rank{R}.pt`
 then rank 0 commits: trainer_state.json, fsync, rename, and `checkpoints/latest` names the newest. A crash
 at any moment leaves either the old or the new checkpoint, never a half one. Checkpoints of earlier versions
 hold full `model.pt` / `optimizer.pt` dicts instead of shards: `is_sharded` tells them apart and
-`read_model_state` reads either as one full state dict (for tools outside the trainer).
+`read_model_state` reads either as one full state dict (for tools outside the trainer), and a
+trainer.backend megatron checkpoint (per-rank files, megatron/backend.py) too.
 """
 
 from __future__ import annotations
@@ -209,13 +210,20 @@ def is_sharded(path: str | Path) -> bool:
     raise FileNotFoundError(f"{path}: neither {DCP_METADATA} (sharded) nor {MODEL_FILE} (full): not a complete checkpoint")
 
 
-def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+def read_model_state(path: str | Path, hf_config: Any = None) -> dict[str, torch.Tensor]:
     """The full model state dict (CPU, Hugging Face parameter names) of a checkpoint, in this process.
 
     Consolidates DCP shards (any world size) without a process group, or reads model.pt of an older
-    checkpoint. For tools outside the trainer (evaluation, export, benchmarks): it holds the whole
-    model in memory, which the trainer itself never does.
+    checkpoint, or (a `megatron.json` in the folder) merges a trainer.backend megatron checkpoint's
+    per-(tensor, pipeline, expert)-rank files into HF names (megatron/consolidate.py: a MoE model's experts
+    under the per-expert names save_pretrained writes; `hf_config` only for a megatron checkpoint that does
+    not hold the model's config). For tools outside the trainer (evaluation, export, benchmarks): it holds
+    the whole model in memory, which the trainer itself never does.
     """
+    from kuberl.runtime.trainer.megatron.consolidate import LAYOUT_FILE, read_hf_state
+
+    if (Path(path) / LAYOUT_FILE).is_file():
+        return read_hf_state(path, hf_config)
     if not is_sharded(path):
         return read_torch(path, MODEL_FILE)
     import warnings

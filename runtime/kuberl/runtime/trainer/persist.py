@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -5,13 +5,15 @@ persist.py) hand over to these methods when `self.megatron`; everything else (ti
 reports, the bus) is the same code for both backends.
 
 Layout: tensor x pipeline from trainer.parallelism, data parallel over the rest (world / (tp * pp)),
-megatron's groups over the trainer's default process group (model.init_parallel). Every rank of one
-tensor/pipeline group computes the same rows; rows are split over the data-parallel ranks (each row is
-scored and trained by exactly one DP rank), whose gradients model.train_step sums. Published weights are
-gathered one parameter at a time: an all-gather within the TP group, then (pipeline stages other than the
-first) sent to global rank 0, which writes them as HF tensors (convert.merge_tp + full_to_hf) into
-weights/v{N}. Checkpoints: each (tp, pp) rank of data-parallel replica 0 saves its own model and optimizer
-shard; resuming needs the same tensor and pipeline sizes (any data-parallel size).
+megatron's groups over the trainer's default process group (model.init_parallel); with `expert` > 1 (a MoE
+model) each expert lives on one of `expert` data-parallel ranks (expert data parallel = dp / expert). Every
+rank of one tensor/pipeline group computes the same rows; rows are split over the data-parallel ranks (each
+row is scored and trained by exactly one DP rank), whose gradients model.train_step sums. Published weights
+are gathered one parameter at a time: an all-gather within the TP group (an expert's also within its EP
+group), then (pipeline stages other than the first) sent to global rank 0, which writes them as HF tensors
+(convert.merge_tp + full_to_hf) into weights/v{N}. Checkpoints: each (tp, pp, ep) rank of expert-data-parallel
+replica 0 saves its own model and optimizer shard; resuming needs the same tensor, pipeline and expert sizes
+(any data-parallel size).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from kuberl.runtime.errors import ConfigError, spec_errors
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import RolloutBatch, minibatch_rows, plan_micro_batches
+from kuberl.runtime.trainer.megatron.consolidate import LAYOUT_FILE, read_layout, shard_file
+
+__all__ = ["LAYOUT_FILE", "MegatronMixin", "check_megatron_spec", "read_layout"]
 
 log = logging.getLogger("kuberl.trainer")
 
-LAYOUT_FILE = "megatron.json"  # in a checkpoint folder: the tensor and pipeline sizes that wrote it
 
 
 def check_megatron_spec(spec: Any) -> None:
@@ -45,8 +49,8 @@ def check_megatron_spec(spec: Any) -> None:
     if spec.trainer.gradient_checkpointing:
         raise ConfigError("trainer.gradientCheckpointing is not implemented for trainer.backend megatron: set it to false")
     p = spec.trainer.parallelism
-    if p.context != 1 or p.expert != 1:
-        raise ConfigError("trainer.parallelism.context and .expert must be 1 with trainer.backend megatron (tensor, pipeline and data only)")
+    if p.context != 1:
+        raise ConfigError("trainer.parallelism.context must be 1 with trainer.backend megatron (tensor, pipeline, expert and data only)")
 
 
 class MegatronMixin:
@@ -63,14 +67,23 @@ class MegatronMixin:
         with a KL term, a frozen reference copy (self.ref_mm)."""
         from megatron.core import parallel_state as ps
 
+        from kuberl.runtime.trainer.megatron import convert
         from kuberl.runtime.trainer.megatron.model import build_model, init_parallel
 
         p, world = self.spec.trainer.parallelism, self.info.world_size
-        tp, pp = p.tensor, p.pipeline
+        tp, pp, ep = p.tensor, p.pipeline, p.expert
         if world % (tp * pp):
             raise ConfigError(f"trainer.parallelism tensor {tp} x pipeline {pp} does not divide the trainer's {world} processes "
                               "(nodes * accelerator.count)")
-        init_parallel(tp, pp, device=self.info.device, seed=self.spec.seed)
+        if (world // (tp * pp)) % ep:
+            raise ConfigError(f"trainer.parallelism.expert {ep} does not divide the data-parallel size {world // (tp * pp)} "
+                              f"({world} processes / (tensor {tp} x pipeline {pp}))")
+        with spec_errors():
+            shape = convert.model_shape(_hf_config(self.model_dir))
+        if ep > 1 and shape.moe is None:  # admission cannot tell: it does not read the model
+            raise ConfigError(f"trainer.parallelism.expert {ep} needs a mixture-of-experts model; {shape.model_type} "
+                              f"({self.spec.model.id or self.spec.model.builtin or self.spec.model.path}) is dense: use expert 1")
+        init_parallel(tp, pp, ep, device=self.info.device, seed=self.spec.seed)
         with spec_errors():  # a model type or head count megatron cannot cut (convert.model_shape / check_parallel)
             self.mm = build_model(str(self.model_dir), device=self.info.device)
             self.ref_mm = None
@@ -79,7 +92,8 @@ class MegatronMixin:
                 self.ref_mm.module.eval().requires_grad_(False)
         self.model, self.ref_model = self.mm.module, None
         if self.info.is_main:
-            log.info("megatron: tensor %d x pipeline %d x data %d over %d processes", tp, pp, ps.get_data_parallel_world_size(), world)
+            log.info("megatron: tensor %d x pipeline %d x data %d (expert %d) over %d processes", tp, pp, ps.get_data_parallel_world_size(), ep,
+                     world)
 
     # ---- pi_prox and the update ------------------------------------------------------------------------------
 
@@ -106,12 +120,16 @@ class MegatronMixin:
             batch.ref_logp = self._megatron_logprobs(self.ref_mm, batch, width)
 
     def _megatron_logprobs(self, mm: Any, batch: RolloutBatch, width: int) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
         from kuberl.runtime.trainer.megatron.model import response_logprobs
 
         dp_rank, dp, _ = self._dp()
         mine = list(range(batch.num_samples))[dp_rank::dp]
         out = torch.zeros(batch.num_samples, width)
-        if mine:  # the same on every rank of this replica's TP/PP group: they run the forward together
+        # the same on every rank of this replica's TP/PP group: they run the forward together; under expert
+        # parallelism a replica without rows still joins its expert group's forwards (with fillers)
+        if mine or ps.get_expert_model_parallel_world_size() > 1:
             plans = plan_micro_batches([batch.seq_lens[i] for i in mine], range(len(mine)), self.spec.trainer.micro_batch_tokens)
             was_training = mm.module.training
             mm.module.eval()
@@ -176,16 +194,18 @@ class MegatronMixin:
 
     # ---- weights out -----------------------------------------------------------------------------------------
 
-    def _publish_plan(self) -> list[list[tuple[str, str, tuple[int, ...], torch.dtype]]]:
-        """Per pipeline stage: (megatron name, global megatron name, full shape, dtype) of each parameter to publish.
-        Cached: the same every version (an all-gather of names and shapes over the pipeline group, once)."""
+    def _publish_plan(self) -> list[list[tuple[str, tuple[str, ...], tuple[int, ...], torch.dtype]]]:
+        """Per pipeline stage: (megatron name, global megatron names, full shape, dtype) of each parameter to publish;
+        an expert parameter has one global name per EP rank (its local expert j is expert r * E/ep + j on EP rank r),
+        any other one name. Cached: the same every version (an all-gather of names and shapes over the pipeline group, once)."""
         if getattr(self, "_mg_plan", None) is not None:
             return self._mg_plan
         from megatron.core import parallel_state as ps
 
-        from kuberl.runtime.trainer.megatron import convert
+        from kuberl.runtime.trainer.megatron import convert, convert_moe
 
-        shape, tp = self.mm.shape, ps.get_tensor_model_parallel_world_size()
+        shape, tp, ep = self.mm.shape, ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+        per = shape.moe.num_experts // ep if shape.moe is not None else 0
         offset = convert.stage_layers(shape.num_layers, ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()).start
         mine = []
         for name, p in convert.megatron_names(dict(self.mm.module.named_parameters()), te=False).items():
@@ -198,7 +218,9 @@ class MegatronMixin:
                 full[0] *= tp
             elif kind == "row":
                 full[1] *= tp
-            mine.append((name, convert.renumber(name, offset), tuple(full), p.dtype))
+            gname = convert.renumber(name, offset)
+            gnames = tuple(convert_moe.renumber_expert(gname, r * per) for r in range(ep)) if convert_moe.is_expert(name) else (gname,)
+            mine.append((name, gnames, tuple(full), p.dtype))
         stages: list[Any] = [mine]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             stages = [None] * ps.get_pipeline_model_parallel_world_size()
@@ -219,37 +241,60 @@ class MegatronMixin:
             dist.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
         return convert.merge_tp(name, [x.cpu() for x in parts], self.mm.shape)
 
+    def _ep_parts(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Collective over the EP group: one expert parameter (TP-merged) from every EP rank, in EP-rank order (CPU)."""
+        from megatron.core import parallel_state as ps
+
+        ep = ps.get_expert_model_parallel_world_size()
+        if ep == 1:
+            return [full]
+        t = full.to(self.info.device)
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
+        return [x.cpu() for x in parts]
+
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0: every HF tensor, one megatron parameter at a time (the stages after the first send theirs).
-        Other ranks of data-parallel replica 0 take part in the gathers and sends and yield nothing."""
+        Other ranks of data-parallel replica 0 take part in the gathers and sends and yield nothing; under expert
+        parallelism the other EP ranks of expert-data-parallel replica 0 join the experts' gathers too."""
         from megatron.core import parallel_state as ps
 
         from kuberl.runtime.trainer.megatron import convert
 
         stages, shape = self._publish_plan(), self.mm.shape
         pp_rank, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
-        if self._dp()[0] != 0:
+        replica0 = self._dp()[0] == 0
+        if not replica0 and ps.get_expert_data_parallel_rank() != 0:
             return  # the other replicas hold the same weights
-        sender = ps.get_tensor_model_parallel_rank() == 0 and pp_rank > 0
+        sender = replica0 and ps.get_tensor_model_parallel_rank() == 0 and pp_rank > 0
         params = convert.megatron_names(dict(self.mm.module.named_parameters()), te=False)
         stage_ranks = dist.get_process_group_ranks(group) if len(stages) > 1 else [0]
         for s, entries in enumerate(stages):
             if not self.info.is_main and s != pp_rank:
                 continue
-            for name, gname, full_shape, dtype in entries:
+            for name, gnames, full_shape, dtype in entries:
+                expert = len(gnames) > 1
                 if s == pp_rank:
-                    full = self._tp_full(name, params[name])
+                    if not (replica0 or expert):
+                        continue  # a dense parameter: data-parallel replica 0 alone
+                    parts = [self._tp_full(name, params[name])]
+                    if expert:
+                        parts = self._ep_parts(parts[0])
                     if sender:
-                        dist.send(full.to(self.info.device), dst=0)
+                        for t in parts:
+                            dist.send(t.to(self.info.device), dst=0)
                 else:  # rank 0, a later stage's parameter
-                    full = torch.empty(full_shape, dtype=dtype, device=self.info.device)
-                    dist.recv(full, src=stage_ranks[s])
-                    full = full.cpu()
+                    parts = []
+                    for _ in gnames:
+                        t = torch.empty(full_shape, dtype=dtype, device=self.info.device)
+                        dist.recv(t, src=stage_ranks[s])
+                        parts.append(t.cpu())
                 if self.info.is_main:
-                    for hname, t in convert.full_to_hf({gname: full}, shape).items():
-                        yield hname, t
-                        if shape.tied and hname == "model.embed_tokens.weight":
-                            yield "lm_head.weight", t  # under both names, as the FSDP path's state dict has them
+                    for gname, full in zip(gnames, parts):
+                        for hname, t in convert.full_to_hf({gname: full}, shape).items():
+                            yield hname, t
+                            if shape.tied and hname == "model.embed_tokens.weight":
+                                yield "lm_head.weight", t  # under both names, as the FSDP path's state dict has them
 
     def _hf_sizes(self, dtype: torch.dtype | None) -> list[tuple[str, int]]:
         """(HF name, bytes) of everything _hf_tensors yields, in its order (from shapes alone: meta tensors)."""
@@ -258,11 +303,12 @@ class MegatronMixin:
 
         out = []
         for entries in self._publish_plan():
-            for _, gname, full_shape, pdtype in entries:
-                for hname, t in convert.full_to_hf({gname: torch.empty(full_shape, dtype=pdtype, device="meta")}, self.mm.shape).items():
-                    out.append((hname, tensor_nbytes(t, dtype)))
-                    if self.mm.shape.tied and hname == "model.embed_tokens.weight":
-                        out.append(("lm_head.weight", tensor_nbytes(t, dtype)))
+            for _, gnames, full_shape, pdtype in entries:
+                for gname in gnames:
+                    for hname, t in convert.full_to_hf({gname: torch.empty(full_shape, dtype=pdtype, device="meta")}, self.mm.shape).items():
+                        out.append((hname, tensor_nbytes(t, dtype)))
+                        if self.mm.shape.tied and hname == "model.embed_tokens.weight":
+                            out.append(("lm_head.weight", tensor_nbytes(t, dtype)))
         return out
 
     def megatron_export_weights(self, dtype: torch.dtype, stats: dict) -> Path | None:
@@ -291,23 +337,31 @@ class MegatronMixin:
     def _shard_file(self) -> str:
         from megatron.core import parallel_state as ps
 
-        return f"megatron-tp{ps.get_tensor_model_parallel_rank()}-pp{ps.get_pipeline_model_parallel_rank()}.pt"
+        return shard_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                          ps.get_expert_model_parallel_world_size())
 
     def megatron_write_state(self, root: Path, step: int) -> None:
-        """Collective: this checkpoint's tensors into `.tmp-step-N/` (persist.write_state's contract): each (tp, pp) rank
-        of DP replica 0 its model and optimizer shard, every rank its RNG state, rank 0 the schedule and the layout."""
+        """Collective: this checkpoint's tensors into `.tmp-step-N/` (persist.write_state's contract): each (tp, pp, ep) rank
+        of expert-DP replica 0 (DP replica 0 without experts) its model and optimizer shard, every rank its RNG state,
+        rank 0 the schedule and the layout."""
+        from megatron.core import parallel_state as ps
+
         info = self.info
         if info.is_main:
             ck.begin_checkpoint(root, step)
         D.barrier(info)
         tmp = ck.tmp_checkpoint_path(root, step)
         ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
-        if self._dp()[0] == 0:  # DP replicas hold the same weights and (summed gradients) the same optimizer state
+        # DP replicas hold the same weights and (summed gradients) the same optimizer state; the EP ranks of one
+        # expert-data-parallel replica hold different experts (at ep 1 the expert-DP group is the DP group)
+        if ps.get_expert_data_parallel_rank() == 0:
             ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict(), "optimizer": self.optimizer.state_dict()})
         if info.is_main:
             ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
             p = self.spec.trainer.parallelism
-            ck.write_json(tmp, LAYOUT_FILE, {"tensor": p.tensor, "pipeline": p.pipeline})
+            if getattr(self, "_mg_config", None) is None:  # the HF config: consolidate.read_hf_state rebuilds the HF names from it
+                self._mg_config = json.loads(_hf_config(self.model_dir).to_json_string())
+            ck.write_json(tmp, LAYOUT_FILE, {"tensor": p.tensor, "pipeline": p.pipeline, "expert": p.expert, "model": self._mg_config})
         D.barrier(info)
 
     def megatron_read_state(self, path: Path, layout: dict | None) -> None:
@@ -316,16 +370,19 @@ class MegatronMixin:
         if layout is None:
             raise ConfigError(f"checkpoint {path} was written by trainer.backend fsdp; trainer.backend megatron cannot resume it "
                               f"(start a new experiment, or set trainer.backend fsdp)")
-        if (layout["tensor"], layout["pipeline"]) != (p.tensor, p.pipeline):
-            raise ConfigError(f"checkpoint {path} was written with trainer.parallelism tensor {layout['tensor']}, pipeline {layout['pipeline']}; "
-                              f"this trainer runs tensor {p.tensor}, pipeline {p.pipeline}: resume with the same tensor and pipeline sizes "
-                              "(data parallel may differ)")
+        expert = layout.get("expert", 1)  # checkpoints written before expert parallelism: 1
+        if (layout["tensor"], layout["pipeline"], expert) != (p.tensor, p.pipeline, p.expert):
+            raise ConfigError(f"checkpoint {path} was written with trainer.parallelism tensor {layout['tensor']}, pipeline {layout['pipeline']}, "
+                              f"expert {expert}; this trainer runs tensor {p.tensor}, pipeline {p.pipeline}, expert {p.expert}: resume with the "
+                              "same tensor, pipeline and expert sizes (data parallel may differ)")
         state = ck.read_torch(path, self._shard_file())
         self.mm.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def read_layout(path: str | Path) -> dict | None:
-    """The tensor/pipeline layout a Megatron checkpoint was written with; None for an FSDP checkpoint."""
-    file = Path(path) / LAYOUT_FILE
-    return json.loads(file.read_text()) if file.is_file() else None
+def _hf_config(model_dir: Any) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weights and configs for Qwen2, Qwen3 and Llama: pure functions, no process group.
+"""Hugging Face <-> megatron-core weights and configs for Qwen2, Qwen3, Llama and Qwen3-MoE: pure functions, no process group.
 
 Three layouts of the same weights:
 
@@ -17,10 +17,12 @@ Three layouts of the same weights:
   rows up to a multiple of tp_size (x `vocab_multiple`) because megatron's vocab-parallel layers need equal
   shards; the padded logits must be masked (model.py does) and the padding is cut off on the way back.
 
-Going HF -> rank: `hf_to_megatron(hf, shape, tp_rank=, tp_size=, pp_rank=, pp_size=)`.
-Going back: `megatron_to_hf(shards, shape)` with `shards[pp_rank][tp_rank]` = each rank's dict; or, one
-parameter at a time (what a streaming weight publisher does after an all-gather over the TP group),
-`merge_tp(name, parts, shape)` then `full_to_hf({global_name: tensor}, shape)`. The round trip is exact.
+Going HF -> rank: `hf_to_megatron(hf, shape, tp_rank=, tp_size=, pp_rank=, pp_size=, ep_rank=, ep_size=)`.
+Going back: `megatron_to_hf(shards, shape)` with `shards[pp_rank][tp_rank]` = each rank's dict (for expert
+parallelism, first `convert_moe.merge_ep` of the EP ranks' dicts); or, one parameter at a time (what a
+streaming weight publisher does after an all-gather over the TP group), `merge_tp(name, parts, shape)` then
+`full_to_hf({global_name: tensor}, shape)`. The round trip is exact. The MoE layers' router and experts
+(and expert parallelism) are convert_moe.py's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+from kuberl.runtime.trainer.megatron import convert_moe
+from kuberl.runtime.trainer.megatron.convert_moe import MoEShape
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *convert_moe.MOE_MODEL_TYPES)
 _LAYER = re.compile(r"^(decoder\.layers\.|model\.layers\.)(\d+)\.(.*)$")
 
 
@@ -56,6 +61,7 @@ class ModelShape:
     rope_theta: float
     max_positions: int
     rope_kwargs: dict[str, Any] = field(default_factory=dict)  # GPTModel rope-scaling arguments
+    moe: MoEShape | None = None  # the experts of a mixture-of-experts model (convert_moe); None when dense
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -96,7 +102,7 @@ def model_shape(hf_config: Any) -> ModelShape:
     kinds = set(_get(hf_config, "layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
         raise ValueError(f"{mt}: layer_types {sorted(kinds)} is not supported (only full_attention)")
-    if mt in ("llama", "qwen3") and _get(hf_config, "attention_bias", False):
+    if mt in ("llama", "qwen3", "qwen3_moe") and _get(hf_config, "attention_bias", False):
         raise ValueError(f"{mt}: attention_bias is not supported (megatron adds no o_proj-only bias)")
     if _get(hf_config, "mlp_bias", False):
         raise ValueError(f"{mt}: mlp_bias is not supported")
@@ -106,12 +112,14 @@ def model_shape(hf_config: Any) -> ModelShape:
     if heads % kv:
         raise ValueError(f"{mt}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     theta, rope_kwargs = _rope(hf_config, mt)
+    layers = int(_get(hf_config, "num_hidden_layers"))
+    moe = convert_moe.moe_shape(hf_config, mt, layers) if mt in convert_moe.MOE_MODEL_TYPES else None
     return ModelShape(
-        model_type=mt, num_layers=int(_get(hf_config, "num_hidden_layers")), hidden=hidden, heads=heads, kv_heads=kv,
+        model_type=mt, num_layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
         head_dim=int(_get(hf_config, "head_dim") or hidden // heads), ffn=int(_get(hf_config, "intermediate_size")),
         vocab=int(_get(hf_config, "vocab_size")), tied=bool(_get(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", rms_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
-        rope_theta=theta, max_positions=int(_get(hf_config, "max_position_embeddings")), rope_kwargs=rope_kwargs,
+        qkv_bias=mt == "qwen2", qk_norm=mt in ("qwen3", "qwen3_moe"), rms_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        rope_theta=theta, max_positions=int(_get(hf_config, "max_position_embeddings")), rope_kwargs=rope_kwargs, moe=moe,
     )
 
 
@@ -121,8 +129,12 @@ def padded_vocab_size(vocab: int, tp_size: int, vocab_multiple: int = 1) -> int:
     return int(math.ceil(vocab / step) * step)
 
 
-def check_parallel(shape: ModelShape, tp_size: int, pp_size: int) -> None:
-    """ValueError when the model cannot be cut into tp_size x pp_size (what this converter supports)."""
+def check_parallel(shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+    """ValueError when the model cannot be cut into tp_size x pp_size (x ep_size experts) (what this converter supports)."""
+    if shape.moe is not None:
+        convert_moe.check_parallel(shape.model_type, shape.moe, tp_size, ep_size)
+    elif ep_size > 1:
+        raise ValueError(f"{shape.model_type}: expert parallel size {ep_size} needs a mixture-of-experts model; this one is dense")
     for what, n in (("num_attention_heads", shape.heads), ("num_key_value_heads", shape.kv_heads), ("intermediate_size", shape.ffn)):
         if n % tp_size:
             raise ValueError(f"{shape.model_type}: {what} {n} is not divisible by tensor parallel size {tp_size}")
@@ -130,15 +142,16 @@ def check_parallel(shape: ModelShape, tp_size: int, pp_size: int) -> None:
         raise ValueError(f"{shape.model_type}: num_hidden_layers {shape.num_layers} is not divisible by pipeline parallel size {pp_size}")
 
 
-def megatron_config(hf_config: Any, *, tp_size: int = 1, pp_size: int = 1, dtype: torch.dtype = torch.float32,
+def megatron_config(hf_config: Any, *, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, dtype: torch.dtype = torch.float32,
                     vocab_multiple: int = 1, **overrides: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(TransformerConfig kwargs, GPTModel kwargs, get_gpt_layer_*_spec kwargs) of a HF model.
 
     Dropout off and the CUDA-only fusions off (the model.py builder turns fusions back on only where they
-    exist); `overrides` replace TransformerConfig fields (e.g. recompute, bf16).
+    exist); `overrides` replace TransformerConfig fields (e.g. recompute, bf16). A MoE model gets
+    convert_moe.config_kwargs (its layer pattern in `moe_layer_freq`: build it with get_gpt_decoder_block_spec).
     """
     s = model_shape(hf_config)
-    check_parallel(s, tp_size, pp_size)
+    check_parallel(s, tp_size, pp_size, ep_size)
     tc = dict(
         num_layers=s.num_layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
         num_query_groups=s.kv_heads, kv_channels=s.head_dim, normalization="RMSNorm", layernorm_epsilon=s.rms_eps,
@@ -149,6 +162,8 @@ def megatron_config(hf_config: Any, *, tp_size: int = 1, pp_size: int = 1, dtype
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
     )
+    if s.moe is not None:
+        tc.update(convert_moe.config_kwargs(s.moe, ep_size))
     tc.update(overrides)
     gpt = dict(
         vocab_size=padded_vocab_size(s.vocab, tp_size, vocab_multiple), max_sequence_length=s.max_positions,
@@ -199,6 +214,8 @@ def hf_to_full(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, t
 
     Layers may be a subset (a pipeline stage's); lm_head is ignored for tied embeddings.
     """
+    if shape.moe is not None:
+        hf = convert_moe.checkpoint_names(hf)  # a transformers model.state_dict() holds the experts fused
     out: dict[str, torch.Tensor] = {}
     for mname, hname in _GLOBAL.items():
         if hname in hf and not (shape.tied and mname == "output_layer.weight"):
@@ -213,7 +230,10 @@ def hf_to_full(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, t
         out[m + "self_attention.linear_qkv.weight"] = _merge_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], shape)
         if shape.qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = _merge_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], shape)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
+        if shape.moe is not None and shape.moe.layers[i]:
+            out.update(convert_moe.layer_to_full(hf, i, shape.moe))
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
     return out
 
 
@@ -230,7 +250,10 @@ def full_to_hf(full: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str,
         if not m or m.group(1) != "decoder.layers.":
             raise ValueError(f"full_to_hf: unexpected megatron name {name!r}")
         h, rest = f"model.layers.{m.group(2)}.", m.group(3)
-        if rest in _SAME:
+        moe = convert_moe.full_to_hf(m.group(2), rest, t) if shape.moe is not None else None
+        if moe is not None:
+            out.update(moe)
+        elif rest in _SAME:
             out[h + _SAME[rest]] = t
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
@@ -257,7 +280,7 @@ def tp_kind(name: str) -> str:
         return "gated"
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"
-    if name.endswith(("layernorm.weight", "norm.weight")):
+    if name.endswith(("layernorm.weight", "norm.weight", "mlp.router.weight")):
         return "replicated"
     raise ValueError(f"tp_kind: no tensor-parallel rule for megatron parameter {name!r}")
 
@@ -326,14 +349,16 @@ def full_to_stage(full: Mapping[str, torch.Tensor], shape: ModelShape, pp_rank: 
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
-                   pp_size: int = 1, vocab_multiple: int = 1) -> dict[str, torch.Tensor]:
+                   pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1, vocab_multiple: int = 1) -> dict[str, torch.Tensor]:
     """HF state dict (all of it, or at least this stage's tensors) -> this rank's megatron parameters.
 
     For a tied model the embedding goes to the first stage and, with pp_size > 1, as `output_layer.weight`
-    to the last.
+    to the last. A MoE model's rank holds the experts of its EP rank, numbered from 0 (convert_moe.full_to_ep).
     """
-    check_parallel(shape, tp_size, pp_size)
+    check_parallel(shape, tp_size, pp_size, ep_size)
     stage = full_to_stage(hf_to_full(hf, shape), shape, pp_rank, pp_size)
+    if shape.moe is not None:
+        stage = convert_moe.full_to_ep(stage, shape.moe, ep_rank, ep_size)
     return {name: split_tp(name, t, shape, tp_rank, tp_size, vocab_multiple) for name, t in stage.items()}
 
 
@@ -353,12 +378,15 @@ def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape
 def megatron_names(state: Mapping[str, Any], *, te: bool) -> dict[str, Any]:
     """Local-spec names -> Transformer Engine spec names (te=True), whose linear layers own the pre-norms:
     `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`,
-    `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight`. te=False: the reverse."""
+    `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight` (dense layers only: a MoE layer keeps its
+    pre_mlp_layernorm). te=False: the reverse."""
     pairs = [("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"), ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")]
     out = {}
     for name, t in state.items():
         for local, fused in pairs:
             a, b = (local, fused) if te else (fused, local)
+            if te and a == "pre_mlp_layernorm.weight" and name[: -len(a)] + "mlp.router.weight" in state:
+                continue
             if name.endswith("." + a) and name.startswith("decoder.layers."):
                 name = name[: -len(a)] + b
                 break

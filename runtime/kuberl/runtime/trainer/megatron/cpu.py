@@ -13,8 +13,20 @@ docs/design/megatron-cpu.md; RE-CHECK THIS LIST ON EVERY megatron-core UPGRADE):
   (`models/common/embeddings/rotary_pos_embedding.py get_emb`); tied embeddings under pipeline parallelism
   call `weight.data.cuda()` (`models/common/language_module/language_module.py`).
   `cpu_compat()` maps them to the CPU: a `TorchFunctionMode` that rewrites a CUDA `device=` argument to
-  "cpu" and makes `Tensor.cuda()` a no-op, plus `torch.cuda.current_device() -> 0` and a no-op
-  `torch.cuda.synchronize()` while it is active.
+  "cpu" and makes `Tensor.cuda()` a no-op, plus `torch.cuda.current_device() -> torch.device("cpu")` and a
+  no-op `torch.cuda.synchronize()` while it is active;
+* backward passes run OUTSIDE the TorchFunctionMode (a mode is popped while its own `__torch_function__`
+  runs, and `Tensor.backward`/`torch.autograd.backward` go through it), so an allocation in an autograd
+  Function's backward sees only the `torch.cuda.current_device` patch: that is why it returns the CPU device
+  itself rather than an index. Met in the MoE token dispatcher: `tensor_parallel/mappings.py:141`
+  (`_gather_along_first_dim`, the backward of the reduce-scatter that combines the experts' outputs,
+  `mappings.py:373`) allocates `torch.empty(..., device=torch.cuda.current_device())`;
+* the router's gating linear (`transformer/moe/moe_utils.py:1192`, `:1225`) tests `te_general_gemm is not None`,
+  a name that exists only when the Transformer Engine import (`moe_utils.py:25-34`) succeeded: without TE it is
+  a NameError on any device. `no_te_shims()` defines it as None (megatron's torch.mm fallback).
+* MoE expert parallelism: the alltoall token dispatcher allocates a `torch.cuda.Stream()` in its constructor
+  (`transformer/moe/token_dispatcher.py:445`) and syncs on CUDA events (`:862-902`): not shimmed; the CPU
+  path uses the allgather dispatcher (convert_moe.config_kwargs), which needs nothing beyond the above.
 
 Not shimmed (fails on CPU, so the backend does not call it): `optimizer/clip_grads.py
 clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the backend clips by
@@ -29,6 +41,16 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+_CPU = torch.device("cpu")
+
+
+def no_te_shims() -> None:
+    """What megatron-core 0.16.1 leaves undefined without Transformer Engine (any device): moe_utils.te_general_gemm."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class CudaToCpu(torch.overrides.TorchFunctionMode):
@@ -117,7 +139,7 @@ def cpu_compat(enabled: bool = True) -> Iterator[None]:
         return
     if _depth == 0:
         _saved.update(current_device=torch.cuda.current_device, synchronize=torch.cuda.synchronize)
-        torch.cuda.current_device = lambda: 0
+        torch.cuda.current_device = lambda: _CPU
         torch.cuda.synchronize = lambda *a, **k: None
     _depth += 1
     try:

@@ -2,15 +2,16 @@
 
 Call order on every rank (after `torch.distributed.init_process_group`):
 
-    init_parallel(tp_size, pp_size, device=device)                    # megatron's process groups + RNG seeds
+    init_parallel(tp_size, pp_size, ep_size, device=device)           # megatron's process groups + RNG seeds
     mm = build_model(model_dir, device=device)                        # this rank's GPTModel, HF weights loaded
     lp = response_logprobs(mm, prompts, outputs, width, temperature=T)          # [rows, width], CPU, every stage
     stats = train_step(mm, optimizer, micro_batches, cfg, denominator=D, temperature=T, grad_clip=c)
     hf = gather_hf_state(mm)                                          # HF names and shapes, on every rank
 
 Every rank of a tensor/pipeline group makes the same calls with the same data (megatron's collectives).
-Logits stay vocab-parallel (each TP rank holds V/tp columns): log-softmax at the target is an all-reduce
-of the max and of the sum of exponentials over the TP group, never a gather of the vocabulary. On the CPU
+Under expert parallelism (a MoE model, convert_moe.py) the ranks of a tensor x expert group are different
+data-parallel replicas: they make the same calls, each with its own rows (rows.micro_rows pads them).
+Logits stay vocab-parallel (rows.py); gradient sums and the grad norm are grads.py's. On the CPU
 everything runs inside `cpu.cpu_compat()` (megatron-core's CUDA assumptions mapped to the CPU).
 """
 
@@ -26,8 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuberl.runtime.trainer.megatron import convert
-from kuberl.runtime.trainer.megatron.cpu import cpu_compat, seed_cpu
+from kuberl.runtime.trainer.megatron import convert, convert_moe
+from kuberl.runtime.trainer.megatron.cpu import cpu_compat, no_te_shims, seed_cpu
+from kuberl.runtime.trainer.megatron.grads import grad_norm_and_clip, reduce_grads
+from kuberl.runtime.trainer.megatron.rows import Rows, micro_rows, row_logprobs, vocab_parallel_logprobs
+
+__all__ = ["MegatronModel", "MicroBatch", "build_model", "gather_hf_state", "grad_norm_and_clip", "init_parallel", "load_hf_state",
+           "response_logprobs", "train_step", "vocab_parallel_logprobs"]
 
 
 @dataclass
@@ -47,18 +53,20 @@ class MegatronModel:
         return cpu_compat(self.on_cpu)
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, *, device: torch.device | str = "cpu", seed: int = 1234) -> None:
-    """megatron's tensor/pipeline/data-parallel groups over the default process group, then its RNG seeds.
+def init_parallel(tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, *, device: torch.device | str = "cpu", seed: int = 1234) -> None:
+    """megatron's tensor/pipeline/data(/expert)-parallel groups over the default process group, then its RNG seeds.
 
-    The data-parallel size is world_size / (tp_size * pp_size). On CUDA, call torch.cuda.set_device(local_rank)
-    first. Re-entrant: a second call tears the previous groups down (tests switch layouts in one process).
+    The data-parallel size is world_size / (tp_size * pp_size); ep_size must divide it (megatron's expert
+    groups: expert tensor parallel = tp_size, expert data parallel = dp / ep_size). On CUDA, call
+    torch.cuda.set_device(local_rank) first. Re-entrant: a second call tears the previous groups down (tests
+    switch layouts in one process).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, expert_model_parallel_size=ep_size)
     if torch.device(device).type == "cpu":
         seed_cpu(seed)
     else:
@@ -75,8 +83,9 @@ def _te_available(device: torch.device) -> bool:
     return True
 
 
-def read_hf_state(model_dir: str, shape: convert.ModelShape, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The HF tensors that pipeline stage pp_rank needs, read from the directory's *.safetensors files."""
+def read_hf_state(model_dir: str, shape: convert.ModelShape, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+                  ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """The HF tensors that pipeline stage pp_rank (expert-parallel rank ep_rank) needs, read from the directory's *.safetensors files."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -85,8 +94,13 @@ def read_hf_state(model_dir: str, shape: convert.ModelShape, pp_rank: int = 0, p
     layers = convert.stage_layers(shape.num_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
 
+    per = shape.moe.num_experts // ep_size if shape.moe is not None else 0
+
     def wanted(name: str) -> bool:
         i = convert.layer_index(name)
+        e = convert_moe.hf_expert_index(name)
+        if e is not None and not ep_rank * per <= e < (ep_rank + 1) * per:
+            return False
         if i is not None:
             return i in layers
         if name == "model.embed_tokens.weight":
@@ -107,7 +121,9 @@ def build_model(model_dir: str, *, device: torch.device | str = "cpu", dtype: to
     """This rank's GPTModel for the HF model in `model_dir` (config.json + safetensors), its weights loaded.
 
     Uses the local (pure megatron-core) layer spec, or the Transformer Engine one on CUDA when TE is
-    installed. `config_overrides` go to TransformerConfig. Needs `init_parallel` first.
+    installed; a MoE model gets megatron's decoder block spec (its dense and MoE layers from
+    `moe_layer_freq`; SequentialMLP experts, no grouped GEMM). `config_overrides` go to TransformerConfig.
+    Needs `init_parallel` first.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -118,19 +134,28 @@ def build_model(model_dir: str, *, device: torch.device | str = "cpu", dtype: to
     device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     te = _te_available(device)
+    if not te:
+        no_te_shims()
     tc_kwargs, gpt_kwargs, spec_kwargs = convert.megatron_config(
-        hf_config, tp_size=tp, pp_size=pp, dtype=dtype, use_cpu_initialization=device.type == "cpu", perform_initialization=not load,
-        **config_overrides)
-    spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs) if te else specs.get_gpt_layer_local_spec(**spec_kwargs)
+        hf_config, tp_size=tp, pp_size=pp, ep_size=ep, dtype=dtype, use_cpu_initialization=device.type == "cpu",
+        perform_initialization=not load, **config_overrides)
+    config = TransformerConfig(**tc_kwargs)
+    if config.num_moe_experts:
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=spec_kwargs["normalization"])
+    elif te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    else:
+        spec = specs.get_gpt_layer_local_spec(**spec_kwargs)
     with cpu_compat(device.type == "cpu"):
-        module = GPTModel(config=TransformerConfig(**tc_kwargs), transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
+        module = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                           post_process=ps.is_pipeline_last_stage(), **gpt_kwargs)
     module.to(device)
     _mark_tensor_parallel(module, te)
     mm = MegatronModel(module=module, shape=convert.model_shape(hf_config), device=device, te=te)
     if load:
-        load_hf_state(mm, read_hf_state(model_dir, mm.shape, ps.get_pipeline_model_parallel_rank(), pp))
+        load_hf_state(mm, read_hf_state(model_dir, mm.shape, ps.get_pipeline_model_parallel_rank(), pp, ps.get_expert_model_parallel_rank(), ep))
     return mm
 
 
@@ -155,7 +180,8 @@ def load_hf_state(mm: MegatronModel, hf: dict[str, torch.Tensor]) -> None:
     from megatron.core import parallel_state as ps
 
     mine = convert.hf_to_megatron(hf, mm.shape, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size())
+                                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                                  ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size())
     mine = convert.megatron_names(mine, te=mm.te)
     params = dict(mm.module.named_parameters())
     if set(params) != set(mine):
@@ -171,13 +197,14 @@ def load_hf_state(mm: MegatronModel, hf: dict[str, torch.Tensor]) -> None:
 def gather_hf_state(mm: MegatronModel, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """All parameters (or, with `grads`, their gradients) under HF names and shapes, on every rank (CPU tensors).
 
-    An all-gather per parameter over the TP group, then every stage's dict to every rank: for checkpoints
-    and tests of small models. A streaming publisher gathers one parameter at a time instead
-    (convert.merge_tp + convert.full_to_hf).
+    An all-gather per parameter over the TP group (an expert's also over the EP group, renumbered to global
+    experts), then every stage's dict to every rank: for checkpoints and tests of small models. A streaming
+    publisher gathers one parameter at a time instead (convert.merge_tp + convert.full_to_hf).
     """
     from megatron.core import parallel_state as ps
 
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    ep, per = ps.get_expert_model_parallel_world_size(), mm.shape.moe.num_experts // ps.get_expert_model_parallel_world_size() if mm.shape.moe else 0
     offset = convert.stage_layers(mm.shape.num_layers, ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()).start
     stage: dict[str, torch.Tensor] = {}
     for name, p in convert.megatron_names(dict(mm.module.named_parameters()), te=False).items():
@@ -189,7 +216,16 @@ def gather_hf_state(mm: MegatronModel, *, grads: bool = False) -> dict[str, torc
             dist.all_gather(parts, t, group=tp_group)
         if name == "output_layer.weight" and mm.shape.tied:
             continue  # the last stage's copy of a tied embedding
-        stage[convert.renumber(name, offset)] = convert.merge_tp(name, [x.cpu() for x in parts], mm.shape)
+        full = convert.merge_tp(name, [x.cpu() for x in parts], mm.shape)
+        if not convert_moe.is_expert(name):
+            stage[convert.renumber(name, offset)] = full
+            continue
+        experts = [full]
+        if ep > 1:
+            experts = [torch.empty_like(full) for _ in range(ep)]
+            dist.all_gather(experts, full, group=ps.get_expert_model_parallel_group())
+        for r, t in enumerate(experts):
+            stage[convert_moe.renumber_expert(convert.renumber(name, offset), r * per)] = t
     if ps.get_pipeline_model_parallel_world_size() > 1:
         stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
@@ -197,98 +233,7 @@ def gather_hf_state(mm: MegatronModel, *, grads: bool = False) -> dict[str, torc
     return convert.full_to_hf(stage, mm.shape)
 
 
-# ---- log-probs from vocab-parallel logits --------------------------------------------------------------------
-
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, temperature: float = 1.0,
-                            entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T)[target] and (no grad) the entropy, from this TP rank's vocabulary shard.
-
-    logits: [..., V/tp], columns tp_rank * V/tp onwards of the (padded) vocabulary; columns >= vocab_size
-    are padding and are left out of the softmax. targets: [...] global token ids. Differentiable: the sums
-    over the TP group are megatron's reduce_from_tensor_model_parallel_region (all-reduce forward, identity
-    backward), correct because every TP rank computes the same loss from them.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
-
-    n_local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * n_local
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    pad = None
-    if start + n_local > vocab_size:
-        pad = torch.arange(start, start + n_local, device=z.device) >= vocab_size
-        z = z.masked_fill(pad, float("-inf"))
-    zmax = z.detach().amax(dim=-1)
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    e = torch.exp(z - zmax.unsqueeze(-1))
-    sum_exp = tp_sum(e.sum(dim=-1))
-    lse = zmax + torch.log(sum_exp)
-    local = targets - start
-    here = (local >= 0) & (local < n_local)
-    z_t = z.gather(-1, local.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
-    z_t = tp_sum(torch.where(here, z_t, torch.zeros((), dtype=z.dtype, device=z.device)))
-    logp = z_t - lse
-    ent = None
-    if entropy:
-        with torch.no_grad():  # H = lse - sum_v softmax_v * z_v
-            pz = (e / sum_exp.unsqueeze(-1)) * z
-            if pad is not None:
-                pz = pz.masked_fill(pad, 0.0)  # 0 * -inf
-            ent = lse.detach() - tp_sum(pz.sum(dim=-1))
-    return logp, ent
-
-
-@dataclass
-class _Rows:
-    """One micro-batch as model inputs: prompt + output tokens right-padded, and where each output token is predicted."""
-
-    input_ids: torch.Tensor  # [R, S]
-    position_ids: torch.Tensor  # [R, S]
-    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked (causal)
-    col: torch.Tensor  # [R, width] sequence position predicting output token t
-    targets: torch.Tensor  # [R, width] output token ids (pad_id beyond the response)
-    valid: torch.Tensor  # [R, width] bool
-    rows: int  # real rows (the rest is padding)
-
-
-def _rows(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], width: int, pad_id: int, device: torch.device,
-          num_rows: int = 0, seq_len: int = 0) -> _Rows:
-    """Inputs for the rows; padded to num_rows rows and seq_len positions when those are larger (pipeline
-    parallelism sends fixed shapes between stages). Right padding needs no padding mask under a causal one."""
-    seqs = [list(p) + list(o)[:width] for p, o in zip(prompts, outputs)]
-    S = max(seq_len, max(len(s) for s in seqs) - 1, 1)
-    R = max(num_rows, len(seqs))
-    ids = torch.full((R, S), pad_id, dtype=torch.long)
-    targets = torch.full((R, width), pad_id, dtype=torch.long)
-    valid = torch.zeros((R, width), dtype=torch.bool)
-    col = torch.zeros((R, width), dtype=torch.long)
-    t = torch.arange(width)
-    for i, (p, o, s) in enumerate(zip(prompts, outputs, seqs)):
-        inp = s[:-1] or s
-        ids[i, : len(inp)] = torch.tensor(inp[:S])
-        o = list(o)[:width]
-        if o:
-            targets[i, : len(o)] = torch.tensor(o)
-            valid[i, : len(o)] = True
-        col[i] = (len(p) - 1 + t).clamp(max=S - 1)
-    pos = torch.arange(S).unsqueeze(0).expand(R, S)
-    mask = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)
-    return _Rows(ids.to(device), pos.to(device), mask.to(device), col.to(device), targets.to(device), valid.to(device), len(seqs))
-
-
-def _row_logprobs(mm: MegatronModel, logits: torch.Tensor, r: _Rows, temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[rows, width] log-probs (0 outside the responses) from [R, S, V/tp] logits; only the real rows."""
-    picked = logits[: r.rows].gather(1, r.col[: r.rows].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    lp, ent = vocab_parallel_logprobs(picked, r.targets[: r.rows], mm.shape.vocab, temperature=temperature, entropy=entropy)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    valid = r.valid[: r.rows]
-    return torch.where(valid, lp, zero), (None if ent is None else torch.where(valid, ent, zero))
-
-
-def _schedule(mm: MegatronModel, batches: list[_Rows], loss_func_for, forward_only: bool) -> list[Any]:
+def _schedule(mm: MegatronModel, batches: list[Rows], loss_func_for, forward_only: bool) -> list[Any]:
     """Run megatron's forward(-backward) schedule over the micro-batches; returns the loss functions' dicts (last stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -305,15 +250,15 @@ def _schedule(mm: MegatronModel, batches: list[_Rows], loss_func_for, forward_on
                                        seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
 
 
-def _micro_rows(mm: MegatronModel, prompts, outputs, width, pad_id, plans: Sequence[Sequence[int]]) -> list[_Rows]:
-    """_Rows of each micro-batch (row indices); all one shape under pipeline parallelism."""
+def _expert_parallel() -> bool:
     from megatron.core import parallel_state as ps
 
-    R = S = 0
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        R = max(len(p) for p in plans)
-        S = max(len(prompts[i]) + min(len(outputs[i]), width) - 1 for p in plans for i in p)
-    return [_rows([prompts[i] for i in p], [outputs[i] for i in p], width, pad_id, mm.device, R, S) for p in plans]
+    return ps.get_expert_model_parallel_world_size() > 1
+
+
+def _filler_loss(logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A filler micro-batch's (rows.micro_rows): zero loss, zero gradient, no stats."""
+    return logits.sum() * 0.0, {"filler": True}
 
 
 def _last_stage_to_all(value: Any) -> Any:
@@ -339,15 +284,24 @@ def response_logprobs(mm: MegatronModel, prompts: Sequence[Sequence[int]], outpu
     every position, prompts included ([rows, seq, V/tp] logits per micro-batch): size micro-batches for that.
     """
     rows = len(outputs)
-    if width < 1 or max((len(o) for o in outputs), default=0) == 0:
-        z = torch.zeros((rows, max(width, 0)))
+    z = torch.zeros((rows, max(width, 0)))
+    nothing = width < 1 or max((len(o) for o in outputs), default=0) == 0
+    if nothing and not _expert_parallel():
         return (z, z.clone()) if entropy else z
-    plans = [list(p) for p in (micro_batches or [range(rows)])]
-    batches = _micro_rows(mm, prompts, outputs, width, pad_id, plans)
+    plans = [] if nothing else [list(p) for p in (micro_batches or [range(rows)])]
+    batches = micro_rows(prompts, outputs, max(width, 1), pad_id, plans, mm.device)  # + fillers, under expert parallelism
+    if not plans:
+        with mm.compat(), torch.no_grad():  # only the fillers: this rank's share of its expert group's forwards
+            if batches:
+                _schedule(mm, batches, lambda k, b: _filler_loss, forward_only=True)
+        return (z, z.clone()) if entropy else z
 
     def loss_func_for(k, b):
+        if k >= len(plans):
+            return _filler_loss
+
         def loss_func(logits):
-            lp, ent = _row_logprobs(mm, logits, b, temperature, entropy)
+            lp, ent = row_logprobs(logits, b, mm.shape.vocab, temperature, entropy)
             return torch.zeros((), device=logits.device), {"k": k, "logp": lp.cpu(), "entropy": None if ent is None else ent.cpu()}
         return loss_func
 
@@ -357,6 +311,8 @@ def response_logprobs(mm: MegatronModel, prompts: Sequence[Sequence[int]], outpu
     if found:
         lp, ent = torch.zeros(rows, width), torch.zeros(rows, width)
         for d in found:
+            if d.get("filler"):
+                continue
             lp[plans[d["k"]]] = d["logp"]
             if entropy:
                 ent[plans[d["k"]]] = d["entropy"]
@@ -377,52 +333,6 @@ class MicroBatch:
     advantages: torch.Tensor
     prox_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-
-
-def grad_norm_and_clip(mm: MegatronModel, max_norm: float | None) -> float:
-    """Total L2 grad norm over every shard of the model (TP and PP), each parameter counted once, then clip.
-
-    megatron's get_grad_norm_fp32 over the model-parallel group, with its own filters: TP-replicated
-    parameters (norms) count on TP rank 0 only, the last stage's copy of a tied embedding not at all.
-    Clipping scales every gradient by max_norm / (norm + 1e-6) when below 1, as torch's clip_grad_norm_.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    params = [p for p in mm.module.parameters() if p.grad is not None]
-    counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-    with mm.compat():
-        norm = float(get_grad_norm_fp32(counted, norm_type=2, grad_stats_parallel_group=ps.get_model_parallel_group()))
-    if max_norm is not None and max_norm > 0:
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
-    return norm
-
-
-def _reduce_grads(mm: MegatronModel) -> None:
-    """What megatron's finalize_model_grads does for a model without its DDP wrapper: sum the q/k-norm gradients
-    over the TP group (each rank normalises only its own heads with the replicated weight), sum a tied
-    embedding's two copies (first and last stage), and sum over the data-parallel group."""
-    from megatron.core import parallel_state as ps
-
-    if mm.shape.qk_norm and ps.get_tensor_model_parallel_world_size() > 1:
-        for name, p in mm.module.named_parameters():
-            if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-
-    if mm.shape.tied and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
-        p = mm.module.shared_embedding_or_output_weight()
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=ps.get_embedding_group())
-    if ps.get_data_parallel_world_size() > 1:  # each DP rank's loss is its share of the minibatch sum
-        for p in mm.module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
 
 
 def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batches: Sequence[MicroBatch], cfg: Any, *, denominator: float,
@@ -448,15 +358,17 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
     for mb in micro_batches:
         plans.append(list(range(at, at + len(mb.prompts))))
         at += len(mb.prompts)
-    batches = _micro_rows(mm, prompts, outputs, width, pad_id, plans)
-    n = len(micro_batches)
+    batches = micro_rows(prompts, outputs, width, pad_id, plans, mm.device)
+    n = len(batches)  # the schedule divides every loss by this (fillers included)
     fused: dict[int, torch.Tensor] = {}  # micro-batch -> its log pi_prox (last stage, prox_from_update)
 
     def loss_func_for(k, b):
+        if k >= len(micro_batches):
+            return _filler_loss
         mb = micro_batches[k]
 
         def loss_func(logits):
-            lp, ent = _row_logprobs(mm, logits, b, temperature, entropy=True)
+            lp, ent = row_logprobs(logits, b, mm.shape.vocab, temperature, entropy=True)
             dev = lp.device
             prox, behave, adv, mask, ref = (None if t is None else t.to(dev) for t in (mb.prox_logp, mb.behave_logp, mb.advantages, mb.loss_mask,
                                                                                        mb.ref_logp))
@@ -474,17 +386,19 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
         found = _schedule(mm, batches, loss_func_for, forward_only=False)
     sums: dict[str, float] = {}
     for st in found:
+        if st.get("filler"):
+            continue
         tok = st["tokens"]
         for key, v in st.items():
             if key in ("loss", "tokens", "sequences", "entropy_x_tokens"):
                 sums[key] = sums.get(key, 0.0) + v
             elif not key.endswith("_max"):
                 sums[key + "_x_tokens"] = sums.get(key + "_x_tokens", 0.0) + v * tok
-    _reduce_grads(mm)
+    reduce_grads(mm)
     norm = grad_norm_and_clip(mm, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    sums, prox = _last_stage_to_all((sums, [fused.get(k) for k in range(n)]))
+    sums, prox = _last_stage_to_all((sums, [fused.get(k) for k in range(len(micro_batches))]))
     out: dict[str, Any] = dict(sums, grad_norm=norm)
     if prox_from_update:
         out["prox_logp"] = prox
