@@ -12,7 +12,6 @@ EP shards and ends on the reference's weights.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from test_megatron_run import (
     ScriptedAgent,
     assert_same_training,
     finish,
-    kill,
+    kill_after_checkpoint_and_resume,
     max_diff,
     metrics,
     reference,
@@ -32,7 +31,6 @@ from test_megatron_run import (
     write_manifest,
 )
 
-from kuberl.runtime.bus import Bus
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer.weights import load_weights
 
@@ -94,37 +92,10 @@ async def test_megatron_expert_parallel_trains_the_same_weights_as_fsdp(tmp_path
 async def test_a_killed_expert_parallel_trainer_resumes_from_its_shards(tmp_path, tmp_path_factory, nats_server, moe_dir):
     """expert 2, checkpoints every 2 steps: killed while waiting for step 3's groups, it resumes at step 2 from its
     per-EP-rank model and optimizer shards, trains step 3 and publishes the reference's v3."""
-    from test_megatron_run import B
-
     agent = ScriptedAgent(moe_dir)
     ref = await reference(tmp_path_factory, nats_server.url, moe_dir, agent, 2, 0.0)
-    name = "mg-ep2-resume"
-    path = write_manifest(tmp_path / "exp.yaml", name, moe_dir, backend="megatron", world=2, expert=2, minibatches=2, every=2)
-    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
-    bus = await Bus.connect(nats_server.url, name)
-    proc = start_trainer(path, nats_server.url, workdir, log, 2)
-    try:
-        await asyncio.wait_for(agent.run(bus, max_tickets=2 * B), 150)  # steps 1 and 2 only
-        deadline = time.monotonic() + 120
-        while not ((p := await bus.get_state("progress")) and (p.get("checkpoint") or {}).get("step") == 2):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            await asyncio.sleep(0.2)
-        kill(proc)
-        proc = start_trainer(path, nats_server.url, workdir, log, 2)
-        task = asyncio.create_task(agent.run(bus))
-        code = await asyncio.to_thread(finish, proc, log)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        text = log.read_text()
-        assert code == 0, text[-4000:]
-        assert "resumed from" in text and "step 2, policy version 2" in text
-        assert [r["step"] for r in metrics(workdir)] == [1, 2, 3]
-        d = max_diff(load_weights(workdir / "weights" / f"v{STEPS}"), load_weights(ref / "weights" / f"v{STEPS}"))
-        assert d < 1e-5, d
-    finally:
-        if proc.poll() is None:
-            kill(proc)
-        await bus.close()
+    path = write_manifest(tmp_path / "exp.yaml", "mg-ep2-resume", moe_dir, backend="megatron", world=2, expert=2, minibatches=2, every=2)
+    await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, ["megatron-tp0-pp0-ep0.pt", "megatron-tp0-pp0-ep1.pt"])
 
 
 def test_expert_parallel_on_a_dense_model_is_refused_naming_the_field(tmp_path):

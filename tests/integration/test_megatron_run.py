@@ -227,17 +227,12 @@ async def test_megatron_trains_the_same_weights_as_fsdp_on_the_same_batches(tmp_
         assert latest.step == STEPS and max_diff(ck.read_model_state(latest.path), load_weights(got / "weights" / f"v{STEPS}")) == 0
 
 
-async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on_the_same_weights(tmp_path, tmp_path_factory, nats_server,
-                                                                                                     model_dir):
-    """tensor 2, checkpoints every 2 steps: killed while waiting for step 3's groups (step 2 is checkpointed), it
-    resumes at step 2 with its shards and optimizer state, trains step 3 and publishes the reference's v3."""
-    agent = ScriptedAgent(model_dir)
-    ref = await reference(tmp_path_factory, nats_server.url, model_dir, agent, 1, 0.0)
-    name = "mg-resume"
-    path = write_manifest(tmp_path / "exp.yaml", name, model_dir, backend="megatron", world=2, tensor=2, every=2)
-    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
-    bus = await Bus.connect(nats_server.url, name)
-    proc = start_trainer(path, nats_server.url, workdir, log, 2)
+async def kill_after_checkpoint_and_resume(path: Path, nats_url: str, workdir: Path, agent: ScriptedAgent, ref: Path, shards: list[str]) -> None:
+    """A 2-rank trainer of `path` (checkpoints every 2 steps) killed while it waits for step 3's groups, its step-2
+    checkpoint holding exactly `shards`; restarted, it must resume at step 2, train step 3 and publish the reference's v3."""
+    log = workdir.parent / "trainer.log"
+    bus = await Bus.connect(nats_url, yaml.safe_load(path.read_text())["metadata"]["name"])
+    proc = start_trainer(path, nats_url, workdir, log, 2)
     try:
         await asyncio.wait_for(agent.run(bus, max_tickets=2 * B), 150)  # steps 1 and 2 only
         deadline = time.monotonic() + 120
@@ -245,10 +240,10 @@ async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             await asyncio.sleep(0.2)
         kill(proc)
-        shards = sorted(x.name for x in (workdir / "checkpoints" / "step-00000002").glob("megatron-*.pt"))
-        assert shards == ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"], shards
+        got = sorted(x.name for x in (workdir / "checkpoints" / "step-00000002").glob("megatron-*.pt"))
+        assert got == shards, got
 
-        proc = start_trainer(path, nats_server.url, workdir, log, 2)
+        proc = start_trainer(path, nats_url, workdir, log, 2)
         task = asyncio.create_task(agent.run(bus))
         code = await asyncio.to_thread(finish, proc, log)
         task.cancel()
@@ -263,6 +258,16 @@ async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on
         if proc.poll() is None:
             kill(proc)
         await bus.close()
+
+
+async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on_the_same_weights(tmp_path, tmp_path_factory, nats_server,
+                                                                                                     model_dir):
+    """tensor 2, checkpoints every 2 steps: killed while waiting for step 3's groups (step 2 is checkpointed), it
+    resumes at step 2 with its shards and optimizer state, trains step 3 and publishes the reference's v3."""
+    agent = ScriptedAgent(model_dir)
+    ref = await reference(tmp_path_factory, nats_server.url, model_dir, agent, 1, 0.0)
+    path = write_manifest(tmp_path / "exp.yaml", "mg-resume", model_dir, backend="megatron", world=2, tensor=2, every=2)
+    await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"])
 
 
 def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_path):
