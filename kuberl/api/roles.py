@@ -83,13 +83,16 @@ class RolloutSpec(SchedulingSpec):
 
 # Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
 # the trainer's own exit-2 refusals (runtime/kuberl/runtime/trainer/megatron/backend.py) stay as a second line of defence.
-CONTEXT_UNSUPPORTED = ("trainer.parallelism.context > 1 (context parallel) is not implemented yet: use context 1; "
-                       "trainer.backend megatron trains tensor, pipeline, expert and data parallel, fsdp data parallel")
+CONTEXT_NEEDS_FSDP = ("trainer.parallelism.context > 1 (context parallel) needs trainer.backend fsdp (Ulysses sequence parallel): "
+                      "megatron-core's context parallel needs Transformer Engine's attention, which trainer.backend megatron does not use")
+CONTEXT_DIVIDE = ("trainer.parallelism.context must divide nodes * accelerator.count (trainer.backend fsdp: consecutive ranks form a "
+                  "context-parallel group, data parallel over the groups)")
 EXPERT_NEED_MEGATRON = ("trainer.parallelism.expert > 1 (expert parallel, MoE) needs trainer.backend megatron: set trainer.backend megatron, "
                         "or use expert 1 (fsdp trains data parallel only)")
 MEGATRON_EXPERT_DIVIDE = ("trainer.parallelism.expert must divide the data-parallel size, nodes * accelerator.count / (tensor * pipeline) "
                           "(trainer.backend megatron cuts the experts over data-parallel ranks)")
-ALLOCATION_CONTEXT_UNSUPPORTED = "allocation: context parallel (c > 1) is not implemented yet: leave c out (e.g. vllm:d2+fsdp:d4, vllm:d2+megatron:d2t2)"
+ALLOCATION_CONTEXT_NEEDS_FSDP = ("allocation: context parallel (c > 1) needs the fsdp backend (e.g. vllm:d1+fsdp:d2c2): megatron-core's context "
+                                 "parallel needs Transformer Engine's attention, which the megatron backend does not use")
 ALLOCATION_EXPERT_NEED_MEGATRON = "allocation: expert parallel (e > 1) needs the megatron backend (e.g. vllm:d2+megatron:d2e2)"
 ALLOCATION_EXPERT_DIVIDE = "allocation: e (expert parallel) must divide d (data parallel), e.g. vllm:d2+megatron:d4e2"
 MEGATRON_EXPERT_TENSOR = ("trainer.parallelism.expert > 1 needs trainer.parallelism.tensor 1: megatron-core trains MoE layers under tensor "
@@ -112,7 +115,9 @@ class ParallelismSpec(KubeModel):
     data: int | None = Field(None, ge=1, le=4096, description="Data-parallel (FSDP shard) size; unset = what the other dims leave.")
     tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (trainer.backend megatron).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (trainer.backend megatron).")
-    context: int = Field(1, ge=1, le=64, description="Context (sequence) parallel size; above 1 is refused (not implemented yet).")
+    context: int = Field(1, ge=1, le=64, description=(
+        "Context (sequence) parallel size (trainer.backend fsdp, Ulysses): each packed row is split over `context` consecutive ranks, "
+        "attention heads over the same ranks (both head counts must divide by it); must divide nodes * accelerator.count."))
     expert: int = Field(1, ge=1, le=256, description=(
         "Expert parallel size (MoE models, trainer.backend megatron): each expert lives on one of `expert` data-parallel ranks; "
         "must divide the data-parallel size. Not a factor of the world size."))
@@ -157,8 +162,10 @@ class TrainerSpec(SchedulingSpec):
                 raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_TENSOR)
             if (self.world_size // p.pipeline) % p.expert:
                 raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_DIVIDE)
-        if p.context != 1:
-            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_UNSUPPORTED)
+        if p.context != 1 and self.backend == "megatron":
+            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_NEEDS_FSDP)
+        if p.context != 1 and p.data is None and self.world_size % p.context:
+            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_DIVIDE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,13 +78,14 @@ from kuberl.api.pods import (
     SchedulingSpec,
 )
 from kuberl.api.roles import (
-    ALLOCATION_CONTEXT_UNSUPPORTED,
+    ALLOCATION_CONTEXT_NEEDS_FSDP,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
-    CONTEXT_UNSUPPORTED,
+    CONTEXT_DIVIDE,
+    CONTEXT_NEEDS_FSDP,
     EXPERT_NEED_MEGATRON,
     MEGATRON_EXPERT_DIVIDE,
     MEGATRON_EXPERT_TENSOR,
@@ -104,7 +105,7 @@ from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, Sandbo
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
-    "ALLOCATION_CONTEXT_UNSUPPORTED",
+    "ALLOCATION_CONTEXT_NEEDS_FSDP",
     "ALLOCATION_EXPERT_DIVIDE",
     "ALLOCATION_EXPERT_NEED_MEGATRON",
     "ALLOCATION_EXPERT_TENSOR",
@@ -120,7 +121,8 @@ __all__ = [
     "AutoscalingSpec",
     "BusSpec",
     "CATEGORIES",
-    "CONTEXT_UNSUPPORTED",
+    "CONTEXT_DIVIDE",
+    "CONTEXT_NEEDS_FSDP",
     "CheckpointSpec",
     "CheckpointStatus",
     "Condition",
@@ -226,9 +228,15 @@ class RLExperimentSpec(KubeModel):
           f"{_WORLD} % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) != 0 || {_or(_TP + '.tensor', 1)} != 1 || "
           f"({_WORLD} / {_or(_TP + '.pipeline', 1)}) % {_or(_TP + '.expert', 1)} == 0"),
          MEGATRON_EXPERT_DIVIDE, ".trainer.parallelism.expert"),
-        (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1", CONTEXT_UNSUPPORTED, ".trainer.parallelism.context"),
+        # Context parallel: fsdp only (Ulysses); consecutive ranks form a CP group, so context divides the world (the data
+        # rule above speaks where data is set).
+        (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} != 'megatron'",
+         CONTEXT_NEEDS_FSDP, ".trainer.parallelism.context"),
+        (f"has(self.allocation) || has({_TP}.data) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
+         f"{_WORLD} % {_or(_TP + '.context', 1)} == 0", CONTEXT_DIVIDE, ".trainer.parallelism.context"),
         # The shorthand itself: CEL cannot expand it, but can see a context or expert dim above 1.
-        ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)')", ALLOCATION_CONTEXT_UNSUPPORTED, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+fsdp:')",
+         ALLOCATION_CONTEXT_NEEDS_FSDP, ".allocation"),
         # (whether e divides d is the model's check after expansion: CEL cannot read the numbers)
         ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+megatron:')",
          ALLOCATION_EXPERT_NEED_MEGATRON, ".allocation"),

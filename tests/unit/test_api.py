@@ -14,12 +14,13 @@ from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
-    ALLOCATION_CONTEXT_UNSUPPORTED,
+    ALLOCATION_CONTEXT_NEEDS_FSDP,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
-    CONTEXT_UNSUPPORTED,
+    CONTEXT_DIVIDE,
+    CONTEXT_NEEDS_FSDP,
     EXPERT_NEED_MEGATRON,
     MEGATRON_EXPERT_DIVIDE,
     MEGATRON_EXPERT_TENSOR,
@@ -137,9 +138,15 @@ class TestAllocation:
         p = s.trainer.parallelism
         assert (s.trainer.world_size, p.data, p.expert, p.tensor) == (4, 4, 2, 1)
 
-    def test_context_parallel_fsdp_experts_and_e_not_dividing_d_are_refused_naming_the_allocation(self):
-        # c > 1 is not implemented (issue #13), e > 1 only by megatron, and e must divide d.
-        for text, message in (("vllm:d2+fsdp:d2e2", ALLOCATION_EXPERT_NEED_MEGATRON), ("vllm:d2+fsdp:d2c2", ALLOCATION_CONTEXT_UNSUPPORTED),
+    def test_context_parallel_expands_into_the_fsdp_trainer_layout(self):
+        # c is a factor of the world size with fsdp: d2c2 is 4 ranks, 2 data-parallel replicas of 2 context-parallel ranks.
+        s = RLExperimentSpec.model_validate(make_spec(allocation="vllm:d1+fsdp:d2c2"))
+        p = s.trainer.parallelism
+        assert (s.trainer.backend, s.trainer.world_size, p.data, p.context) == ("fsdp", 4, 2, 2)
+
+    def test_megatron_context_fsdp_experts_and_e_not_dividing_d_are_refused_naming_the_allocation(self):
+        # c > 1 only with fsdp (megatron-core's CP needs Transformer Engine), e > 1 only by megatron, and e must divide d.
+        for text, message in (("vllm:d2+fsdp:d2e2", ALLOCATION_EXPERT_NEED_MEGATRON), ("vllm:d2+megatron:d2c2", ALLOCATION_CONTEXT_NEEDS_FSDP),
                               ("vllm:d2+megatron:d3e2", ALLOCATION_EXPERT_DIVIDE), ("vllm:d2t2+megatron:d2t2e2", ALLOCATION_EXPERT_TENSOR)):
             with pytest.raises(pydantic.ValidationError) as info:
                 RLExperimentSpec.model_validate(make_spec(allocation=text))
@@ -288,7 +295,14 @@ AGREEMENT_CASES = [
     ("allocation megatron with lora", {"allocation": "vllm:d2+megatron:d2t2", "algorithm": {"lora": {"rank": 8, "alpha": 16}}}, MEGATRON_FULL_WEIGHTS),
     ("fsdp tensor parallel", {"trainer": {"backend": "fsdp", "parallelism": {"tensor": 2}}}, TPE_NEED_MEGATRON),
     ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, TPE_NEED_MEGATRON),
-    ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, CONTEXT_UNSUPPORTED),
+    ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, None),
+    ("context x data parallel", {"trainer": {"nodes": 2, "accelerator": {"count": 2}, "parallelism": {"data": 2, "context": 2}}}, None),
+    ("context parallel with megatron", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"context": 2}}},
+     CONTEXT_NEEDS_FSDP),
+    ("context not dividing the processes", {"trainer": {"accelerator": {"count": 3}, "parallelism": {"context": 2}}}, CONTEXT_DIVIDE),
+    ("context on one process", {"trainer": {"parallelism": {"context": 2}}}, CONTEXT_DIVIDE),
+    ("context x data not filling the processes", {"trainer": {"accelerator": {"count": 6}, "parallelism": {"data": 2, "context": 2}}},
+     "trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count"),
     ("context 1", {"trainer": {"parallelism": {"context": 1}}}, None),
     ("allocation with megatron", {"allocation": "vllm:d2+megatron:d2t2"}, None),
     ("allocation with expert parallel", {"allocation": "vllm:d2t2+megatron:d2p2e2"}, None),
@@ -297,8 +311,10 @@ AGREEMENT_CASES = [
     ("allocation fsdp with expert parallel", {"allocation": "vllm:d2+fsdp:d2e2"}, ALLOCATION_EXPERT_NEED_MEGATRON),
     ("allocation fsdp with e10", {"allocation": "vllm:d1+fsdp:d10e10"}, ALLOCATION_EXPERT_NEED_MEGATRON),
     ("allocation with e1", {"allocation": "vllm:d2+megatron:d2t2e1"}, None),
-    ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, ALLOCATION_CONTEXT_UNSUPPORTED),
-    ("allocation with context 12", {"allocation": "vllm:d1+fsdp:d1c12"}, ALLOCATION_CONTEXT_UNSUPPORTED),
+    ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, None),
+    ("allocation with context 8", {"allocation": "vllm:d1+fsdp:d1c8"}, None),
+    ("allocation megatron with context parallel", {"allocation": "vllm:d2+megatron:d2c2"}, ALLOCATION_CONTEXT_NEEDS_FSDP),
+    ("allocation megatron with context 12 and tensor 2", {"allocation": "vllm:d1+megatron:d1t2c12"}, ALLOCATION_CONTEXT_NEEDS_FSDP),
     ("allocation with c1 and d16", {"allocation": "vllm:d1+fsdp:d16c1"}, None),
     ("allocation with c01", {"allocation": "vllm:d1+fsdp:d2c01"}, None),
     ("both buses", {"bus": {"embedded": {}, "external": {"url": "nats://n:4222"}}}, "set bus.embedded or bus.external, not both"),

@@ -88,12 +88,12 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
                            "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = log.read_text()
-    # Admission refuses context parallel (issue #13); a trainer handed such a file refuses it the same way on load.
-    from kuberl.api.v1alpha1 import CONTEXT_UNSUPPORTED
+    # Admission refuses context parallel (megatron-core needs Transformer Engine for it); a trainer handed such a file refuses it the same way on load.
+    from kuberl.api.v1alpha1 import CONTEXT_NEEDS_FSDP
 
-    assert CONTEXT_UNSUPPORTED in message
+    assert CONTEXT_NEEDS_FSDP in message
     assert message.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "configuration error: " in proc.stderr and CONTEXT_UNSUPPORTED in proc.stderr
+    assert "configuration error: " in proc.stderr and CONTEXT_NEEDS_FSDP in proc.stderr
 
 
 def test_the_trainer_still_refuses_a_backend_it_cannot_run_that_slipped_past_validation(tmp_path):

@@ -258,6 +258,7 @@ def response_logprobs(
     entropy: bool = False,
     share_prompts: bool = True,
     packed: bool = False,
+    cp: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(output token t | prefix) for each row, [rows, width] (0 beyond each response).
 
@@ -268,12 +269,18 @@ def response_logprobs(
     hooks expect one forward per backward). With `entropy`, also the entropy of softmax(logits / T) at
     each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
     term): H = logsumexp(z) - sum softmax(z) * z. `packed`: the rows back to back, no padding
-    (kuberl.runtime.trainer.packing), the same numbers.
+    (kuberl.runtime.trainer.packing), the same numbers. `cp` (a context_parallel.ContextParallel): the packed rows
+    split over the CP group, every CP rank gets the whole [rows, width] (each entry computed by one of them).
     """
     if width < 1 or max((len(o) for o in outputs), default=0) == 0:  # no output token in any row: nothing to score
         zeros = torch.zeros((len(outputs), max(width, 0)), device=device)
         return (zeros, zeros.clone()) if entropy else zeros
-    if packed:
+    if cp is not None:
+        from kuberl.runtime.trainer.context_parallel import cp_packed_logits
+
+        logits, row, col, targets = cp_packed_logits(model, prompts, outputs, width, device, pad_id, cp)
+        packed, valid = True, None
+    elif packed:
         logits, row, col, targets = packed_logits(model, prompts, outputs, width, device, pad_id)
         valid = None
     else:
@@ -301,6 +308,11 @@ def response_logprobs(
         out = torch.zeros(len(outputs) * width, device=device, dtype=token_logp.dtype).index_put((at,), token_logp).view(len(outputs), width)
         if ent is not None:
             ent = torch.zeros(len(outputs) * width, device=device, dtype=ent.dtype).index_put((at,), ent).view(len(outputs), width)
+        if cp is not None:
+            from kuberl.runtime.trainer.context_parallel import gather_tokens
+
+            out = gather_tokens(out, at, cp)
+            ent = None if ent is None else gather_tokens(ent, at, cp)
     else:
         out = torch.where(valid, token_logp, torch.zeros((), device=token_logp.device))
         if ent is not None:

@@ -50,15 +50,30 @@ class ComputeMixin:
             self._dropout = _has_dropout(self.model)
         return not self._dropout
 
+    @property
+    def cp(self):
+        """The context-parallel layout (context_parallel.ContextParallel), or None at trainer.parallelism.context 1."""
+        return getattr(self, "context_parallel", None)
+
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int], packed: bool) -> list[list[int] | None]:
+        """This rank's micro-batches: rows are dealt to the data-parallel replicas; the ranks of a CP group share theirs."""
+        cp = self.cp
+        dp_rank, dp_size = (cp.dp_rank, cp.dp_size) if cp else (self.info.rank, self.info.world_size)
+        return shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, dp_rank, dp_size, packed=packed)
+
+    def _packed(self, batch: RolloutBatch, model: torch.nn.Module) -> bool:
+        """trainer.packing for this batch; context parallel always packs (its one path)."""
+        return self.cp is not None or use_packing(self.spec.trainer.packing, batch.prompts, batch.outputs, model)
+
     def _logprobs_all_rows(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], width: int) -> torch.Tensor:
         out = torch.zeros(batch.num_samples, width)
-        packed = use_packing(self.spec.trainer.packing, batch.prompts, batch.outputs, model)
-        mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size, packed=packed)
-        for mb in mbs:
+        packed = self._packed(batch, model)
+        lead = self.cp is None or self.cp.lead  # each row filled by one rank of the world: CP rank 0 of its replica
+        for mb in self._micro_batches(batch, rows, packed):
             idx = mb if mb is not None else rows[:1]  # filler: same collectives, result discarded
             lp = response_logprobs(model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
-                                   temperature=self.cfg_temperature, device=self.info.device, packed=packed).cpu()
-            if mb is not None:
+                                   temperature=self.cfg_temperature, device=self.info.device, packed=packed, cp=self.cp).cpu()
+            if mb is not None and lead:
                 out[mb] = lp
         if self.info.world_size > 1:
             t = out.to(self.info.device)
@@ -88,24 +103,27 @@ class ComputeMixin:
         sums: dict[str, float] = {}
         token_total = 0.0
         grad_norms, losses = [], []
-        packed = use_packing(self.spec.trainer.packing, batch.prompts, batch.outputs, self.model)
+        packed = self._packed(batch, self.model)
+        # Under context parallel every CP rank computes its replica's whole loss (context_parallel.gather_tokens): its
+        # statistics and pi_prox rows count once, from CP rank 0.
+        lead = self.cp is None or self.cp.lead
         for rows in minibatch_rows(batch.num_groups, batch.group_sizes, self.spec.algorithm.ppo_minibatches):
             denom = loss_denominator(batch.loss_mask[rows], self.cfg)
-            mbs = shard_micro_batches(batch.seq_lens, rows, self.spec.trainer.micro_batch_tokens, self.info.rank, self.info.world_size,
-                                      packed=packed)
             mb_loss = 0.0
-            for mb in mbs:
+            for mb in self._micro_batches(batch, rows, packed):
                 idx = mb if mb is not None else rows[:1]
                 logp, ent = response_logprobs(self.model, [batch.prompts[i] for i in idx], [batch.outputs[i] for i in idx], width,
-                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True, packed=packed)
+                                              temperature=self.cfg_temperature, device=self.info.device, entropy=True, packed=packed,
+                                              cp=self.cp)
                 prox, behave, adv, mask, ref = (None if t is None else t[idx].to(self.info.device) for t in
                                                 (batch.prox_logp, batch.behave_logp, batch.advantages, batch.loss_mask, batch.ref_logp))
                 if fused_prox is not None:  # pre-update weights (one minibatch): pi_prox is this forward, detached
                     prox = logp.detach()
-                    if mb is not None:
+                    if mb is not None and lead:
                         fused_prox[mb] = prox.cpu()
                 loss, st = ppo_actor_loss(logp, prox, behave, adv, mask, self.cfg, ref_logp=ref, denominator=denom)
-                # FSDP averages gradients over ranks; the loss is a sum over the whole minibatch, so undo it.
+                # FSDP averages gradients over ranks; the loss is a sum over the whole minibatch, so undo it. (Under context
+                # parallel each CP rank's gradient is that of its own tokens' part of the loss: summed, the replica's.)
                 scale = float(self.info.world_size) if mb is not None else 0.0
                 (loss * scale).backward()
                 if mb is not None:
@@ -126,6 +144,8 @@ class ComputeMixin:
             losses.append(mb_loss)
         if fused_prox is not None:  # every row's pi_prox on every rank, as the separate forward gives it
             batch.prox_logp = D.all_reduce_rows(fused_prox, self.info)
+        if not lead:  # the same numbers as CP rank 0's: counted there only (the same keys on every rank for the all-reduce)
+            token_total, losses, sums = 0.0, [0.0] * len(losses), dict.fromkeys(sums, 0.0)
         totals = D.all_reduce_sum([token_total, sum(losses)] + [sums[k] for k in sorted(sums)], self.info)
         tokens = max(totals[0], 1.0)
         out = {k: v / tokens for k, v in zip(sorted(sums), totals[2:])}

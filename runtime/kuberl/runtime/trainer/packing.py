@@ -14,6 +14,7 @@ the padding and keeps the attention cost of the padded layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -88,18 +89,28 @@ def use_packing(mode: str, prompts: Sequence[Sequence[int]], outputs: Sequence[S
     return packed > 0 and padded_slots(prompts, outputs, share_prompts=not is_fsdp(model)) >= AUTO_MIN_GAIN * packed
 
 
-def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits at every scored position, flat [K, V], each one's (row, column) in the [rows, width] layout and its target token [K].
+@dataclass(frozen=True)
+class PackedLayout:
+    """Packed rows and where the scored tokens sit: ids/pos [R, S]; per scored token (K of them) its flat index r * S + column
+    in the rows, its (row, column) in the [rows, width] layout and its target token."""
 
-    Sequence i is fed as prompt_i + output_i[:n_i - 1] (n_i = scored tokens, its last token predicts nothing
+    ids: torch.Tensor
+    pos: torch.Tensor
+    flat: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    targets: torch.Tensor
+
+
+def packed_layout(prompts, outputs, width, pad_id, *, varlen: bool) -> PackedLayout:
+    """Sequence i is fed as prompt_i + output_i[:n_i - 1] (n_i = scored tokens, its last token predicts nothing
     scored) at positions 0..; rows are right-filled with pad tokens that form a sequence of their own, which
-    nothing real attends to. The LM head runs only at the scored positions.
-    """
+    nothing real attends to. `varlen`: one row of everything (flash-attn), else rows as long as the longest sequence."""
     n = [min(len(o), width) for o in outputs]
     live = [i for i in range(len(outputs)) if n[i] > 0]
     fed = {i: list(prompts[i]) + list(outputs[i])[: n[i] - 1] for i in live}
     lens = [len(fed[i]) for i in live]
-    bins = pack_rows(lens, None if varlen_attention(model) else max(lens))
+    bins = pack_rows(lens, None if varlen else max(lens))
     S = max(sum(lens[j] for j in b) for b in bins)
     ids = torch.full((len(bins), S), pad_id, dtype=torch.long)
     pos = torch.zeros((len(bins), S), dtype=torch.long)
@@ -118,11 +129,22 @@ def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch
             targets.append(torch.tensor(list(outputs[i])[: n[i]], dtype=torch.long))
             at += L
         pos[r, at:] = torch.arange(S - at)
-    flat = torch.cat(where)
-    if len(bins) == 1:  # the LM head only at the scored positions
-        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=flat.to(device)).logits[0]
-    else:  # one index set serves every row: keep the columns any row scores, then pick each row's own
-        keep = torch.unique(flat % S)
-        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=keep.to(device)).logits
-        logits = logits.reshape(-1, logits.shape[-1])[((flat // S) * keep.numel() + torch.searchsorted(keep, flat % S)).to(device)]
-    return logits, torch.cat(rows), torch.cat(cols), torch.cat(targets).to(device)
+    return PackedLayout(ids, pos, torch.cat(where), torch.cat(rows), torch.cat(cols), torch.cat(targets))
+
+
+def scored_logits(model, ids: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor, device) -> torch.Tensor:
+    """One forward of the rows ids/pos [R, S]; logits [K, V] at the flat indices r * S + column (the LM head only there)."""
+    S = ids.shape[1]
+    if ids.shape[0] == 1:  # the LM head only at the scored positions
+        return model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=flat.to(device)).logits[0]
+    # one index set serves every row: keep the columns any row scores, then pick each row's own
+    keep = torch.unique(flat % S)
+    logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, logits_to_keep=keep.to(device)).logits
+    return logits.reshape(-1, logits.shape[-1])[((flat // S) * keep.numel() + torch.searchsorted(keep, flat % S)).to(device)]
+
+
+def packed_logits(model, prompts, outputs, width, device, pad_id) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at every scored position, flat [K, V], each one's (row, column) in the [rows, width] layout and its target token [K]
+    (packed_layout's rows; the LM head runs only at the scored positions)."""
+    lay = packed_layout(prompts, outputs, width, pad_id, varlen=varlen_attention(model))
+    return scored_logits(model, lay.ids, lay.pos, lay.flat, device), lay.rows, lay.cols, lay.targets.to(device)

@@ -13,6 +13,8 @@ import torch
 from kuberl.runtime.errors import spec_errors
 from kuberl.runtime.evaluation import EvalSchedule
 from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.context_parallel import enable as enable_context_parallel
+from kuberl.runtime.trainer.context_parallel import setup_context_parallel
 from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
 from kuberl.runtime.trainer.tickets import TicketBook
 
@@ -49,6 +51,13 @@ class SetUpMixin:
         from kuberl.runtime.models import resolve_model
 
         self.info = getattr(self, "info", None) or D.init_distributed()
+        # trainer.parallelism.context: Ulysses sequence parallel over consecutive ranks (context_parallel.py); megatron refuses it.
+        self.context_parallel = None if self.megatron else setup_context_parallel(self.info.rank, self.info.world_size,
+                                                                                   self.spec.trainer.parallelism.context)
+        if self.context_parallel is not None and self.info.is_main:
+            cp = self.context_parallel
+            log.info("context parallel %d (Ulysses): %d data-parallel replica(s) of %d ranks, each feeding 1/%d of every packed row",
+                     cp.size, cp.dp_size, cp.size, cp.size)
         if self.info.is_main:
             for note in self.cfg.notes:
                 log.info("algorithm: %s", note)
@@ -63,6 +72,8 @@ class SetUpMixin:
 
         def load(adapters: bool = False) -> torch.nn.Module:
             m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.info.device)
+            if self.context_parallel is not None:
+                enable_context_parallel(m, self.context_parallel)  # the heads must divide: ConfigError (exit 2) naming the field
             if not adapters:
                 return D.shard_model(m, self.info, param_dtype)
             with spec_errors():  # a targetModules name the model does not have

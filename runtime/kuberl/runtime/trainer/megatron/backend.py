@@ -50,7 +50,8 @@ def check_megatron_spec(spec: Any) -> None:
         raise ConfigError("trainer.gradientCheckpointing is not implemented for trainer.backend megatron: set it to false")
     p = spec.trainer.parallelism
     if p.context != 1:
-        raise ConfigError("trainer.parallelism.context must be 1 with trainer.backend megatron (tensor, pipeline, expert and data only)")
+        raise ConfigError("trainer.parallelism.context must be 1 with trainer.backend megatron (tensor, pipeline, expert and data only): "
+                          "megatron-core's context parallel needs Transformer Engine's attention; trainer.backend fsdp trains context parallel")
 
 
 class MegatronMixin:

@@ -1,0 +1,98 @@
+"""trainer.parallelism.context (Ulysses context parallel, trainer.backend fsdp) end to end: `kuberl trainer` on 2 torchrun
+CPU ranks (gloo) against a real nats-server, each rank feeding half of every packed row.
+
+test_megatron_run.py's scripted agent answers the tickets, so the run at context 2 and the FSDP reference on one rank
+train on the same batches with plain SGD: the published weights/v1..v3 and every step's loss, gradient norm, entropy and
+token count must match (a statistic counted on both CP ranks, a wrong loss scale or a gradient missing a rank's tokens
+shows). The model is the tiny Qwen2 with 2 kv heads for 4 (GQA: each CP rank gets 2 query heads and 1 kv head). And
+`kuberl run` of the quickstart at context 2 (real launcher, vLLM CPU engine, rollout agent) finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_megatron_run as mg
+import yaml
+from test_megatron_run import STEPS, ScriptedAgent, assert_same_training, max_diff, metrics, reference, train
+
+from kuberl.runtime.trainer.weights import load_weights
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory) -> Path:
+    """The builtin tiny Qwen2 with 2 kv heads for its 4 attention heads, built locally."""
+    from kuberl.runtime.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-gqa", num_key_value_heads=2)
+
+
+@pytest.fixture
+def context_manifests(monkeypatch):
+    """test_megatron_run's manifests (what its train() writes), plus trainer.parallelism.context and other trainer fields."""
+    write = mg.write_manifest
+
+    def write_with_context(path: Path, name: str, model: Path, *, context: int = 1, trainer: dict | None = None, **kw) -> Path:
+        write(path, name, model, **kw)
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["trainer"].update(trainer or {}, **({"parallelism": {"context": context}} if context > 1 else {}))
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    monkeypatch.setattr(mg, "write_manifest", write_with_context)
+
+
+LAYOUTS = {  # name -> (ppoMinibatches, klCoef, extra trainer fields)
+    "cp2": (1, 0.0, {}),  # pi_prox from the update's own forward
+    "cp2-kl-recompute": (2, 0.05, {"gradientCheckpointing": True}),  # pi_prox and pi_ref forwards, two optimizer steps, recomputation
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+async def test_context_parallel_trains_the_same_weights_as_one_rank(tmp_path, tmp_path_factory, nats_server, gqa_model_dir, layout,
+                                                                    context_manifests):
+    minibatches, kl, extra = LAYOUTS[layout]
+    agent = ScriptedAgent(gqa_model_dir)
+    ref = await reference(tmp_path_factory, nats_server.url, gqa_model_dir, agent, minibatches, kl)
+    t0 = time.monotonic()
+    got = await train(tmp_path, f"cp-{layout}", nats_server.url, gqa_model_dir, agent, backend="fsdp", world=2, context=2,
+                      minibatches=minibatches, kl=kl, trainer=extra)
+    print(f"context parallel {layout}: {time.monotonic() - t0:.1f}s")
+    trainer = yaml.safe_load((tmp_path / f"cp-{layout}.yaml").read_text())["spec"]["trainer"]
+    assert trainer["parallelism"] == {"context": 2} and all(trainer[k] == v for k, v in extra.items()), trainer
+    assert_same_training(got, ref, gqa_model_dir)
+    log = (tmp_path / f"cp-{layout}.log").read_text()
+    assert "context parallel 2" in log, log[-3000:]  # the trainer said it runs the layout (not plain data parallel)
+    # what vLLM loads: the model's own config, not the trainer's attention function
+    assert "kuberl_ulysses" not in (got / "weights" / f"v{STEPS}" / "config.json").read_text()
+
+
+def test_kuberl_run_trains_at_context_2_on_the_vllm_engine(tmp_path):
+    """`kuberl run` of the quickstart with the allocation shorthand vllm:d1+fsdp:d1c2 (2 trainer processes, one CP group)."""
+    root = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"]["name"] = "cp-run"
+    doc["spec"]["algorithm"].update(batchSize=4, samplesPerPrompt=4)
+    # the engine, its replica count and accelerators, the trainer's backend, process count and layout: all from the shorthand
+    doc["spec"].update(allocation="vllm:d1+fsdp:d1c2", rollout={"accelerator": {"type": "cpu"}, "concurrency": 16},
+                       trainer={"accelerator": {"type": "cpu"}}, training={"totalSteps": 3}, checkpoint={"everySteps": 2, "keep": 2})
+    (tmp_path / "cp-run.yaml").write_text(yaml.safe_dump(doc))
+    workdir = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(tmp_path / "cp-run.yaml"), "--workdir", str(workdir)], cwd=root,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(workdir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 < r["entropy"] < 10 and r["tokens"] > 0 for r in rows), rows
+    trainer_log = "\n".join(p.read_text(errors="replace") for p in (workdir / "logs").glob("trainer*"))
+    assert "context parallel 2" in trainer_log, trainer_log[-3000:]
+    last = workdir / "weights" / "v3"
+    assert max_diff(load_weights(last), load_weights(workdir / "models" / "tiny-qwen2")) > 0
+    assert json.loads((last / "config.json").read_text())["num_attention_heads"] == 4
