@@ -311,8 +311,8 @@ def response_logprobs(
         if cp is not None:
             from kuberl.runtime.trainer.context_parallel import gather_tokens
 
-            out = gather_tokens(out, at, cp)
-            ent = None if ent is None else gather_tokens(ent, at, cp)
+            out = gather_tokens(out, cp)
+            ent = None if ent is None else gather_tokens(ent, cp)
     else:
         out = torch.where(valid, token_logp, torch.zeros((), device=token_logp.device))
         if ent is not None:

@@ -173,27 +173,22 @@ def cp_packed_logits(model, prompts, outputs, width, device, pad_id, cp: Context
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Sum over the CP group of [rows, width] tensors that are zero except where this rank computed them; the
-    backward keeps the gradient at this rank's entries (every CP rank computes the same loss of the sum)."""
+    """Sum over the CP group of [rows, width] tensors that are zero except where this rank computed them. The backward
+    is the identity, not an all-reduce (as torch.distributed.nn's all_reduce would do): every CP rank computes the same
+    loss of the sum, so each already holds the whole gradient; and since this rank's tensor was scattered into zeros
+    (index_put), only its own entries' gradient reaches its graph."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, owned: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.save_for_backward(owned)
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (owned,) = ctx.saved_tensors
-        return grad * owned, None, None
+        return grad, None
 
 
-def gather_tokens(x: torch.Tensor, at: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """Every CP rank's entries of x [rows, width] (this rank's at the flat indices `at`) on every CP rank."""
-    if not x.requires_grad:
-        out = x.clone()
-        dist.all_reduce(out, group=cp.group)
-        return out
-    owned = torch.zeros(x.numel(), dtype=x.dtype, device=x.device).index_fill(0, at, 1.0).view_as(x)
-    return _GatherTokens.apply(x, owned, cp.group)
+def gather_tokens(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Every CP rank's entries of x [rows, width] (zero where another CP rank computes them) on every CP rank."""
+    return _GatherTokens.apply(x, cp.group)
