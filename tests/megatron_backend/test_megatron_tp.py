@@ -1,8 +1,9 @@
 """The Megatron backend's model core against Hugging Face transformers, on 2 CPU processes over gloo.
 
 One torch.distributed.run launch (megatron_worker.py, started by agreement.run_agreement) runs every tiny model of
-megatron_models.TINY at TP=2, at PP=2 and at DP=2 (each rank trains one of the two micro-batches); this
-module computes the same things with the single-process HF model and compares:
+megatron_models.TINY (all GQA: 4 query heads, 2 KV heads) at TP=2, at PP=2, at DP=2 (each rank trains one of the two
+micro-batches) and at CP=2 (context parallel: each rank holds half of every sequence, megatron's chunks 0+3 and 1+2
+of 4; micro-batches of 10 and 13 positions padded to 12 and 16); this module computes the same things with the single-process HF model and compares:
   * the weights loaded into megatron and gathered back to HF names are the HF weights, bit for bit;
   * log-probs and entropies (temperature 0.7, two micro-batches, shared prompts, an empty and a truncated
     response) equal kuberl's `response_logprobs` on the HF model within 1e-4;
@@ -19,7 +20,7 @@ from megatron_models import TINY
 
 pytestmark = pytest.mark.megatron
 
-LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp) on 2 ranks; (1, 1) is data parallel 2
+LAYOUTS = [(2, 1), (1, 2), (1, 1), (1, 1, 1, 2)]  # (tp, pp[, ep, cp]) on 2 ranks; (1, 1) is data parallel 2, (1, 1, 1, 2) context parallel 2
 PLANS = [[0, 1, 2], [3, 4, 5]]
 
 
@@ -31,7 +32,11 @@ def runs(tmp_path_factory):
     return run_agreement(tmp_path_factory.mktemp("megatron"), list(TINY), LAYOUTS, PLANS)
 
 
-CASES = [(name, f"tp{tp}-pp{pp}-dp{2 // (tp * pp)}") for name in TINY for tp, pp in LAYOUTS]
+def layout_key(tp: int, pp: int, ep: int = 1, cp: int = 1) -> str:
+    return f"tp{tp}-pp{pp}-dp{2 // (tp * pp * cp)}" + (f"-cp{cp}" if cp > 1 else "")
+
+
+CASES = [(name, layout_key(*lay)) for name in TINY for lay in LAYOUTS]
 IDS = [f"{n}-{lay}" for n, lay in CASES]
 
 

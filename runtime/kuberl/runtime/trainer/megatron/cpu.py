@@ -21,6 +21,9 @@ docs/design/megatron-cpu.md; RE-CHECK THIS LIST ON EVERY megatron-core UPGRADE):
   itself rather than an index. Met in the MoE token dispatcher: `tensor_parallel/mappings.py:141`
   (`_gather_along_first_dim`, the backward of the reduce-scatter that combines the experts' outputs,
   `mappings.py:373`) allocates `torch.empty(..., device=torch.cuda.current_device())`;
+* context parallel: RoPE's per-CP-rank slice builds its index with `torch.tensor(..., pin_memory=True).cuda()`
+  (`models/common/embeddings/rope_utils.py:62-64`); a CPU-only torch has no pinned-memory allocator
+  ("pin_memory=True requires a CUDA or other accelerator backend"): the mode turns pin_memory off;
 * the router's gating linear (`transformer/moe/moe_utils.py:1192`, `:1225`) tests `te_general_gemm is not None`,
   a name that exists only when the Transformer Engine import (`moe_utils.py:25-34`) succeeded: without TE it is
   a NameError on any device. `no_te_shims()` defines it as None (megatron's torch.mm fallback).
@@ -57,7 +60,8 @@ class CudaToCpu(torch.overrides.TorchFunctionMode):
     """Rewrites megatron's hard-coded CUDA placements to the CPU while active.
 
     `device="cuda"`, `device="cuda:N"`, `device=torch.device("cuda")` and an integer device (what
-    `torch.cuda.current_device()` returns) become "cpu"; `tensor.cuda()` returns the tensor itself.
+    `torch.cuda.current_device()` returns) become "cpu"; `tensor.cuda()` returns the tensor itself;
+    `pin_memory=True` becomes False.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -67,6 +71,8 @@ class CudaToCpu(torch.overrides.TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and (isinstance(dev, int) or str(dev).startswith("cuda")):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned-memory allocator without an accelerator
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

@@ -3,7 +3,9 @@ finalize_model_grads and its chained optimizer do, for a model trained without t
 
 Who sums what (every rank's loss is its share of the minibatch sum, so every reduction is a sum):
 
-* dense (non-expert) parameters, the MoE router included: over the data-parallel group;
+* dense (non-expert) parameters, the MoE router included: over the data-parallel x context-parallel group
+  (megatron's `get_data_parallel_group(with_context_parallel=True)`): CP ranks hold the same parameters and
+  each back-propagates through its own positions only (context.py);
 * expert parameters (`...mlp.experts.local_experts.J...`): over the expert-data-parallel group, the ranks that
   hold the same experts. An expert already received the tokens of every rank of its tensor x expert group
   (the token dispatcher's all-gather; the backward of the combine's reduce-scatter brings their gradients
@@ -12,7 +14,8 @@ Who sums what (every rank's loss is its share of the minibatch sum, so every red
 * Qwen3's q/k-norm weights: over the TP group (replicated weights that see different heads);
 * a tied embedding's two copies under pipeline parallelism: over the embedding group.
 
-The norm is megatron's: dense parameters over the model-parallel group (tensor x pipeline) with its
+The norm is megatron's: dense parameters over the model-parallel group (tensor x pipeline; CP ranks hold the
+same summed gradients, so not over context parallel) with its
 duplicate filters, expert parameters over the expert tensor x model x pipeline group (each EP rank holds
 different experts), total = sqrt(dense^2 + experts^2), as megatron's ChainedOptimizer combines its dense
 and expert optimizers' norms.
@@ -55,10 +58,10 @@ def reduce_grads(mm: Any) -> None:
     for p in experts:  # an expert no token reached: a zero gradient (as HF's fused expert tensors get), and the collectives line up
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if ps.get_data_parallel_world_size() > 1:
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         for p in dense:
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
     if experts and ps.get_expert_data_parallel_world_size() > 1:
         for p in experts:
             if p.grad is not None:

@@ -2,13 +2,14 @@
 
 Call order on every rank (after `torch.distributed.init_process_group`):
 
-    init_parallel(tp_size, pp_size, ep_size, device=device)           # megatron's process groups + RNG seeds
+    init_parallel(tp_size, pp_size, ep_size, cp_size=cp, device=device)  # megatron's process groups + RNG seeds
     mm = build_model(model_dir, device=device)                        # this rank's GPTModel, HF weights loaded
     lp = response_logprobs(mm, prompts, outputs, width, temperature=T)          # [rows, width], CPU, every stage
     stats = train_step(mm, optimizer, micro_batches, cfg, denominator=D, temperature=T, grad_clip=c)
     hf = gather_hf_state(mm)                                          # HF names and shapes, on every rank
 
-Every rank of a tensor/pipeline group makes the same calls with the same data (megatron's collectives).
+Every rank of a tensor/pipeline/context group makes the same calls with the same data (megatron's collectives;
+context parallel ranks each run their share of every sequence, context.py).
 Under expert parallelism (a MoE model, convert_moe.py) the ranks of a tensor x expert group are different
 data-parallel replicas: they make the same calls, each with its own rows (rows.micro_rows pads them).
 Logits stay vocab-parallel (rows.py); gradient sums and the grad norm are grads.py's. On the CPU
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from kuberl.runtime.trainer.megatron import convert, convert_moe
+from kuberl.runtime.trainer.megatron.context import attention_class, cp_size, split_rows
 from kuberl.runtime.trainer.megatron.cpu import cpu_compat, no_te_shims, seed_cpu
 from kuberl.runtime.trainer.megatron.grads import grad_norm_and_clip, reduce_grads
 from kuberl.runtime.trainer.megatron.rows import Rows, micro_rows, row_logprobs, vocab_parallel_logprobs
@@ -53,11 +55,12 @@ class MegatronModel:
         return cpu_compat(self.on_cpu)
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, *, device: torch.device | str = "cpu", seed: int = 1234) -> None:
-    """megatron's tensor/pipeline/data(/expert)-parallel groups over the default process group, then its RNG seeds.
+def init_parallel(tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, *, cp_size: int = 1, device: torch.device | str = "cpu",
+                  seed: int = 1234) -> None:
+    """megatron's tensor/pipeline/context/data(/expert)-parallel groups over the default process group, then its RNG seeds.
 
-    The data-parallel size is world_size / (tp_size * pp_size); ep_size must divide it (megatron's expert
-    groups: expert tensor parallel = tp_size, expert data parallel = dp / ep_size). On CUDA, call
+    The data-parallel size is world_size / (tp_size * pp_size * cp_size); ep_size must divide it (megatron's expert
+    groups: expert tensor parallel = tp_size, expert data parallel = dp / ep_size). Context parallel: context.py. On CUDA, call
     torch.cuda.set_device(local_rank) first. Re-entrant: a second call tears the previous groups down (tests
     switch layouts in one process).
     """
@@ -66,7 +69,8 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, *, devic
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, expert_model_parallel_size=ep_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, expert_model_parallel_size=ep_size,
+                                 context_parallel_size=cp_size)
     if torch.device(device).type == "cpu":
         seed_cpu(seed)
     else:
@@ -122,8 +126,8 @@ def build_model(model_dir: str, *, device: torch.device | str = "cpu", dtype: to
 
     Uses the local (pure megatron-core) layer spec, or the Transformer Engine one on CUDA when TE is
     installed; a MoE model gets megatron's decoder block spec (its dense and MoE layers from
-    `moe_layer_freq`; SequentialMLP experts, no grouped GEMM). `config_overrides` go to TransformerConfig.
-    Needs `init_parallel` first.
+    `moe_layer_freq`; SequentialMLP experts, no grouped GEMM). Under context parallelism the attention's core is
+    context.py's (all-gathered K/V), on any device. `config_overrides` go to TransformerConfig. Needs `init_parallel` first.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -134,20 +138,24 @@ def build_model(model_dir: str, *, device: torch.device | str = "cpu", dtype: to
     device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    ep = ps.get_expert_model_parallel_world_size()
+    ep, cp = ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()
     te = _te_available(device)
     if not te:
         no_te_shims()
     tc_kwargs, gpt_kwargs, spec_kwargs = convert.megatron_config(
         hf_config, tp_size=tp, pp_size=pp, ep_size=ep, dtype=dtype, use_cpu_initialization=device.type == "cpu",
         perform_initialization=not load, **config_overrides)
-    config = TransformerConfig(**tc_kwargs)
+    config = TransformerConfig(**tc_kwargs, context_parallel_size=cp)
     if config.num_moe_experts:
         spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=spec_kwargs["normalization"])
     elif te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
     else:
         spec = specs.get_gpt_layer_local_spec(**spec_kwargs)
+    if cp > 1:
+        if config.num_moe_experts:
+            raise ValueError("context parallel with a MoE model is not implemented in the megatron backend")
+        spec.submodules.self_attention.submodules.core_attention = attention_class()
     with cpu_compat(device.type == "cpu"):
         module = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                           post_process=ps.is_pipeline_last_stage(), **gpt_kwargs)
@@ -242,10 +250,10 @@ def _schedule(mm: MegatronModel, batches: list[Rows], loss_func_for, forward_onl
 
     def forward_step(data_iterator, model):
         b, k = next(data_iterator), next(index)
-        out = model(b.input_ids, b.position_ids, b.attention_mask)
+        out = model(*split_rows(b.input_ids, b.position_ids, b.attention_mask))  # this CP rank's positions (all of them without CP)
         return out, loss_func_for(k, b)
 
-    seq, rows = batches[0].input_ids.shape[1], batches[0].input_ids.shape[0]
+    seq, rows = batches[0].input_ids.shape[1], batches[0].input_ids.shape[0]  # the schedule divides seq by the CP size
     return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=it, model=[mm.module], num_microbatches=len(batches),
                                        seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
 
@@ -360,6 +368,7 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
         at += len(mb.prompts)
     batches = micro_rows(prompts, outputs, width, pad_id, plans, mm.device)
     n = len(batches)  # the schedule divides every loss by this (fillers included)
+    cp = cp_size()  # and multiplies it by this (schedules.py:268): every CP rank's loss is the whole rows' (context.cp_sum)
     fused: dict[int, torch.Tensor] = {}  # micro-batch -> its log pi_prox (last stage, prox_from_update)
 
     def loss_func_for(k, b):
@@ -377,7 +386,7 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
                 fused[k] = prox.cpu()
             loss, st = ppo_actor_loss(lp, prox, behave, adv, mask, cfg, ref_logp=ref, denominator=denominator)
             st = dict(st, entropy_x_tokens=float((ent * mask).sum()))
-            return loss * n, st  # the schedule divides by num_microbatches
+            return loss * (n / cp), st  # the schedule divides by num_microbatches and multiplies by the CP size
         return loss_func
 
     mm.module.train()

@@ -9,7 +9,8 @@ dispatcher (megatron's MoEAllGatherTokenDispatcher, token_dispatcher.py:256) all
 every rank of the tensor x expert group in every MoE layer: those ranks (different data-parallel replicas,
 with their own rows) must run the same number of forwards with the same [rows, seq]. `micro_rows` pads
 the micro-batches to the group's largest and adds filler micro-batches (no real rows) to a rank that has
-fewer; the caller drops what fillers compute.
+fewer; the caller drops what fillers compute. Under context parallelism the sequence length is a multiple of
+2 x cp (context.py: megatron's chunks); every CP rank of a replica gets the same rows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kuberl.runtime.trainer.megatron.context import cp_sum, local_columns
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, temperature: float = 1.0,
@@ -77,11 +80,13 @@ class Rows:
 
 
 def make_rows(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], width: int, pad_id: int, device: torch.device,
-              num_rows: int = 0, seq_len: int = 0) -> Rows:
+              num_rows: int = 0, seq_len: int = 0, seq_multiple: int = 1) -> Rows:
     """Inputs for the rows; padded to num_rows rows and seq_len positions when those are larger (pipeline
-    parallelism sends fixed shapes between stages). Right padding needs no padding mask under a causal one."""
+    parallelism sends fixed shapes between stages), and to a multiple of seq_multiple positions (2 x the
+    context-parallel size: megatron's 2 cp chunks). Right padding needs no padding mask under a causal one."""
     seqs = [list(p) + list(o)[:width] for p, o in zip(prompts, outputs)]
     S = max(seq_len, max((len(s) for s in seqs), default=0) - 1, 1)
+    S = -(-S // seq_multiple) * seq_multiple
     R = max(num_rows, len(seqs), 1)  # a filler micro-batch (no rows) is one row of padding
     ids = torch.full((R, S), pad_id, dtype=torch.long)
     targets = torch.full((R, width), pad_id, dtype=torch.long)
@@ -104,12 +109,17 @@ def make_rows(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
 
 
 def row_logprobs(logits: torch.Tensor, r: Rows, vocab: int, temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[rows, width] log-probs (0 outside the responses) from [R, S, V/tp] logits; only the real rows."""
-    picked = logits[: r.rows].gather(1, r.col[: r.rows].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    """[rows, width] log-probs (0 outside the responses) from [R, S, V/tp] logits; only the real rows.
+
+    Under context parallelism the logits are this CP rank's [R, S/cp, V/tp] (context.local_positions): each
+    rank scores the tokens predicted at its positions and context.cp_sum assembles the whole rows on every rank.
+    """
+    col, here = local_columns(r.col[: r.rows], r.input_ids.shape[1])
+    picked = logits[: r.rows].gather(1, col.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
     lp, ent = vocab_parallel_logprobs(picked, r.targets[: r.rows], vocab, temperature=temperature, entropy=entropy)
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    valid = r.valid[: r.rows]
-    return torch.where(valid, lp, zero), (None if ent is None else torch.where(valid, ent, zero))
+    valid = r.valid[: r.rows] & here
+    return cp_sum(torch.where(valid, lp, zero)), (None if ent is None else cp_sum(torch.where(valid, ent, zero)))
 
 
 def micro_rows(prompts, outputs, width: int, pad_id: int, plans: Sequence[Sequence[int]], device: torch.device) -> list[Rows]:
@@ -129,4 +139,5 @@ def micro_rows(prompts, outputs, width: int, pad_id: int, plans: Sequence[Sequen
         dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
         n, R, S = (int(x) for x in dims.tolist())
     plans = list(plans) + [[]] * (n - len(plans))
-    return [make_rows([prompts[i] for i in p], [outputs[i] for i in p], width, pad_id, device, R, S) for p in plans]
+    m = 2 * ps.get_context_parallel_world_size()
+    return [make_rows([prompts[i] for i in p], [outputs[i] for i in p], width, pad_id, device, R, S, m) for p in plans]
