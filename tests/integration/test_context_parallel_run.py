@@ -49,20 +49,21 @@ def context_manifests(monkeypatch):
     monkeypatch.setattr(mg, "write_manifest", write_with_context)
 
 
-LAYOUTS = {  # name -> (ppoMinibatches, klCoef, extra trainer fields)
-    "cp2": (1, 0.0, {}),  # pi_prox from the update's own forward
-    "cp2-kl-recompute": (2, 0.05, {"gradientCheckpointing": True}),  # pi_prox and pi_ref forwards, two optimizer steps, recomputation
+LAYOUTS = {  # name -> (processes, ppoMinibatches, klCoef, extra trainer fields); context 2, data parallel over the rest
+    "cp2": (2, 1, 0.0, {}),  # pi_prox from the update's own forward
+    "cp2-kl-recompute": (2, 2, 0.05, {"gradientCheckpointing": True}),  # pi_prox and pi_ref forwards, two optimizer steps, recomputation
+    "dp2-cp2": (4, 2, 0.0, {}),  # 2 data-parallel replicas of 2 CP ranks: rows dealt per replica, FSDP over all 4
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 async def test_context_parallel_trains_the_same_weights_as_one_rank(tmp_path, tmp_path_factory, nats_server, gqa_model_dir, layout,
                                                                     context_manifests):
-    minibatches, kl, extra = LAYOUTS[layout]
+    world, minibatches, kl, extra = LAYOUTS[layout]
     agent = ScriptedAgent(gqa_model_dir)
     ref = await reference(tmp_path_factory, nats_server.url, gqa_model_dir, agent, minibatches, kl)
     t0 = time.monotonic()
-    got = await train(tmp_path, f"cp-{layout}", nats_server.url, gqa_model_dir, agent, backend="fsdp", world=2, context=2,
+    got = await train(tmp_path, f"cp-{layout}", nats_server.url, gqa_model_dir, agent, backend="fsdp", world=world, context=2,
                       minibatches=minibatches, kl=kl, trainer=extra)
     print(f"context parallel {layout}: {time.monotonic() - t0:.1f}s")
     trainer = yaml.safe_load((tmp_path / f"cp-{layout}.yaml").read_text())["spec"]["trainer"]

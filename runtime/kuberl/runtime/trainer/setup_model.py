@@ -58,6 +58,8 @@ class SetUpMixin:
             cp = self.context_parallel
             log.info("context parallel %d (Ulysses): %d data-parallel replica(s) of %d ranks, each feeding 1/%d of every packed row",
                      cp.size, cp.dp_size, cp.size, cp.size)
+            if self.spec.trainer.packing == "off":
+                log.warning("trainer.packing off: context parallel always packs (its one path), so the rows are packed")
         if self.info.is_main:
             for note in self.cfg.notes:
                 log.info("algorithm: %s", note)
