@@ -31,10 +31,12 @@ TRAINER_COMPUTE = "runtime/kuberl/runtime/trainer/compute.py"
 TRAINER_COLLECT = "runtime/kuberl/runtime/trainer/collect.py"
 BATCH = "runtime/kuberl/runtime/trainer/batch.py"
 STALENESS = "runtime/kuberl/runtime/staleness.py"
+CONTEXT_PARALLEL = "runtime/kuberl/runtime/trainer/context_parallel.py"
 
 # Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
 OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
 WIRING = "tests/unit/test_trainer_compute.py::TestDecoupledWiring"
+ULYSSES = "tests/unit/test_context_parallel.py::test_ulysses_equals_one_process_on_two_gloo_ranks"  # 2 gloo ranks, ~25 s
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("concurrency-freed-on-training", "a concurrency slot freed when trained, not when accepted", STALENESS,
            "cap = min(cap, self.max_concurrent - self.running)", "cap = min(cap, self.max_concurrent - self.in_flight)",
            ("tests/unit/test_staleness.py::TestConcurrencyCap",)),
+    Mutant("cp-local-positions", "context parallel feeds each slice positions from 0 instead of its global ones (RoPE)", CONTEXT_PARALLEL,
+           "scored_logits(model, ids[:, c0:c0 + s], pos[:, c0:c0 + s],", "scored_logits(model, ids[:, c0:c0 + s], torch.arange(s).expand(R, -1),",
+           (ULYSSES,)),
+    Mutant("cp-mask-from-slice", "context parallel's attention mask built from this rank's slice, not the full rows", CONTEXT_PARALLEL,
+           "    set_positions(pos.to(device), cp)\n", "    set_positions(pos[:, c0:c0 + s].repeat(1, cp.size).to(device), cp)\n",
+           (ULYSSES,)),
+    Mutant("cp-all-to-all-back-swapped", "context parallel's all-to-all back puts heads where the sequence chunks go", CONTEXT_PARALLEL,
+           "return y.transpose(0, 1).reshape(B, cp.size * h, S // cp.size, D)", "return y.permute(1, 2, 0, 3, 4).reshape(B, cp.size * h, S // cp.size, D)",
+           (ULYSSES,)),
+    Mutant("cp-gather-backward-summed", "context parallel's log-prob gather sums the gradients over the CP group too (2x)", CONTEXT_PARALLEL,
+           "        return grad, None\n", "        grad = grad.clone()\n        dist.all_reduce(grad, group=None)\n        return grad, None\n",
+           (ULYSSES,)),
 )
 
 
