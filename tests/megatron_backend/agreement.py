@@ -1,4 +1,4 @@
-"""What test_megatron_tp.py and test_megatron_moe.py share: the batch, the HF reference step, and the 2-process launch.
+"""What test_megatron_tp.py and test_megatron_moe.py share: the batch, the HF reference step, and the 2-process (or 4) launch.
 
 The worker (megatron_worker.py) and the single-process HF model compute the same things; the tests compare:
 log-probs and entropies (temperature 0.7, shared prompts, an empty and a truncated response), then one train
@@ -73,8 +73,8 @@ def hf_reference(model, prompts, outputs, cfg, tr):
     return dict(logp=logp, entropy=ent, grads=grads, grad_norm=norm, loss=stats["loss"], after=hf_state(model))
 
 
-def run_agreement(tmp: Path, names, layouts, plans):
-    """(HF references, worker results) for the tiny models `names` at every layout, from one 2-process launch."""
+def run_agreement(tmp: Path, names, layouts, plans, nproc: int = 2):
+    """(HF references, worker results) for the tiny models `names` at every layout, from one `nproc`-process launch."""
     cfg = resolve_algorithm(AlgorithmSpec(**ALGORITHM))
     prompts, outputs = batch()
     valid = torch.zeros(len(outputs), WIDTH, dtype=torch.bool)
@@ -95,7 +95,7 @@ def run_agreement(tmp: Path, names, layouts, plans):
                micro_batches=plans, algorithm=ALGORITHM, train={name: tr | TRAIN for name, tr in trains.items()})
     torch.save(job, tmp / "job.pt")
     script = Path(__file__).with_name("megatron_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
            str(free_port()), str(script), str(tmp / "job.pt"), str(tmp / "out.pt")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp)
     assert proc.returncode == 0, f"megatron worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-8000:]}"

@@ -1,9 +1,11 @@
-"""The Megatron backend's model core against Hugging Face transformers, on 2 CPU processes over gloo.
+"""The Megatron backend's model core against Hugging Face transformers, on 2 (and 4) CPU processes over gloo.
 
-One torch.distributed.run launch (megatron_worker.py, started by agreement.run_agreement) runs every tiny model of
-megatron_models.TINY (all GQA: 4 query heads, 2 KV heads) at TP=2, at PP=2, at DP=2 (each rank trains one of the two
-micro-batches) and at CP=2 (context parallel: each rank holds half of every sequence, megatron's chunks 0+3 and 1+2
-of 4; micro-batches of 10 and 13 positions padded to 12 and 16); this module computes the same things with the single-process HF model and compares:
+One 2-process torch.distributed.run launch (megatron_worker.py, started by agreement.run_agreement) runs every tiny
+model of megatron_models.TINY (all GQA: 4 query heads, 2 KV heads) at TP=2, at PP=2, at DP=2 (each rank trains one
+of the two micro-batches) and at CP=2 (context parallel: each rank holds half of every sequence, megatron's chunks
+0+3 and 1+2 of 4; micro-batches of 10 and 13 positions padded to 12 and 16); a 4-process launch runs two of them at
+CP=2 x TP=2, CP=2 x PP=2 and CP=2 x DP=2. This module computes the same things with the single-process HF model
+and compares:
   * the weights loaded into megatron and gathered back to HF names are the HF weights, bit for bit;
   * log-probs and entropies (temperature 0.7, two micro-batches, shared prompts, an empty and a truncated
     response) equal kuberl's `response_logprobs` on the HF model within 1e-4;
@@ -20,38 +22,48 @@ from megatron_models import TINY
 
 pytestmark = pytest.mark.megatron
 
-LAYOUTS = [(2, 1), (1, 2), (1, 1), (1, 1, 1, 2)]  # (tp, pp[, ep, cp]) on 2 ranks; (1, 1) is data parallel 2, (1, 1, 1, 2) context parallel 2
+# (tp, pp[, ep, cp]) per launch size: (1, 1) is data parallel 2, (1, 1, 1, 2) context parallel 2. The 4-process launch
+# combines context parallel with tensor, pipeline and data parallel (2 x 2 each) on two models: qwen3 (q/k norms summed
+# over TP) and qwen2-tied (the tied embedding's two copies under PP).
+LAYOUTS = {2: [(2, 1), (1, 2), (1, 1), (1, 1, 1, 2)], 4: [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 2)]}
+MODELS = {2: list(TINY), 4: ["qwen3", "qwen2-tied"]}
 PLANS = [[0, 1, 2], [3, 4, 5]]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(HF references, worker results) for every tiny model, from one 2-process launch."""
+def launches(tmp_path_factory):
+    """nproc -> (HF references, worker results) for MODELS[nproc] at LAYOUTS[nproc], from one launch each (made on first use)."""
     if MISSING:
         pytest.fail(MISSING)
-    return run_agreement(tmp_path_factory.mktemp("megatron"), list(TINY), LAYOUTS, PLANS)
+    done = {}
+
+    def get(nproc: int):
+        if nproc not in done:
+            done[nproc] = run_agreement(tmp_path_factory.mktemp(f"megatron-{nproc}"), MODELS[nproc], LAYOUTS[nproc], PLANS, nproc=nproc)
+        return done[nproc]
+    return get
 
 
-def layout_key(tp: int, pp: int, ep: int = 1, cp: int = 1) -> str:
-    return f"tp{tp}-pp{pp}-dp{2 // (tp * pp * cp)}" + (f"-cp{cp}" if cp > 1 else "")
+def layout_key(world: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> str:
+    return f"tp{tp}-pp{pp}-dp{world // (tp * pp * cp)}" + (f"-cp{cp}" if cp > 1 else "")
 
 
-CASES = [(name, layout_key(*lay)) for name in TINY for lay in LAYOUTS]
-IDS = [f"{n}-{lay}" for n, lay in CASES]
+CASES = [(nproc, name, layout_key(nproc, *lay)) for nproc in LAYOUTS for name in MODELS[nproc] for lay in LAYOUTS[nproc]]
+IDS = [f"{n}-{lay}" + ("-of4" if nproc == 4 else "") for nproc, n, lay in CASES]
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES, ids=IDS)
-def test_weights_load_and_gather_back_exactly(runs, name, layout):
-    refs, results = runs
+@pytest.mark.parametrize(("nproc", "name", "layout"), CASES, ids=IDS)
+def test_weights_load_and_gather_back_exactly(launches, nproc, name, layout):
+    refs, results = launches(nproc)
     got, want = results[f"{name}/{layout}"]["loaded"], refs[name]["loaded"]
     assert sorted(got) == sorted(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES, ids=IDS)
-def test_logprobs_and_entropy_match_transformers(runs, name, layout):
-    refs, results = runs
+@pytest.mark.parametrize(("nproc", "name", "layout"), CASES, ids=IDS)
+def test_logprobs_and_entropy_match_transformers(launches, nproc, name, layout):
+    refs, results = launches(nproc)
     r, ref = results[f"{name}/{layout}"], refs[name]
     assert r["logp"].shape == ref["logp"].shape == (6, WIDTH)
     d_lp = (r["logp"] - ref["logp"]).abs().max().item()
@@ -61,9 +73,9 @@ def test_logprobs_and_entropy_match_transformers(runs, name, layout):
     assert ref["logp"].min() < -5  # far from uniform (log 1/128 = -4.85): a wrong layout would show
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES, ids=IDS)
-def test_one_train_step_matches_transformers(runs, name, layout):
-    refs, results = runs
+@pytest.mark.parametrize(("nproc", "name", "layout"), CASES, ids=IDS)
+def test_one_train_step_matches_transformers(launches, nproc, name, layout):
+    refs, results = launches(nproc)
     r, ref = results[f"{name}/{layout}"], refs[name]
     scale = max(v.abs().max().item() for v in ref["grads"].values())
     d_grad = max_diff(r["grads"], ref["grads"])
