@@ -4,11 +4,13 @@ A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py). The FSDP stage
 persist.py) hand over to these methods when `self.megatron`; everything else (tickets, collect, advantages,
 reports, the bus) is the same code for both backends.
 
-Layout: tensor x pipeline from trainer.parallelism, data parallel over the rest (world / (tp * pp)),
+Layout: tensor x pipeline x context from trainer.parallelism, data parallel over the rest (world / (tp * pp * cp)),
 megatron's groups over the trainer's default process group (model.init_parallel); with `expert` > 1 (a MoE
 model) each expert lives on one of `expert` data-parallel ranks (expert data parallel = dp / expert). Every
-rank of one tensor/pipeline group computes the same rows; rows are split over the data-parallel ranks (each
-row is scored and trained by exactly one DP rank), whose gradients model.train_step sums. Published weights
+rank of one tensor/pipeline/context group computes the same rows (a context-parallel rank its share of every
+sequence's positions, context.py); rows are split over the data-parallel ranks (each row is scored and trained
+by exactly one DP replica), whose gradients model.train_step sums (over data x context parallel). CP ranks hold
+the same weights: CP rank 0 alone publishes and checkpoints. Published weights
 are gathered one parameter at a time: an all-gather within the TP group (an expert's also within its EP
 group), then (pipeline stages other than the first) sent to global rank 0, which writes them as HF tensors
 (convert.merge_tp + full_to_hf) into weights/v{N}. Checkpoints: each (tp, pp, ep) rank of expert-data-parallel
@@ -49,9 +51,9 @@ def check_megatron_spec(spec: Any) -> None:
     if spec.trainer.gradient_checkpointing:
         raise ConfigError("trainer.gradientCheckpointing is not implemented for trainer.backend megatron: set it to false")
     p = spec.trainer.parallelism
-    if p.context != 1:
-        raise ConfigError("trainer.parallelism.context must be 1 with trainer.backend megatron (tensor, pipeline, expert and data only): "
-                          "megatron-core's context parallel needs Transformer Engine's attention; trainer.backend fsdp trains context parallel")
+    if p.context > 1 and p.expert > 1:
+        raise ConfigError(f"trainer.parallelism.context {p.context} with expert {p.expert}: context parallel of a mixture-of-experts model "
+                          "is not implemented for trainer.backend megatron; use context 1 or expert 1")
 
 
 class MegatronMixin:
@@ -72,19 +74,22 @@ class MegatronMixin:
         from kuberl.runtime.trainer.megatron.model import build_model, init_parallel
 
         p, world = self.spec.trainer.parallelism, self.info.world_size
-        tp, pp, ep = p.tensor, p.pipeline, p.expert
-        if world % (tp * pp):
-            raise ConfigError(f"trainer.parallelism tensor {tp} x pipeline {pp} does not divide the trainer's {world} processes "
+        tp, pp, ep, cp = p.tensor, p.pipeline, p.expert, p.context
+        if world % (tp * pp * cp):
+            raise ConfigError(f"trainer.parallelism tensor {tp} x pipeline {pp} x context {cp} does not divide the trainer's {world} processes "
                               "(nodes * accelerator.count)")
-        if (world // (tp * pp)) % ep:
-            raise ConfigError(f"trainer.parallelism.expert {ep} does not divide the data-parallel size {world // (tp * pp)} "
-                              f"({world} processes / (tensor {tp} x pipeline {pp}))")
+        if (world // (tp * pp * cp)) % ep:
+            raise ConfigError(f"trainer.parallelism.expert {ep} does not divide the data-parallel size {world // (tp * pp * cp)} "
+                              f"({world} processes / (tensor {tp} x pipeline {pp} x context {cp}))")
         with spec_errors():
             shape = convert.model_shape(_hf_config(self.model_dir))
+        model = self.spec.model.id or self.spec.model.builtin or self.spec.model.path
         if ep > 1 and shape.moe is None:  # admission cannot tell: it does not read the model
-            raise ConfigError(f"trainer.parallelism.expert {ep} needs a mixture-of-experts model; {shape.model_type} "
-                              f"({self.spec.model.id or self.spec.model.builtin or self.spec.model.path}) is dense: use expert 1")
-        init_parallel(tp, pp, ep, device=self.info.device, seed=self.spec.seed)
+            raise ConfigError(f"trainer.parallelism.expert {ep} needs a mixture-of-experts model; {shape.model_type} ({model}) is dense: use expert 1")
+        if cp > 1 and shape.moe is not None:
+            raise ConfigError(f"trainer.parallelism.context {cp}: context parallel of a mixture-of-experts model ({shape.model_type}, {model}) "
+                              "is not implemented for trainer.backend megatron; use context 1")
+        init_parallel(tp, pp, ep, cp_size=cp, device=self.info.device, seed=self.spec.seed)
         with spec_errors():  # a model type or head count megatron cannot cut (convert.model_shape / check_parallel)
             self.mm = build_model(str(self.model_dir), device=self.info.device)
             self.ref_mm = None
@@ -93,8 +98,9 @@ class MegatronMixin:
                 self.ref_mm.module.eval().requires_grad_(False)
         self.model, self.ref_model = self.mm.module, None
         if self.info.is_main:
-            log.info("megatron: tensor %d x pipeline %d x data %d (expert %d) over %d processes", tp, pp, ps.get_data_parallel_world_size(), ep,
-                     world)
+            log.info("megatron: tensor %d x pipeline %d x context %d x data %d (expert %d) over %d processes", ps.get_tensor_model_parallel_world_size(),
+                     ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
+                     ps.get_expert_model_parallel_world_size(), world)
 
     # ---- pi_prox and the update ------------------------------------------------------------------------------
 
@@ -104,7 +110,7 @@ class MegatronMixin:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (the TP/PP ranks of one replica hold the same numbers: not summed)."""
+        """Sum over the data-parallel ranks (the TP/PP/CP ranks of one replica hold the same numbers: not summed)."""
         _, size, group = self._dp()
         if size > 1:
             t = t.to(self.info.device)
@@ -128,7 +134,7 @@ class MegatronMixin:
         dp_rank, dp, _ = self._dp()
         mine = list(range(batch.num_samples))[dp_rank::dp]
         out = torch.zeros(batch.num_samples, width)
-        # the same on every rank of this replica's TP/PP group: they run the forward together; under expert
+        # the same on every rank of this replica's TP/PP/CP group: they run the forward together; under expert
         # parallelism a replica without rows still joins its expert group's forwards (with fillers)
         if mine or ps.get_expert_model_parallel_world_size() > 1:
             plans = plan_micro_batches([batch.seq_lens[i] for i in mine], range(len(mine)), self.spec.trainer.micro_batch_tokens)
@@ -257,11 +263,14 @@ class MegatronMixin:
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0: every HF tensor, one megatron parameter at a time (the stages after the first send theirs).
         Other ranks of data-parallel replica 0 take part in the gathers and sends and yield nothing; under expert
-        parallelism the other EP ranks of expert-data-parallel replica 0 join the experts' gathers too."""
+        parallelism the other EP ranks of expert-data-parallel replica 0 join the experts' gathers too. Context
+        parallel ranks other than 0 hold the same weights as CP rank 0 and take no part."""
         from megatron.core import parallel_state as ps
 
         from kuberl.runtime.trainer.megatron import convert
 
+        if ps.get_context_parallel_rank() != 0:
+            return  # (their own TP/PP groups: the CP rank 0 groups gather and send without them)
         stages, shape = self._publish_plan(), self.mm.shape
         pp_rank, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
         replica0 = self._dp()[0] == 0
@@ -343,8 +352,8 @@ class MegatronMixin:
 
     def megatron_write_state(self, root: Path, step: int) -> None:
         """Collective: this checkpoint's tensors into `.tmp-step-N/` (persist.write_state's contract): each (tp, pp, ep) rank
-        of expert-DP replica 0 (DP replica 0 without experts) its model and optimizer shard, every rank its RNG state,
-        rank 0 the schedule and the layout."""
+        of expert-DP replica 0 (DP replica 0 without experts; CP rank 0) its model and optimizer shard, every rank its RNG
+        state, rank 0 the schedule and the layout."""
         from megatron.core import parallel_state as ps
 
         info = self.info
@@ -354,15 +363,17 @@ class MegatronMixin:
         tmp = ck.tmp_checkpoint_path(root, step)
         ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
         # DP replicas hold the same weights and (summed gradients) the same optimizer state; the EP ranks of one
-        # expert-data-parallel replica hold different experts (at ep 1 the expert-DP group is the DP group)
-        if ps.get_expert_data_parallel_rank() == 0:
+        # expert-data-parallel replica hold different experts (at ep 1 the expert-DP group is the DP x CP group);
+        # CP ranks hold the same weights and optimizer state (gradients summed over data x context parallel)
+        if ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
             ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict(), "optimizer": self.optimizer.state_dict()})
         if info.is_main:
             ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
             p = self.spec.trainer.parallelism
             if getattr(self, "_mg_config", None) is None:  # the HF config: consolidate.read_hf_state rebuilds the HF names from it
                 self._mg_config = json.loads(_hf_config(self.model_dir).to_json_string())
-            ck.write_json(tmp, LAYOUT_FILE, {"tensor": p.tensor, "pipeline": p.pipeline, "expert": p.expert, "model": self._mg_config})
+            ck.write_json(tmp, LAYOUT_FILE, {"tensor": p.tensor, "pipeline": p.pipeline, "expert": p.expert, "context": p.context,
+                                             "model": self._mg_config})
         D.barrier(info)
 
     def megatron_read_state(self, path: Path, layout: dict | None) -> None:
@@ -375,7 +386,7 @@ class MegatronMixin:
         if (layout["tensor"], layout["pipeline"], expert) != (p.tensor, p.pipeline, p.expert):
             raise ConfigError(f"checkpoint {path} was written with trainer.parallelism tensor {layout['tensor']}, pipeline {layout['pipeline']}, "
                               f"expert {expert}; this trainer runs tensor {p.tensor}, pipeline {p.pipeline}, expert {p.expert}: resume with the "
-                              "same tensor, pipeline and expert sizes (data parallel may differ)")
+                              "same tensor, pipeline and expert sizes (data and context parallel may differ)")
         state = ck.read_torch(path, self._shard_file())
         self.mm.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
