@@ -6,8 +6,9 @@ accelerator.count, parallelism}. A field the manifest sets explicitly must agree
 spec is rejected with both values named; the one exception is rollout.replicas: the shorthand's d is
 only its default (an explicit count, e.g. from `kubectl scale`, wins). megatron takes d, t, p and e (issue #13):
 e (expert parallel) is not a factor of the world size (d x t x p x c) but cuts the experts over the d
-data-parallel ranks, so it must divide d, as in AReaL. c (context parallel, Ulysses) is a factor of the world size with
-fsdp (`fsdp:d2c2`: 4 ranks, 2 replicas of 2); megatron refuses it, and fsdp refuses e above 1.
+data-parallel ranks, so it must divide d, as in AReaL. c (context parallel) is a factor of the world size with fsdp
+(Ulysses; `fsdp:d2c2`: 4 ranks, 2 replicas of 2) and with megatron (`megatron:d1c2`, megatron-core's CP groups); not with
+e above 1 (megatron does not run a MoE model context parallel), and fsdp refuses e above 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kuberl.api.v1alpha1 import (
-    ALLOCATION_CONTEXT_NEEDS_FSDP,
+    ALLOCATION_CONTEXT_EXPERT,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
@@ -83,8 +84,8 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     except ValueError as exc:
         raise FieldError("spec.allocation", spec.allocation, str(exc)) from None
     # AReaL's grammar parses; what no trainer implements yet is refused here (and, but for e dividing d, by the CRD's CEL rules).
-    if alloc.trainer["c"] > 1 and alloc.backend != "fsdp":
-        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_CONTEXT_NEEDS_FSDP)
+    if alloc.trainer["c"] > 1 and alloc.trainer["e"] > 1:
+        raise FieldError("spec.allocation", spec.allocation, ALLOCATION_CONTEXT_EXPERT)
     if alloc.trainer["e"] > 1 and alloc.backend != "megatron":
         raise FieldError("spec.allocation", spec.allocation, ALLOCATION_EXPERT_NEED_MEGATRON)
     if alloc.trainer["e"] > 1 and alloc.trainer["t"] > 1:

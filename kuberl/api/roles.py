@@ -83,16 +83,16 @@ class RolloutSpec(SchedulingSpec):
 
 # Admission refuses what no trainer implements yet (issue #13), naming the field and what to use instead;
 # the trainer's own exit-2 refusals (runtime/kuberl/runtime/trainer/megatron/backend.py) stay as a second line of defence.
-CONTEXT_NEEDS_FSDP = ("trainer.parallelism.context > 1 (context parallel) needs trainer.backend fsdp (Ulysses sequence parallel): "
-                      "megatron-core's context parallel needs Transformer Engine's attention, which trainer.backend megatron does not use")
+MEGATRON_CONTEXT_EXPERT = ("trainer.parallelism.context > 1 with expert > 1: context parallel of a mixture-of-experts model is not implemented "
+                           "for trainer.backend megatron (use context 1 or expert 1)")
 CONTEXT_DIVIDE = ("trainer.parallelism.context must divide nodes * accelerator.count (trainer.backend fsdp: consecutive ranks form a "
                   "context-parallel group, data parallel over the groups)")
 EXPERT_NEED_MEGATRON = ("trainer.parallelism.expert > 1 (expert parallel, MoE) needs trainer.backend megatron: set trainer.backend megatron, "
                         "or use expert 1 (fsdp trains data parallel only)")
 MEGATRON_EXPERT_DIVIDE = ("trainer.parallelism.expert must divide the data-parallel size, nodes * accelerator.count / (tensor * pipeline) "
                           "(trainer.backend megatron cuts the experts over data-parallel ranks)")
-ALLOCATION_CONTEXT_NEEDS_FSDP = ("allocation: context parallel (c > 1) needs the fsdp backend (e.g. vllm:d1+fsdp:d2c2): megatron-core's context "
-                                 "parallel needs Transformer Engine's attention, which the megatron backend does not use")
+ALLOCATION_CONTEXT_EXPERT = ("allocation: context parallel (c > 1) with expert parallel (e > 1) is not implemented (the megatron backend "
+                             "does not run a mixture-of-experts model context parallel), e.g. vllm:d1+megatron:d1c2 or vllm:d2+megatron:d2e2")
 ALLOCATION_EXPERT_NEED_MEGATRON = "allocation: expert parallel (e > 1) needs the megatron backend (e.g. vllm:d2+megatron:d2e2)"
 ALLOCATION_EXPERT_DIVIDE = "allocation: e (expert parallel) must divide d (data parallel), e.g. vllm:d2+megatron:d4e2"
 MEGATRON_EXPERT_TENSOR = ("trainer.parallelism.expert > 1 needs trainer.parallelism.tensor 1: megatron-core trains MoE layers under tensor "
@@ -102,7 +102,8 @@ ALLOCATION_EXPERT_TENSOR = ("allocation: expert parallel (e > 1) needs t1 in the
                             "sequence parallelism, not implemented), e.g. vllm:d2+megatron:d4e2")
 TPE_NEED_MEGATRON = ("tensor and pipeline parallelism need trainer.backend megatron: set trainer.backend megatron, "
                      "or use trainer.parallelism.data only")
-MEGATRON_TP_PP_DIVIDE = "trainer.parallelism tensor*pipeline must divide nodes * accelerator.count (trainer.backend megatron: data parallel over the rest)"
+MEGATRON_TP_PP_DIVIDE = ("trainer.parallelism tensor*pipeline*context must divide nodes * accelerator.count (trainer.backend megatron: data "
+                         "parallel over the rest)")
 MEGATRON_ON_ASCEND = ("trainer.backend megatron on Ascend NPUs is not implemented (megatron-core runs there only through MindSpeed, "
                       "which KubeRL does not integrate): use trainer.backend fsdp with trainer.accelerator.type ascend")
 MEGATRON_FULL_WEIGHTS = ("trainer.backend megatron trains full weights without activation recomputation, published through weightSync.mode "
@@ -116,8 +117,11 @@ class ParallelismSpec(KubeModel):
     tensor: int = Field(1, ge=1, le=64, description="Tensor parallel size (trainer.backend megatron).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline parallel size (trainer.backend megatron).")
     context: int = Field(1, ge=1, le=64, description=(
-        "Context (sequence) parallel size (trainer.backend fsdp, Ulysses): each packed row is split over `context` consecutive ranks, "
-        "attention heads over the same ranks (both head counts must divide by it); must divide nodes * accelerator.count."))
+        "Context (sequence) parallel size; must divide nodes * accelerator.count. trainer.backend fsdp (Ulysses): each packed row is "
+        "split over `context` consecutive ranks, attention heads over the same ranks (both head counts must divide by it). "
+        "trainer.backend megatron: megatron-core's context-parallel groups and sequence layout (2 x context chunks per sequence), "
+        "keys and values all-gathered over the group (no head constraint; tensor*pipeline*context must divide the processes; "
+        "not with expert > 1)."))
     expert: int = Field(1, ge=1, le=256, description=(
         "Expert parallel size (MoE models, trainer.backend megatron): each expert lives on one of `expert` data-parallel ranks; "
         "must divide the data-parallel size. Not a factor of the world size."))
@@ -153,8 +157,10 @@ class TrainerSpec(SchedulingSpec):
             raise ValueError("trainer.parallelism data*tensor*pipeline*context must equal nodes * accelerator.count")
         if self.backend != "megatron" and (p.tensor, p.pipeline) != (1, 1):
             raise ValueError(TPE_NEED_MEGATRON)
-        if self.backend == "megatron" and self.world_size % (p.tensor * p.pipeline):
-            raise FieldError("spec.trainer.parallelism", f"tensor {p.tensor} x pipeline {p.pipeline}", MEGATRON_TP_PP_DIVIDE)
+        if p.context != 1 and p.expert != 1 and self.backend == "megatron":
+            raise FieldError("spec.trainer.parallelism.context", p.context, MEGATRON_CONTEXT_EXPERT)
+        if self.backend == "megatron" and self.world_size % (p.tensor * p.pipeline * p.context):
+            raise FieldError("spec.trainer.parallelism", f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context}", MEGATRON_TP_PP_DIVIDE)
         if p.expert != 1 and self.backend != "megatron":
             raise FieldError("spec.trainer.parallelism.expert", p.expert, EXPERT_NEED_MEGATRON)
         if p.expert != 1 and self.backend == "megatron" and not self.world_size % (p.tensor * p.pipeline):
@@ -162,9 +168,7 @@ class TrainerSpec(SchedulingSpec):
                 raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_TENSOR)
             if (self.world_size // p.pipeline) % p.expert:
                 raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_DIVIDE)
-        if p.context != 1 and self.backend == "megatron":
-            raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_NEEDS_FSDP)
-        if p.context != 1 and p.data is None and self.world_size % p.context:
+        if p.context != 1 and p.data is None and self.backend != "megatron" and self.world_size % p.context:
             raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_DIVIDE)
 
 

@@ -78,15 +78,15 @@ from kuberl.api.pods import (
     SchedulingSpec,
 )
 from kuberl.api.roles import (
-    ALLOCATION_CONTEXT_NEEDS_FSDP,
+    ALLOCATION_CONTEXT_EXPERT,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
     CONTEXT_DIVIDE,
-    CONTEXT_NEEDS_FSDP,
     EXPERT_NEED_MEGATRON,
+    MEGATRON_CONTEXT_EXPERT,
     MEGATRON_EXPERT_DIVIDE,
     MEGATRON_EXPERT_TENSOR,
     MEGATRON_FULL_WEIGHTS,
@@ -105,7 +105,7 @@ from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, Sandbo
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
-    "ALLOCATION_CONTEXT_NEEDS_FSDP",
+    "ALLOCATION_CONTEXT_EXPERT",
     "ALLOCATION_EXPERT_DIVIDE",
     "ALLOCATION_EXPERT_NEED_MEGATRON",
     "ALLOCATION_EXPERT_TENSOR",
@@ -122,7 +122,6 @@ __all__ = [
     "BusSpec",
     "CATEGORIES",
     "CONTEXT_DIVIDE",
-    "CONTEXT_NEEDS_FSDP",
     "CheckpointSpec",
     "CheckpointStatus",
     "Condition",
@@ -142,6 +141,7 @@ __all__ = [
     "KubeModel",
     "LocalObjectReference",
     "EXPERT_NEED_MEGATRON",
+    "MEGATRON_CONTEXT_EXPERT",
     "MEGATRON_EXPERT_DIVIDE",
     "MEGATRON_EXPERT_TENSOR",
     "MEGATRON_FULL_WEIGHTS",
@@ -215,7 +215,7 @@ class RLExperimentSpec(KubeModel):
          TPE_NEED_MEGATRON, ".trainer.backend"),
         ((f"has(self.allocation) || {_or('self.trainer.backend', 'fsdp')} != 'megatron' || "
           f"({_or('self.trainer.nodes', 1)} * (has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? "
-          f"self.trainer.accelerator.count : 1)) % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) == 0"),
+          f"self.trainer.accelerator.count : 1)) % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)} * {_or(_TP + '.context', 1)}) == 0"),
          MEGATRON_TP_PP_DIVIDE, ".trainer.parallelism"),
         (f"has(self.allocation) || {_or(_TP + '.expert', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} == 'megatron'",
          EXPERT_NEED_MEGATRON, ".trainer.parallelism.expert"),
@@ -228,15 +228,15 @@ class RLExperimentSpec(KubeModel):
           f"{_WORLD} % ({_or(_TP + '.tensor', 1)} * {_or(_TP + '.pipeline', 1)}) != 0 || {_or(_TP + '.tensor', 1)} != 1 || "
           f"({_WORLD} / {_or(_TP + '.pipeline', 1)}) % {_or(_TP + '.expert', 1)} == 0"),
          MEGATRON_EXPERT_DIVIDE, ".trainer.parallelism.expert"),
-        # Context parallel: fsdp only (Ulysses); consecutive ranks form a CP group, so context divides the world (the data
-        # rule above speaks where data is set).
-        (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1 || {_or('self.trainer.backend', 'fsdp')} != 'megatron'",
-         CONTEXT_NEEDS_FSDP, ".trainer.parallelism.context"),
+        # Context parallel: fsdp (Ulysses; consecutive ranks form a CP group, so context divides the world: the data rule above
+        # speaks where data is set) and megatron (tensor*pipeline*context divides the world, the rule above; not with experts).
+        (f"has(self.allocation) || {_or(_TP + '.context', 1)} == 1 || {_or(_TP + '.expert', 1)} == 1 || "
+         f"{_or('self.trainer.backend', 'fsdp')} != 'megatron'", MEGATRON_CONTEXT_EXPERT, ".trainer.parallelism.context"),
         (f"has(self.allocation) || has({_TP}.data) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
          f"{_WORLD} % {_or(_TP + '.context', 1)} == 0", CONTEXT_DIVIDE, ".trainer.parallelism.context"),
         # The shorthand itself: CEL cannot expand it, but can see a context or expert dim above 1.
-        ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+fsdp:')",
-         ALLOCATION_CONTEXT_NEEDS_FSDP, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)') || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)')",
+         ALLOCATION_CONTEXT_EXPERT, ".allocation"),
         # (whether e divides d is the model's check after expansion: CEL cannot read the numbers)
         ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+megatron:')",
          ALLOCATION_EXPERT_NEED_MEGATRON, ".allocation"),

@@ -3,8 +3,8 @@
 A scripted agent in this process answers every ticket with a group that depends only on the ticket's data set
 item (tokens, rewards, and behaviour log-probs from the initial model), so two trainers given the same manifest
 train on the same batches. The same steps run once with trainer.backend fsdp on one rank (the reference) and
-with megatron at tensor 2, pipeline 2 and data 2: the published weights/v{N} of each step must match the
-reference's. The optimizer is plain SGD without clipping, so a wrong loss scale or a missing gradient
+with megatron at tensor 2, pipeline 2, data 2 and context 2: the published weights/v{N} of each step must match
+the reference's. The optimizer is plain SGD without clipping, so a wrong loss scale or a missing gradient
 reduction moves the weights by a different amount (Adam, or a clipped gradient, would hide a scale error).
 A megatron run killed after its checkpoint resumes, re-trains the lost step and ends on the same weights; and
 `kuberl run` of the quickstart with the megatron trainer (real launcher, vLLM CPU engine, rollout agent) finishes.
@@ -44,10 +44,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, backend: str, world: int, tensor: int = 1, pipeline: int = 1,
-                   expert: int = 1, minibatches: int = 1, kl: float = 0.0, every: int = 1) -> Path:
+                   expert: int = 1, context: int = 1, minibatches: int = 1, kl: float = 0.0, every: int = 1) -> Path:
     trainer = {"backend": backend, "accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64}
     if backend == "megatron":
-        trainer["parallelism"] = {"tensor": tensor, "pipeline": pipeline, "expert": expert}
+        trainer["parallelism"] = {"tensor": tensor, "pipeline": pipeline, "expert": expert, "context": context}
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
@@ -198,32 +198,40 @@ def assert_same_training(got: Path, want: Path, model_dir: Path) -> None:
         assert moved > 1e-3 and d < 1e-5, (v, d, moved)
 
 
-LAYOUTS = {  # name -> (tensor, pipeline, ppoMinibatches, klCoef); data = 2 / (tensor * pipeline)
-    "tp2": (2, 1, 1, 0.0),  # pi_prox from the update's own forward
-    "pp2": (1, 2, 2, 0.0),  # pi_prox from a forward of its own, two optimizer steps per step
-    "dp2": (1, 1, 2, 0.05),  # each DP rank trains half the rows; a reference model for the KL term
+LAYOUTS = {  # name -> (processes, tensor, pipeline, context, ppoMinibatches, klCoef); data = processes / (tensor * pipeline * context)
+    "tp2": (2, 2, 1, 1, 1, 0.0),  # pi_prox from the update's own forward
+    "pp2": (2, 1, 2, 1, 2, 0.0),  # pi_prox from a forward of its own, two optimizer steps per step
+    "dp2": (2, 1, 1, 1, 2, 0.05),  # each DP rank trains half the rows; a reference model for the KL term
+    "cp2": (2, 1, 1, 2, 2, 0.05),  # each rank half of every sequence (context.py); pi_prox and the reference's forwards too
+    "pp2cp2": (4, 1, 2, 2, 1, 0.0),  # CP rank 1 of the last stage must leave publishing to CP rank 0 (it would send its weights too)
 }
+# the last checkpoint's files: the CP ranks hold the same weights, written once
+SHARDS = {"tp2": ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"], "cp2": ["megatron-tp0-pp0.pt"], "pp2cp2": ["megatron-tp0-pp0.pt", "megatron-tp0-pp1.pt"]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 async def test_megatron_trains_the_same_weights_as_fsdp_on_the_same_batches(tmp_path, tmp_path_factory, nats_server, model_dir, layout):
-    tensor, pipeline, minibatches, kl = LAYOUTS[layout]
+    world, tensor, pipeline, context, minibatches, kl = LAYOUTS[layout]
     agent = ScriptedAgent(model_dir)
     ref = await reference(tmp_path_factory, nats_server.url, model_dir, agent, minibatches, kl)
     t0 = time.monotonic()
-    got = await train(tmp_path, f"mg-{layout}", nats_server.url, model_dir, agent, backend="megatron", world=2, tensor=tensor,
-                      pipeline=pipeline, minibatches=minibatches, kl=kl)
+    got = await train(tmp_path, f"mg-{layout}", nats_server.url, model_dir, agent, backend="megatron", world=world, tensor=tensor,
+                      pipeline=pipeline, context=context, minibatches=minibatches, kl=kl)
     print(f"megatron {layout}: {time.monotonic() - t0:.1f}s")
+    data = world // (tensor * pipeline * context)  # the layout megatron's groups were built with, as the trainer logs it
+    assert f"megatron: tensor {tensor} x pipeline {pipeline} x context {context} x data {data} (expert 1) over {world} processes" in \
+        (tmp_path / f"mg-{layout}.log").read_text()
     assert_same_training(got, ref, model_dir)
     if layout == "tp2":  # what vLLM loads: a transformers model directory
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(got / "weights" / f"v{STEPS}")
         assert sorted(model.state_dict()) == sorted(load_weights(got / "weights" / f"v{STEPS}"))
-        # the last checkpoint (step 3, per-rank files) read back as one HF state dict: the weights published after step 3
+    if layout in SHARDS:  # the last checkpoint (step 3, per-rank files) read back as one HF state dict: the weights published after step 3
         from kuberl.runtime.trainer import checkpoint as ck
 
         latest = ck.latest_checkpoint(got / "checkpoints")
+        assert sorted(x.name for x in latest.path.glob("megatron-*.pt")) == SHARDS[layout]
         assert latest.step == STEPS and max_diff(ck.read_model_state(latest.path), load_weights(got / "weights" / f"v{STEPS}")) == 0
 
 

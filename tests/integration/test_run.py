@@ -148,16 +148,17 @@ def test_no_process_of_the_run_survives_it(short_run):
 
 
 def test_a_backend_admission_refuses_stops_kuberl_run_before_any_process_starts(tmp_path):
-    """trainer.backend megatron with context parallel is refused by the model (as by admission: megatron-core needs Transformer Engine for it): exit 2,
-    the reason naming the field, and no role ever started."""
-    from kuberl.api.v1alpha1 import CONTEXT_NEEDS_FSDP
+    """trainer.backend megatron with context and expert parallel together is refused by the model (as by admission: context parallel of a MoE
+    model is not implemented): exit 2, the reason naming the field, and no role ever started."""
+    from kuberl.api.v1alpha1 import MEGATRON_CONTEXT_EXPERT
 
-    manifest = quickstart_manifest(tmp_path, "bad-backend", **{"trainer.backend": "megatron", "trainer.parallelism.context": 2})
+    manifest = quickstart_manifest(tmp_path, "bad-backend", **{"trainer.backend": "megatron", "trainer.parallelism.context": 2,
+                                                              "trainer.parallelism.expert": 2})
     workdir = tmp_path / "work"
     proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "is not a valid RLExperiment" in proc.stderr and CONTEXT_NEEDS_FSDP in proc.stderr
+    assert "is not a valid RLExperiment" in proc.stderr and MEGATRON_CONTEXT_EXPERT in proc.stderr
     assert not (workdir / "logs").exists() and processes_mentioning(str(workdir)) == []
 
 

@@ -14,14 +14,14 @@ from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
-    ALLOCATION_CONTEXT_NEEDS_FSDP,
+    ALLOCATION_CONTEXT_EXPERT,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
     ASCEND_IMAGE_MESSAGE,
     CONTEXT_DIVIDE,
-    CONTEXT_NEEDS_FSDP,
     EXPERT_NEED_MEGATRON,
+    MEGATRON_CONTEXT_EXPERT,
     MEGATRON_EXPERT_DIVIDE,
     MEGATRON_EXPERT_TENSOR,
     MEGATRON_FULL_WEIGHTS,
@@ -144,9 +144,9 @@ class TestAllocation:
         p = s.trainer.parallelism
         assert (s.trainer.backend, s.trainer.world_size, p.data, p.context) == ("fsdp", 4, 2, 2)
 
-    def test_megatron_context_fsdp_experts_and_e_not_dividing_d_are_refused_naming_the_allocation(self):
-        # c > 1 only with fsdp (megatron-core's CP needs Transformer Engine), e > 1 only by megatron, and e must divide d.
-        for text, message in (("vllm:d2+fsdp:d2e2", ALLOCATION_EXPERT_NEED_MEGATRON), ("vllm:d2+megatron:d2c2", ALLOCATION_CONTEXT_NEEDS_FSDP),
+    def test_megatron_context_with_experts_fsdp_experts_and_e_not_dividing_d_are_refused_naming_the_allocation(self):
+        # c > 1 not with e > 1 (megatron does not run a MoE model context parallel), e > 1 only by megatron, and e must divide d.
+        for text, message in (("vllm:d2+fsdp:d2e2", ALLOCATION_EXPERT_NEED_MEGATRON), ("vllm:d2+megatron:d2c2e2", ALLOCATION_CONTEXT_EXPERT),
                               ("vllm:d2+megatron:d3e2", ALLOCATION_EXPERT_DIVIDE), ("vllm:d2t2+megatron:d2t2e2", ALLOCATION_EXPERT_TENSOR)):
             with pytest.raises(pydantic.ValidationError) as info:
                 RLExperimentSpec.model_validate(make_spec(allocation=text))
@@ -297,8 +297,14 @@ AGREEMENT_CASES = [
     ("default backend with pipeline parallel", {"trainer": {"parallelism": {"pipeline": 2}}}, TPE_NEED_MEGATRON),
     ("context parallel", {"trainer": {"accelerator": {"count": 2}, "parallelism": {"context": 2}}}, None),
     ("context x data parallel", {"trainer": {"nodes": 2, "accelerator": {"count": 2}, "parallelism": {"data": 2, "context": 2}}}, None),
-    ("context parallel with megatron", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"context": 2}}},
-     CONTEXT_NEEDS_FSDP),
+    ("context parallel with megatron", {"trainer": {"backend": "megatron", "accelerator": {"count": 2}, "parallelism": {"context": 2}}}, None),
+    ("megatron context x tensor x pipeline x data", {"trainer": {"backend": "megatron", "nodes": 2, "accelerator": {"count": 8},
+                                                                "parallelism": {"tensor": 2, "pipeline": 2, "context": 2, "data": 2}}}, None),
+    ("megatron context with expert parallel", {"trainer": {"backend": "megatron", "accelerator": {"count": 4},
+                                                           "parallelism": {"context": 2, "expert": 2}}}, MEGATRON_CONTEXT_EXPERT),
+    ("megatron tensor x context not dividing the processes", {"trainer": {"backend": "megatron", "accelerator": {"count": 6},
+                                                                          "parallelism": {"tensor": 2, "context": 2}}}, MEGATRON_TP_PP_DIVIDE),
+    ("megatron context on one process", {"trainer": {"backend": "megatron", "parallelism": {"context": 2}}}, MEGATRON_TP_PP_DIVIDE),
     ("context not dividing the processes", {"trainer": {"accelerator": {"count": 3}, "parallelism": {"context": 2}}}, CONTEXT_DIVIDE),
     ("context on one process", {"trainer": {"parallelism": {"context": 2}}}, CONTEXT_DIVIDE),
     ("context x data not filling the processes", {"trainer": {"accelerator": {"count": 6}, "parallelism": {"data": 2, "context": 2}}},
@@ -313,8 +319,10 @@ AGREEMENT_CASES = [
     ("allocation with e1", {"allocation": "vllm:d2+megatron:d2t2e1"}, None),
     ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, None),
     ("allocation with context 8", {"allocation": "vllm:d1+fsdp:d1c8"}, None),
-    ("allocation megatron with context parallel", {"allocation": "vllm:d2+megatron:d2c2"}, ALLOCATION_CONTEXT_NEEDS_FSDP),
-    ("allocation megatron with context 12 and tensor 2", {"allocation": "vllm:d1+megatron:d1t2c12"}, ALLOCATION_CONTEXT_NEEDS_FSDP),
+    ("allocation megatron with context parallel", {"allocation": "vllm:d2+megatron:d2c2"}, None),
+    ("allocation megatron with context 12 and tensor 2", {"allocation": "vllm:d1+megatron:d1t2c12"}, None),
+    ("allocation megatron with context and expert parallel", {"allocation": "vllm:d2+megatron:d2c2e2"}, ALLOCATION_CONTEXT_EXPERT),
+    ("allocation megatron with c12 and e10", {"allocation": "vllm:d1+megatron:d10c12e10"}, ALLOCATION_CONTEXT_EXPERT),
     ("allocation with c1 and d16", {"allocation": "vllm:d1+fsdp:d16c1"}, None),
     ("allocation with c01", {"allocation": "vllm:d1+fsdp:d2c01"}, None),
     ("both buses", {"bus": {"embedded": {}, "external": {"url": "nats://n:4222"}}}, "set bus.embedded or bus.external, not both"),

@@ -80,7 +80,7 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
 
     path = manifest(tmp_path)
     doc = yaml.safe_load(path.read_text())
-    doc["spec"]["trainer"] = {"backend": "megatron", "parallelism": {"context": 2}}
+    doc["spec"]["trainer"] = {"backend": "megatron", "parallelism": {"context": 2, "expert": 2}}
     path.write_text(yaml.safe_dump(doc))
     log = tmp_path / "termination-log"
     env = {**os.environ, "KUBERL_TERMINATION_LOG": str(log)}
@@ -88,12 +88,12 @@ def test_a_backend_this_trainer_cannot_run_exits_2_with_the_reason_as_terminatio
                            "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = log.read_text()
-    # Admission refuses context parallel (megatron-core needs Transformer Engine for it); a trainer handed such a file refuses it the same way on load.
-    from kuberl.api.v1alpha1 import CONTEXT_NEEDS_FSDP
+    # Admission refuses megatron's context parallel of a MoE model (not implemented); a trainer handed such a file refuses it the same way on load.
+    from kuberl.api.v1alpha1 import MEGATRON_CONTEXT_EXPERT
 
-    assert CONTEXT_NEEDS_FSDP in message
+    assert MEGATRON_CONTEXT_EXPERT in message
     assert message.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "configuration error: " in proc.stderr and CONTEXT_NEEDS_FSDP in proc.stderr
+    assert "configuration error: " in proc.stderr and MEGATRON_CONTEXT_EXPERT in proc.stderr
 
 
 def test_the_trainer_still_refuses_a_backend_it_cannot_run_that_slipped_past_validation(tmp_path):
