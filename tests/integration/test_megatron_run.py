@@ -268,14 +268,17 @@ async def kill_after_checkpoint_and_resume(path: Path, nats_url: str, workdir: P
         await bus.close()
 
 
+@pytest.mark.parametrize("layout", ["tensor", "context"])
 async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on_the_same_weights(tmp_path, tmp_path_factory, nats_server,
-                                                                                                     model_dir):
-    """tensor 2, checkpoints every 2 steps: killed while waiting for step 3's groups (step 2 is checkpointed), it
-    resumes at step 2 with its shards and optimizer state, trains step 3 and publishes the reference's v3."""
+                                                                                                     model_dir, layout):
+    """tensor 2 (or context 2), checkpoints every 2 steps: killed while waiting for step 3's groups (step 2 is checkpointed), it
+    resumes at step 2 with its shards and optimizer state (at context 2 both CP ranks read CP rank 0's one shard), trains step 3
+    and publishes the reference's v3."""
     agent = ScriptedAgent(model_dir)
     ref = await reference(tmp_path_factory, nats_server.url, model_dir, agent, 1, 0.0)
-    path = write_manifest(tmp_path / "exp.yaml", "mg-resume", model_dir, backend="megatron", world=2, tensor=2, every=2)
-    await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"])
+    path = write_manifest(tmp_path / "exp.yaml", f"mg-resume-{layout}", model_dir, backend="megatron", world=2, every=2, **{layout: 2})
+    shards = ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"] if layout == "tensor" else ["megatron-tp0-pp0.pt"]
+    await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, shards)
 
 
 def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_path):
