@@ -51,7 +51,7 @@ class SetUpMixin:
         from kuberl.runtime.models import resolve_model
 
         self.info = getattr(self, "info", None) or D.init_distributed()
-        # trainer.parallelism.context: Ulysses sequence parallel over consecutive ranks (context_parallel.py); megatron refuses it.
+        # trainer.parallelism.context: Ulysses sequence parallel over consecutive ranks (context_parallel.py); megatron builds its own (megatron/context.py).
         self.context_parallel = None if self.megatron else setup_context_parallel(self.info.rank, self.info.world_size,
                                                                                    self.spec.trainer.parallelism.context)
         if self.context_parallel is not None and self.info.is_main:
