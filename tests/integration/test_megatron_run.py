@@ -244,7 +244,10 @@ async def kill_after_checkpoint_and_resume(path: Path, nats_url: str, workdir: P
     try:
         await asyncio.wait_for(agent.run(bus, max_tickets=2 * B), 150)  # steps 1 and 2 only
         deadline = time.monotonic() + 120
-        while not ((p := await bus.get_state("progress")) and (p.get("checkpoint") or {}).get("step") == 2):
+        # The trainer commits step 2's checkpoint (and says so in `progress`) before it writes step 2's metrics.jsonl line:
+        # wait for both, else a kill in between loses the line (seen in CI under load: steps [1, 3]).
+        while not ((p := await bus.get_state("progress")) and (p.get("checkpoint") or {}).get("step") == 2
+                   and (workdir / "metrics.jsonl").is_file() and [r["step"] for r in metrics(workdir)] == [1, 2]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             await asyncio.sleep(0.2)
         kill(proc)
