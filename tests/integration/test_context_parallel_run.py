@@ -13,8 +13,6 @@ CPU engine, rollout agent) finishes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -112,18 +110,9 @@ async def test_lora_adapters_trained_at_context_2_equal_one_ranks(tmp_path_facto
 
 def test_kuberl_run_trains_at_context_2_on_the_vllm_engine(tmp_path):
     """`kuberl run` of the quickstart with the allocation shorthand vllm:d1+fsdp:d1c2 (2 trainer processes, one CP group)."""
-    root = Path(__file__).resolve().parents[2]
-    doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
-    doc["metadata"]["name"] = "cp-run"
-    doc["spec"]["algorithm"].update(batchSize=4, samplesPerPrompt=4)
     # the engine, its replica count and accelerators, the trainer's backend, process count and layout: all from the shorthand
-    doc["spec"].update(allocation="vllm:d1+fsdp:d1c2", rollout={"accelerator": {"type": "cpu"}, "concurrency": 16},
-                       trainer={"accelerator": {"type": "cpu"}}, training={"totalSteps": 3}, checkpoint={"everySteps": 2, "keep": 2})
-    (tmp_path / "cp-run.yaml").write_text(yaml.safe_dump(doc))
-    workdir = tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(tmp_path / "cp-run.yaml"), "--workdir", str(workdir)], cwd=root,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workdir = mg.kuberl_run_quickstart(tmp_path, "cp-run", allocation="vllm:d1+fsdp:d1c2", rollout={"accelerator": {"type": "cpu"}, "concurrency": 16},
+                                       trainer={"accelerator": {"type": "cpu"}}, training={"totalSteps": 3}, checkpoint={"everySteps": 2, "keep": 2})
     rows = metrics(workdir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 < r["entropy"] < 10 and r["tokens"] > 0 for r in rows), rows

@@ -23,6 +23,7 @@ from test_megatron_run import (
     assert_same_training,
     finish,
     kill_after_checkpoint_and_resume,
+    kuberl_run_quickstart,
     max_diff,
     metrics,
     reference,
@@ -117,26 +118,9 @@ def test_kuberl_run_trains_a_moe_model_at_expert_2_on_the_vllm_engine(tmp_path, 
     the real launcher, nats-server, vLLM CPU engine (which serves Qwen3-MoE: its CPU unquantized MoE backend) and
     rollout agent. Every step completes and the engine loads each published version (its log says so, and staleness
     stays within maxHeadOffpolicyness 2: later steps' groups come from published weights, not the initial ones)."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    root = Path(__file__).resolve().parents[2]
-    doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
-    doc["metadata"]["name"] = "mg-moe-run"
-    spec = doc["spec"]
-    spec["model"] = {"path": str(moe_dir), "dtype": "float32"}
-    spec["algorithm"].update(batchSize=4, samplesPerPrompt=4)
-    spec["trainer"] = {"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"expert": 2}}
-    spec["checkpoint"]["everySteps"] = 2
-    spec["training"]["totalSteps"] = 4
-    manifest = tmp_path / "mg-moe-run.yaml"
-    manifest.write_text(yaml.safe_dump(doc))
-    workdir = tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)], cwd=root,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workdir = kuberl_run_quickstart(tmp_path, "mg-moe-run", model={"path": str(moe_dir), "dtype": "float32"}, training={"totalSteps": 4},
+                                    checkpoint={"everySteps": 2, "keep": 2},
+                                    trainer={"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"expert": 2}})
     rows = metrics(workdir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness_max"] <= 2 for r in rows)

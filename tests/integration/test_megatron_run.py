@@ -302,24 +302,29 @@ def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_pat
         t.megatron_read_state(tmp_path, None)
 
 
-def test_kuberl_run_trains_with_the_megatron_backend_on_the_vllm_engine(tmp_path):
-    """`kuberl run` of the quickstart with trainer.backend megatron, tensor 2 on 2 CPU processes: the real launcher,
-    nats-server, vLLM CPU engine and rollout agent. Every step completes and reports the FSDP path's statistics,
-    and the last published version is a transformers model that differs from the initial one."""
+def kuberl_run_quickstart(tmp_path: Path, name: str, **spec) -> Path:
+    """`kuberl run` (the real launcher, nats-server, vLLM CPU engine, rollout agent) of examples/quickstart.yaml with
+    batch 4 x 4 samples and `spec` merged over its spec; asserts exit 0 and returns the run's workdir."""
     root = Path(__file__).resolve().parents[2]
     doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
-    doc["metadata"]["name"] = "mg-run"
-    spec = doc["spec"]
-    spec["algorithm"].update(batchSize=4, samplesPerPrompt=4)
-    spec["trainer"] = {"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"tensor": 2}}
-    spec["checkpoint"]["everySteps"] = 2
-    spec["training"]["totalSteps"] = 4
-    manifest = tmp_path / "mg-run.yaml"
+    doc["metadata"]["name"] = name
+    doc["spec"]["algorithm"].update(batchSize=4, samplesPerPrompt=4)
+    doc["spec"].update(spec)
+    manifest = tmp_path / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     workdir = tmp_path / "work"
     proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)], cwd=root,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return workdir
+
+
+def test_kuberl_run_trains_with_the_megatron_backend_on_the_vllm_engine(tmp_path):
+    """`kuberl run` of the quickstart with trainer.backend megatron, tensor 2 on 2 CPU processes: the real launcher,
+    nats-server, vLLM CPU engine and rollout agent. Every step completes and reports the FSDP path's statistics,
+    and the last published version is a transformers model that differs from the initial one."""
+    workdir = kuberl_run_quickstart(tmp_path, "mg-run", training={"totalSteps": 4}, checkpoint={"everySteps": 2, "keep": 2},
+                                    trainer={"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"tensor": 2}})
     rows = metrics(workdir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "entropy", "clip_fraction", "behavior_weight_mean", "approx_kl", "lr", "tokens", "staleness_max"):
