@@ -139,7 +139,9 @@ async def test_an_in_flight_update_swaps_the_weights_under_a_running_generation_
         if task.done():
             continue
         await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # no pause
-        assert not task.done() and engine.version == 1
+        assert engine.version == 1
+        if task.done():  # the load outlasted the generation's remaining tokens (a loaded machine): try earlier
+            continue
         res = await asyncio.wait_for(task, 300)
         old_lp = _logprobs(old, prompt, res.output_ids)
         differs = [abs(a - b) > 2e-3 for a, b in zip(res.logprobs, old_lp)]

@@ -24,6 +24,25 @@ def test_plan_buckets_respects_size_and_order():
         B.plan_buckets(entries, 0)
 
 
+def test_a_store_that_refuses_connections_fails_at_once_and_a_live_one_connects():
+    """A killed trainer's store refuses connections: the engine must not sit out torch's whole connect timeout on it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    port = master.port
+    client = B.connect_store("127.0.0.1", port, 10.0)
+    client.set("k", "v")
+    assert master.get("k") == b"v"
+    del client, master  # the trainer is gone: nothing listens on its port any more
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"weight store at 127.0.0.1:{port} refuses connections"):
+        B.connect_store("127.0.0.1", port, 30.0)
+    assert time.monotonic() - started < B.REFUSED_GRACE_S + 2.0
+
+
 def test_pack_unpack_roundtrip_mixed_dtypes():
     ts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(2, dtype=torch.float64)]
     bucket = B.entries_for([("a", ts[0]), ("b", ts[1]), ("c", ts[2])], torch.bfloat16)

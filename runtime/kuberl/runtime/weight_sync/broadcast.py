@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 ALIGN = 16  # byte alignment of every tensor in a bucket (so the receiver can view any dtype in place)
 REQ_COUNT = "req/count"
 BACKENDS = ("gloo", "nccl")
+REFUSED_GRACE_S = 2.0  # how long a refused store connection is retried before the store is taken for gone
 PAUSE_GRACE_S = 30.0  # beyond the join window, what building a group allows members to pause their engine and call the worker
 
 
@@ -154,7 +156,24 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> list[tuple[str, torch.Tens
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the trainer's TCPStore."""
+    """A client of the trainer's TCPStore.
+
+    A store that refuses connections is gone (the trainer starts it before it announces it): ConnectionError at once,
+    where torch's client would retry its connect for the whole `timeout_s` (seen: an engine blocked 40 s on the store of
+    a killed trainer while its restarted successor waited to serve it). Other connect failures (no route, a slow
+    network) are left to torch's retries."""
+    deadline = time.monotonic() + REFUSED_GRACE_S
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, float(timeout_s))).close()
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"the trainer's weight store at {host}:{port} refuses connections: the trainer that "
+                                      "announced it is gone") from None
+            time.sleep(0.2)
+        except OSError:
+            break
     return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
