@@ -142,7 +142,9 @@ class TestVLLM:
 
     def test_the_server_runs_the_module_in_dev_mode_with_processed_logprobs(self):
         cmd = vllm.build_server_command("/m", port=8000, max_model_len=512, extra_args=["--max-model-len", "256"])
-        assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        # on CPU through vllm_server (its engine core forked), which runs vLLM's server module named next
+        assert cmd[1:4] == ["-m", "kuberl.runtime.inference.vllm_server", "vllm.entrypoints.openai.api_server"] if vllm.on_cpu() else \
+            cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # the model's sampling defaults are off
         assert cmd[cmd.index("--worker-extension-cls") + 1] == vllm.WORKER_EXTENSION  # tied-head-safe reload

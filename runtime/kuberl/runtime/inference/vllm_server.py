@@ -1,0 +1,51 @@
+"""`python -m kuberl.runtime.inference.vllm_server vllm.entrypoints.openai.api_server ARGS...`: vLLM's OpenAI server, its
+engine-core process forked rather than spawned on a one-worker CPU engine.
+
+vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally (vllm/platforms/cpu.py,
+check_and_update_config), for its multiproc executor's OpenMP-bound workers. With `--distributed-executor-backend uni`
+(what KubeRL runs for tensor x pipeline 1, vllm.build_server_command) there are no such workers: the one worker runs
+inside the engine-core process, which binds its own OpenMP threads. Spawning that process re-imports vLLM and torch
+in it; forking does not. Measured on the tiny model here: healthy after 29.7 s spawned, 15.9 s forked (same tokens
+for the same seed). Every `kuberl run`, engine restart and engine test fixture starts one.
+
+The first argument names vLLM's server module, so that the process still reads as vLLM's server in `ps` (and to the
+tests and benchmarks that find it there). KUBERL_VLLM_CPU_FORK=0 keeps vLLM's spawn. Re-check on every vLLM upgrade:
+the engine tests start servers through this module.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+FORK_ENV = "KUBERL_VLLM_CPU_FORK"
+
+
+def keep_fork_for_uni_executor() -> None:
+    """After vLLM's CPU platform has set spawn, put fork back when the executor is uni (one worker, in the engine core)."""
+    from vllm.platforms import cpu
+
+    original = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+        original(cls, vllm_config)
+        if vllm_config.parallel_config.distributed_executor_backend == "uni":
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = before or "fork"  # vLLM's own default: fork
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not sys.argv[1].startswith("vllm."):
+        raise SystemExit("usage: python -m kuberl.runtime.inference.vllm_server vllm.entrypoints.openai.api_server [vLLM arguments]")
+    module = sys.argv[1]
+    if os.environ.get(FORK_ENV, "1") != "0":
+        keep_fork_for_uni_executor()
+    sys.argv = [module, *sys.argv[2:]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
