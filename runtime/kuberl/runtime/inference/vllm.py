@@ -82,8 +82,11 @@ def build_server_command(
     `lora_rank` (algorithm.lora.rank): serve LoRA adapters up to that rank (see lora_args).
     `log_stats`: vLLM's per-step statistics (its Prometheus series, e.g. vllm:generation_tokens_total); default:
     on GPUs only."""
+    one_cpu_worker = on_cpu() and tensor_parallel_size * pipeline_parallel_size == 1
+    # A one-worker CPU engine through vllm_server: its engine-core process forked, not spawned (healthy in ~16 s, not ~30)
+    launcher = ["kuberl.runtime.inference.vllm_server"] if one_cpu_worker else []
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", *launcher, "vllm.entrypoints.openai.api_server",
         "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
         "--host", host, "--port", str(port), "--dtype", dtype,
         "--tensor-parallel-size", str(tensor_parallel_size), "--pipeline-parallel-size", str(pipeline_parallel_size),
@@ -104,9 +107,7 @@ def build_server_command(
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if on_cpu():
         cmd.append("--enforce-eager")  # no graph capture on CPU
-        if tensor_parallel_size * pipeline_parallel_size == 1:
-            # Its engine-core process forked, not spawned: healthy in ~16 s instead of ~30 (vllm_server.py)
-            cmd[1:3] = ["-m", "kuberl.runtime.inference.vllm_server", "vllm.entrypoints.openai.api_server"]
+        if one_cpu_worker:
             # The one worker runs inside the engine-core process (server_env sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
             # without which vLLM's CPU platform turns uni back into mp): no worker process spinning on a shared-memory
             # queue between steps. Measured on bench/bench_trl.py: the engine's CPU per training step 0.53 -> 0.20 core-s.
