@@ -80,7 +80,7 @@ def make_groups(groups: int, prompt: int, response: int, seed: int) -> list[dict
     return out
 
 
-def manifest(model: Path, groups: int, response: int) -> dict:
+def manifest(model: Path, groups: int, response: int, micro_batch_tokens: int = 16384, checkpointing: bool = False) -> dict:
     return {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "bench-gpu-trainer"},
         "spec": {
@@ -88,7 +88,8 @@ def manifest(model: Path, groups: int, response: int) -> dict:
             "dataset": {"builtin": "repeat-digit", "size": 64},
             "algorithm": {"name": "grpo", "samplesPerPrompt": G, "batchSize": groups, "maxNewTokens": response,
                           "learningRate": 1e-6, "epsClip": 0.2, "ppoMinibatches": 1},
-            "trainer": {"backend": "fsdp", "accelerator": {"type": "nvidia", "count": 1}},
+            "trainer": {"backend": "fsdp", "accelerator": {"type": "nvidia", "count": 1}, "microBatchTokens": micro_batch_tokens,
+                        "gradientCheckpointing": checkpointing},
             "training": {"totalSteps": 100},
         },
     }
@@ -112,7 +113,7 @@ def kuberl_side(model_dir: Path, batches: list[list[dict]], args, work: Path) ->
     from kuberl.runtime.trainer.batch import build_batch
     from kuberl.runtime.trainer.trainer import Trainer
 
-    exp = RLExperiment.model_validate(manifest(model_dir, args.groups, args.response))
+    exp = RLExperiment.model_validate(manifest(model_dir, args.groups, args.response, args.micro_batch_tokens, args.gradient_checkpointing))
     t = Trainer(exp, bus_url="nats://unused:4222", workdir=work)
     t.info = D.init_distributed()
     t.setup()
@@ -193,6 +194,9 @@ def main() -> int:
     ap.add_argument("--response", type=int, default=512, help="longest response; lengths are drawn from response/4..response")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="KubeRL's trainer.microBatchTokens (its default)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="KubeRL's trainer.gradientCheckpointing")
+    ap.add_argument("--no-peer", action="store_true", help="time KubeRL's side only")
     ap.add_argument("--peer-rows", type=int, default=8, help="rows per micro-batch of the plain step")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--cpu", action="store_true", help="run without a GPU (a smoke run of the script: its figures mean nothing)")
@@ -213,23 +217,26 @@ def main() -> int:
                 empty_cache()
                 ours = kuberl_side(model_dir, batches, args, Path(tmp) / f"work-{name}")
                 empty_cache()
-                peer = peer_side(model_dir, batches, args)
+                peer = None if args.no_peer else peer_side(model_dir, batches, args)
                 empty_cache()
             except Exception:
                 traceback.print_exc()
                 print(f"{name}: failed (above)", flush=True)
                 continue
-            for side, r in (("KubeRL trainer (FSDP2, bf16)", ours), ("plain PyTorch step (autocast)", peer)):
+            sides = [("KubeRL trainer (FSDP2, bf16)", ours)] + ([("plain PyTorch step (autocast)", peer)] if peer else [])
+            for side, r in sides:
                 s = statistics.median(r["times"])
                 r.update(name=name, side=side, params=params, step_s=s, tokens_per_s=tokens / s, tflops=6 * params * tokens / s / 1e12)
                 results.append(r)
             print(f"\n{name} ({params / 1e6:.0f}M parameters): {ours['fsdp']}, attention {ours['attn']}, process group {ours['backend']}, "
+                  f"microBatchTokens {args.micro_batch_tokens}, gradient checkpointing {args.gradient_checkpointing}, "
                   f"pi_prox from the update's forward: {ours['prox_in_update']}; trainer stages (median s): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in ours["stages"].items()), flush=True)
-            for r in (ours, peer):
+            for _, r in sides:
                 print(f"  {r['side']:<32} {r['step_s']:7.3f} s/step  {r['tokens_per_s']:9.0f} tokens/s  {r['tflops']:6.1f} TFLOP/s  "
                       f"peak {r['peak_gib']:.1f} GiB  (steps: {', '.join(f'{x:.3f}' for x in r['times'])})", flush=True)
-            print(f"  KubeRL / plain: {peer['step_s'] / ours['step_s']:.2f}x the plain step's speed", flush=True)
+            if peer:
+                print(f"  KubeRL / plain: {peer['step_s'] / ours['step_s']:.2f}x the plain step's speed", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if results else 1

@@ -202,3 +202,35 @@ class TestFastLogprobs:
         assert embedded == [(3, L - 1)]  # the last token predicts nothing that is scored
         # The head starts at the shortest prompt's last position, not at position 0.
         assert headed == [(3, L - 1 - (min(len(p) for p in prompts) - 1))]
+
+
+class TestGradientCheckpointing:
+    """trainer.gradientCheckpointing on one rank (no FSDP): in training mode transformers turns the KV cache off, so
+    the shared-prompt path cannot run; the update falls back to a path without a cache, with the same numbers."""
+
+    def test_the_update_path_under_checkpointing_gives_the_same_logprobs_and_gradients(self, tmp_path):
+        from transformers import AutoModelForCausalLM
+
+        from kuberl.runtime.models import build_tiny_model
+        from kuberl.runtime.trainer.packing import can_share_prompts, use_packing
+
+        path = build_tiny_model(tmp_path / "m", seed=0)
+        prompts, outputs = grouped_rows()
+        width = max(len(o) for o in outputs)
+        weights = torch.randn(len(prompts), width, generator=torch.Generator().manual_seed(3))
+        results = []
+        for checkpointing in (False, True):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            packed = use_packing("auto", prompts, outputs, model)
+            logp, _ = response_logprobs(model, prompts, outputs, width, entropy=True, packed=packed)
+            (logp * weights).sum().backward()
+            assert can_share_prompts(model) is not checkpointing
+            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.eval()  # the pi_prox forward: no grad, the cache is back, so prompts are shared again
+            assert can_share_prompts(model)
+        (want_lp, want_grad), (lp, grad) = results
+        assert torch.allclose(lp, want_lp, atol=1e-5, rtol=0)
+        for name, g in grad.items():
+            assert torch.allclose(g, want_grad[name], atol=1e-5, rtol=1e-5), name

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from kuberl.runtime.trainer.packing import is_fsdp as _is_fsdp
-from kuberl.runtime.trainer.packing import packed_logits
+from kuberl.runtime.trainer.packing import can_share_prompts, packed_logits
 
 
 class BatchError(ValueError):
@@ -266,8 +265,8 @@ def response_logprobs(
     Right padding with an attention mask; positions count from 0 in every row. The LM head runs only
     where a scored token is predicted (never [rows, L, V] over prompts). Rows with the same prompt (a
     group) run it once and their responses on its KV cache (`share_prompts`; not under FSDP, whose
-    hooks expect one forward per backward). With `entropy`, also the entropy of softmax(logits / T) at
-    each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
+    hooks expect one forward per backward, nor under gradient checkpointing in training mode, which returns no cache).
+    With `entropy`, also the entropy of softmax(logits / T) at each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
     term): H = logsumexp(z) - sum softmax(z) * z. `packed`: the rows back to back, no padding
     (kuberl.runtime.trainer.packing), the same numbers. `cp` (a context_parallel.ContextParallel): the packed rows
     split over the CP group, every CP rank gets the whole [rows, width] (each entry computed by one of them).
@@ -286,7 +285,7 @@ def response_logprobs(
     else:
         index: dict[tuple[int, ...], int] = {}
         owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
-        if share_prompts and len(index) < len(prompts) and not _is_fsdp(model):
+        if share_prompts and len(index) < len(prompts) and can_share_prompts(model):
             logits = _shared_prompt_logits(model, prompts, outputs, width, device, pad_id, owner, [list(k) for k in index])
         else:
             logits = _full_sequence_logits(model, prompts, outputs, width, device, pad_id)

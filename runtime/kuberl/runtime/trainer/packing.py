@@ -59,6 +59,14 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def can_share_prompts(model: torch.nn.Module) -> bool:
+    """Whether response_logprobs' shared-prompt path may run: it feeds the responses on the prompts' KV cache, which
+    FSDP's hooks (one forward per backward) rule out, and so does gradient checkpointing in training mode
+    (transformers then turns use_cache off and returns no cache)."""
+    checkpointing = model.training and bool(getattr(model, "is_gradient_checkpointing", False))
+    return not is_fsdp(model) and not checkpointing
+
+
 def padded_slots(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], share_prompts: bool = True) -> int:
     """Token slots the unpacked path feeds: rows x longest sequence, or where rows share prompts (response_logprobs'
     shared-prompt path) each distinct prompt padded to the longest plus rows x longest response."""
@@ -80,13 +88,13 @@ def packed_slots(seq_lens: Sequence[int], varlen: bool) -> int:
 
 def use_packing(mode: str, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], model: torch.nn.Module) -> bool:
     """trainer.packing for one batch: on, off, or auto: pack when the unpacked path (padded, or shared-prompt where
-    groups share a prompt and the model is not FSDP) would feed AUTO_MIN_GAIN x the packed layout's token slots."""
+    groups share a prompt and `can_share_prompts`) would feed AUTO_MIN_GAIN x the packed layout's token slots."""
     if mode not in PACKING_MODES:
         raise ValueError(f"trainer.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
     packed = packed_slots([len(p) + len(o) for p, o in zip(prompts, outputs)], varlen_attention(model))
-    return packed > 0 and padded_slots(prompts, outputs, share_prompts=not is_fsdp(model)) >= AUTO_MIN_GAIN * packed
+    return packed > 0 and padded_slots(prompts, outputs, share_prompts=can_share_prompts(model)) >= AUTO_MIN_GAIN * packed
 
 
 @dataclass(frozen=True)
