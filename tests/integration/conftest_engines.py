@@ -28,6 +28,7 @@ class VLLMServer:
     model_dir: Path  # the initial weights (v0)
     other_weights: Path  # the same architecture and tokenizer, other random weights (seed 1)
     log_path: Path
+    pid: int  # the API server's process (vLLM's engine core is its child)
 
 
 def _serve(tmp_path_factory: pytest.TempPathFactory, builtin: str) -> Iterator[VLLMServer]:
@@ -51,7 +52,7 @@ def _serve(tmp_path_factory: pytest.TempPathFactory, builtin: str) -> Iterator[V
         tail = log_path.read_text()[-3000:] if log_path.exists() else "(no log)"
         pytest.fail(f"vLLM server did not start; log tail:\n{tail}")
     try:
-        yield VLLMServer(url=engine.url, workdir=workdir, model_dir=model_dir, other_weights=other, log_path=log_path)
+        yield VLLMServer(url=engine.url, workdir=workdir, model_dir=model_dir, other_weights=other, log_path=log_path, pid=engine.proc.pid)
     finally:
         asyncio.run(engine.stop())
 

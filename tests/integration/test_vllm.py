@@ -53,6 +53,19 @@ async def _load(engine, path, version):
     await engine.resume()
 
 
+def test_the_engine_core_process_was_forked_not_spawned(vllm_server):
+    """kuberl.runtime.inference.vllm_server: a one-worker CPU engine's core is forked (healthy in about half the time).
+    A spawned child is exec'd with the environment of the moment, which holds the VLLM_WORKER_MULTIPROC_METHOD=spawn
+    that vLLM's CLI sets at start-up; a forked one keeps the server's exec-time environment, which does not."""
+    from pathlib import Path
+
+    children = [int(p) for p in Path(f"/proc/{vllm_server.pid}/task/{vllm_server.pid}/children").read_text().split()]
+    cores = [pid for pid in children if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
+    assert len(cores) == 1, f"expected one engine-core child of the API server, got {children}"
+    environ = Path(f"/proc/{cores[0]}/environ").read_bytes().split(b"\0")
+    assert b"VLLM_WORKER_MULTIPROC_METHOD=spawn" not in environ
+
+
 async def test_generate_returns_the_sampled_ids_and_their_logprobs_under_the_served_weights(engine, vllm_server):
     await _load(engine, vllm_server.model_dir, 0)
     tok, model = _hf(vllm_server.model_dir)

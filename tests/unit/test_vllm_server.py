@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,20 +17,33 @@ def test_vllm_still_forces_spawn_on_cpu():
     assert 'os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"' in inspect.getsource(CpuPlatform.check_and_update_config)
 
 
-@pytest.mark.parametrize(("executor", "before", "after"), [("uni", None, "fork"), ("uni", "fork", "fork"), ("mp", None, "spawn")])
-def test_fork_comes_back_for_the_uni_executor_only(monkeypatch, executor, before, after):
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kuberl.runtime.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m"), seed=0)
+
+
+@pytest.mark.parametrize(("executor", "chosen", "after"), [("uni", None, "fork"), ("uni", "spawn", "spawn"), ("mp", None, "spawn")])
+def test_fork_comes_back_for_the_uni_executor_only(monkeypatch, tiny_model, executor, chosen, after):
+    """The order the server runs in: the wrapper patches, vLLM's CLI sets spawn (cli_env_setup), then vLLM builds the
+    config (the CPU platform forces spawn again). A start method the user named before the server started is kept."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.platforms import cpu
 
-    def forces_spawn(cls, vllm_config):  # what vLLM's CPU platform does to the variable
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-
-    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(forces_spawn))
-    if before is None:
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", cpu.CpuPlatform.check_and_update_config)  # undone after
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as server_env sets it: vLLM keeps uni
+    if chosen is None:
         monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     else:
-        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", before)
+        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", chosen)
     vllm_server.keep_fork_for_uni_executor()
-    cpu.CpuPlatform.check_and_update_config(SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=executor)))
+    cli_env_setup()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # what vLLM's server entry point sets before the config
+    config = EngineArgs(model=str(tiny_model), distributed_executor_backend=executor, enforce_eager=True, max_model_len=64,
+                        dtype="float32").create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == executor
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == after
 
 

@@ -23,16 +23,21 @@ FORK_ENV = "KUBERL_VLLM_CPU_FORK"
 
 
 def keep_fork_for_uni_executor() -> None:
-    """After vLLM's CPU platform has set spawn, put fork back when the executor is uni (one worker, in the engine core)."""
+    """After vLLM's CPU platform has set spawn, put fork back when the executor is uni (one worker, in the engine core).
+
+    Call it before vLLM's server module runs: the start method the environment named then (the user's choice) is kept;
+    unset, uni gets fork. vLLM's CLI sets spawn itself before it builds the config (`cli_env_setup`), so the variable's
+    value at config time says nothing about what the user asked for.
+    """
     from vllm.platforms import cpu
 
     original = cpu.CpuPlatform.check_and_update_config.__func__
+    chosen = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
 
     def check_and_update_config(cls, vllm_config) -> None:
-        before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         original(cls, vllm_config)
         if vllm_config.parallel_config.distributed_executor_backend == "uni":
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = before or "fork"  # vLLM's own default: fork
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = chosen or "fork"  # vLLM's own default: fork
 
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
