@@ -10,7 +10,7 @@ trailing-10-step mean reward of 0.6 (both timed from the end of the first traini
 is out), final reward (mean of the last 10 steps), the ratios, and KubeRL's trainer stage times.
 
     pip install 'kuberl[bench]'   # TRL; never needed by the tests
-    flock /tmp/kuberl-heavy.lock python bench/bench_trl.py [--steps 400] [--eta 2] [--in-flight abort keep]
+    flock /tmp/kuberl-heavy.lock python bench/bench_trl.py [--steps 400] [--eta 2] [--in-flight abort keep] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -167,19 +167,40 @@ def main() -> int:
     parser.add_argument("--eta", type=int, default=2, help="KubeRL's staleness.maxHeadOffpolicyness")
     parser.add_argument("--in-flight", nargs="+", default=["abort", "keep"], choices=["abort", "keep"],
                         help="KubeRL's weightSync.inFlight settings to run (each is one KubeRL run)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of (TRL, then each KubeRL setting), alternating, each ratio against its own round's TRL run: "
+                             "a shared VM's speed drifts between runs by as much as the ratio being measured")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and metrics here (default: a temporary folder)")
     args = parser.parse_args()
     try:
         import trl
     except ImportError:
         raise SystemExit("TRL is not installed: pip install 'kuberl[bench]'") from None
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="kuberl-bench-trl-") as tmp:
-        root = args.workdir or Path(tmp)
-        root.mkdir(parents=True, exist_ok=True)
-        model, data = build_inputs(root)
-        runs = [run_kuberl(root, model, data, args.steps, args.eta, mode) for mode in args.in_flight]
-        theirs = run_trl(root, model, data, args.steps)
-    print(f"\n{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, TRL {trl.__version__}; {args.steps} steps of {PROMPTS} prompts x {G}, "
+        base = args.workdir or Path(tmp)
+        for k in range(args.repeats):
+            root = base / f"round-{k}" if args.repeats > 1 else base
+            root.mkdir(parents=True, exist_ok=True)
+            model, data = build_inputs(root)
+            theirs = run_trl(root, model, data, args.steps)
+            runs = [run_kuberl(root, model, data, args.steps, args.eta, mode) for mode in args.in_flight]
+            rounds.append((theirs, runs))
+            report(args, trl.__version__, theirs, runs, f" (round {k + 1} of {args.repeats})" if args.repeats > 1 else "")
+    if args.repeats > 1:
+        print(f"\n{args.repeats} alternating rounds, each ratio against the same round's TRL run:")
+        for m, mode in enumerate(args.in_flight):
+            speed = [ours["samples_per_s"] / theirs["samples_per_s"] for theirs, runs in rounds for ours, _ in runs[m:m + 1]]
+            sooner = [theirs["reached_s"] / ours["reached_s"] for theirs, runs in rounds for ours, _ in runs[m:m + 1]
+                      if ours["reached_s"] and theirs["reached_s"]]
+            print(f"  inFlight {mode}: samples/s ratio median {statistics.median(speed):.2f}x (each: {', '.join(f'{x:.2f}' for x in speed)}); "
+                  f"reward {THRESHOLD} sooner median {statistics.median(sooner) if sooner else float('nan'):.2f}x "
+                  f"(each: {', '.join(f'{x:.2f}' for x in sooner)})")
+    return 0
+
+
+def report(args, trl_version: str, theirs: dict, runs: list[tuple[dict, dict]], title: str) -> None:
+    print(f"\n{time.strftime('%Y-%m-%d')}{title}, {os.cpu_count()} cores, TRL {trl_version}; {args.steps} steps of {PROMPTS} prompts x {G}, "
           f"{NEW_TOKENS} new tokens, reward {THRESHOLD} = trailing {TRAIL}-step mean, times from the end of step 1")
     print(f"{'':<46}{'samples/s':>10}{'reward 0.6 at':>22}{'final reward':>14}")
     for r in (theirs, *(ours for ours, _ in runs)):
@@ -190,8 +211,7 @@ def main() -> int:
         to = (theirs["reached_s"] / ours["reached_s"]) if ours["reached_s"] and theirs["reached_s"] else float("nan")
         print(f"\n{ours['name']} / TRL: samples/s {speed:.2f}x; time to reward {THRESHOLD} {to:.2f}x faster "
               f"(TRL's seconds / KubeRL's); final reward {ours['final_reward']:.3f} vs {theirs['final_reward']:.3f}")
-        print("  trainer, mean seconds per step: " + ", ".join(f"{k.removeprefix('train.')} {v:.3f}" for k, v in sorted(stages.items())))
-    return 0
+        print("  trainer, mean seconds per step: " + ", ".join(f"{k.removeprefix('train.')} {v:.3f}" for k, v in sorted(stages.items())), flush=True)
 
 
 if __name__ == "__main__":
