@@ -83,7 +83,7 @@ def build_server_command(
     `log_stats`: vLLM's per-step statistics (its Prometheus series, e.g. vllm:generation_tokens_total); default:
     on GPUs only."""
     one_cpu_worker = on_cpu() and tensor_parallel_size * pipeline_parallel_size == 1
-    # A one-worker CPU engine through vllm_server: its engine-core process forked, not spawned (healthy in ~16 s, not ~30)
+    # A one-worker CPU engine through vllm_server: its engine-core process forked, not spawned (healthy in 17.5 s, not 32)
     launcher = ["kuberl.runtime.inference.vllm_server"] if one_cpu_worker else []
     cmd = [
         sys.executable, "-m", *launcher, "vllm.entrypoints.openai.api_server",

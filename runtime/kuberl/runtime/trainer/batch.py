@@ -264,10 +264,9 @@ def response_logprobs(
     Logits are divided by the sampling temperature, as the engine did when it reported its logprobs.
     Right padding with an attention mask; positions count from 0 in every row. The LM head runs only
     where a scored token is predicted (never [rows, L, V] over prompts). Rows with the same prompt (a
-    group) run it once and their responses on its KV cache (`share_prompts`; not under FSDP, whose
-    hooks expect one forward per backward, nor under gradient checkpointing in training mode, which returns no cache).
-    With `entropy`, also the entropy of softmax(logits / T) at each output position, [rows, width], from the same forward (no grad: a statistic, not a loss
-    term): H = logsumexp(z) - sum softmax(z) * z. `packed`: the rows back to back, no padding
+    group) run it once and their responses on its KV cache (`share_prompts`, where packing.can_share_prompts
+    allows it). With `entropy`, also the entropy of softmax(logits / T) at each output position, [rows, width],
+    from the same forward (no grad: a statistic, not a loss term): H = logsumexp(z) - sum softmax(z) * z. `packed`: the rows back to back, no padding
     (kuberl.runtime.trainer.packing), the same numbers. `cp` (a context_parallel.ContextParallel): the packed rows
     split over the CP group, every CP rank gets the whole [rows, width] (each entry computed by one of them).
     """
