@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import pytest_asyncio
@@ -185,13 +186,33 @@ async def test_no_request_reuses_prefix_kv_that_earlier_weights_computed(engine,
     tok, _ = _hf(vllm_server.model_dir)
     _, new = _hf(vllm_server.other_weights)
     long_prompt = _prompt(tok, "Repeat the digit 7, and nothing else. " * 12)
-    assert 130 < len(long_prompt) < 480, len(long_prompt)  # at least one full KV block (128 tokens on CPU) to cache
+    assert 130 < len(long_prompt) < 480, len(long_prompt)  # full KV blocks to cache (32 tokens on CPU, 16 on GPUs)
     await _load(engine, vllm_server.model_dir, 0)
     await engine.generate(GenerateRequest(long_prompt, max_new_tokens=2, temperature=1.0, seed=1))  # its blocks cached under v0
     await engine.update_weights_from_disk(str(vllm_server.other_weights), 1)  # as keep does it: no pause
     res = await engine.generate(GenerateRequest(long_prompt, max_new_tokens=8, temperature=1.0, seed=2))
     assert res.logprobs == pytest.approx(_logprobs(new, long_prompt, res.output_ids), abs=2e-3)
     await _load(engine, vllm_server.model_dir, 0)
+
+
+async def _prefix_cache_hits(engine) -> float:
+    async with engine._http().get(engine.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+
+
+async def test_a_groups_samples_share_the_kv_of_a_prompt_shorter_than_vllms_cpu_default_block(engine, vllm_server):
+    """A 60-127-token prompt, as many of a reasoning data set's are: under vLLM's CPU default of 128-token blocks its n
+    samples each prefilled it again; under the 32-token blocks KubeRL's engines run it is prefilled once."""
+    await _load(engine, vllm_server.model_dir, 0)
+    tok, _ = _hf(vllm_server.model_dir)
+    prompt = _prompt(tok, f"Repeat the digit {time.time_ns() % 10}, and nothing else; {time.time_ns()}. " * 2)
+    assert 64 <= len(prompt) < 128, len(prompt)
+    full_blocks = (len(prompt) - 1) // 32 * 32  # vLLM computes at least a prompt's last token
+    before = await _prefix_cache_hits(engine)
+    await engine.generate(GenerateRequest(prompt, max_new_tokens=2, temperature=1.0))  # computes and caches its blocks
+    await engine.generate_n(GenerateRequest(prompt, max_new_tokens=2, temperature=1.0), 4)
+    assert await _prefix_cache_hits(engine) - before >= 4 * full_blocks, len(prompt)
 
 
 async def test_a_weight_reload_changes_the_outputs_without_a_restart(engine, vllm_server):

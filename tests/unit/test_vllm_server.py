@@ -62,3 +62,24 @@ def test_it_refuses_to_run_anything_but_a_vllm_module(monkeypatch):
     monkeypatch.setattr("sys.argv", ["vllm_server", "os"])
     with pytest.raises(SystemExit, match="usage"):
         vllm_server.main()
+
+
+def _engine_config(cmd: list[str]):
+    """The VllmConfig vLLM's own server would build from `cmd` (its CLI parser, then EngineArgs), on this CPU."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[cmd.index("--model"):])
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+@pytest.mark.parametrize(("engine_args", "block"), [([], vllm.CPU_BLOCK_SIZE), (["--block-size", "64"], 64)])
+def test_a_cpu_engine_gets_32_token_kv_blocks_unless_the_manifest_names_its_own(monkeypatch, tiny_model, engine_args, block):
+    """vLLM's CPU default (128) would leave a group's prompts under 128 tokens unshared by its n samples: only full blocks
+    are cached. test_vllm.py checks the sharing on a running server."""
+    monkeypatch.setattr(vllm, "on_cpu", lambda: True)
+    cmd = vllm.build_server_command(str(tiny_model), port=8000, max_model_len=64, extra_args=engine_args)
+    config = _engine_config(cmd)
+    assert config.cache_config.block_size == block
+    assert config.cache_config.enable_prefix_caching
