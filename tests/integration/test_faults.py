@@ -272,6 +272,10 @@ def test_a_bus_that_cannot_come_back_stops_the_run_with_one_clear_line_and_exit_
     assert f"kuberl run --resume {workdir / 'experiment.yaml'} --workdir {workdir}" in failed[0]
     assert "Traceback" not in terminal and "Task was destroyed" not in terminal and "Event loop is closed" not in terminal
     assert processes_mentioning(str(workdir)) == []
+    # The trainer, stopped while its step waited on the dead bus, exited at once rather than at the end of its grace.
+    trainer_log = (workdir / "logs" / "trainer.log").read_text()
+    assert "SIGTERM while the bus is down: exiting now" in trainer_log, trainer_log[-3000:]
+    assert "Traceback" not in trainer_log, trainer_log[-3000:]
 
 
 async def tickets_info(bus_url: str, manifest: Path) -> dict[str, int]:

@@ -41,6 +41,11 @@ class TrainerBusIO:
     async def close(self) -> None:
         await self.bus.close()
 
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to nats-server is up (nats-py reconnects on its own while it is not)."""
+        return bool(self.bus.nc.is_connected)
+
     async def publish_tickets(self, tickets: list[Ticket]) -> int:
         return await self.bus.publish_tickets(tickets)
 

@@ -87,6 +87,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.recent: deque[tuple[int, float]] = deque(maxlen=5)  # (samples, seconds) of recent steps
         self.last_checkpoint: dict[str, Any] | None = None
         self.stop_reason: str | None = None
+        self._run_task: asyncio.Task | None = None  # run()'s task: SIGTERM cancels it while the bus is down
         self.last_numbers: dict[str, Any] = {}  # reward, speed, staleness of the last step, for progress
         self.tracking: Tracking | None = None  # spec.tracking's trackers, rank 0, from the first step's report
         self.evals: EvalSchedule | None = None  # spec.evaluation's rounds (rank 0)
@@ -101,6 +102,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         """Train until totalSteps; returns the process exit code (0 done or stopped, 1 failed, 2 configuration
         error found while setting up, 143 SIGTERM). Either failure is reported in progress.failed."""
         self.bus: TrainerBusIO | None = None
+        self._run_task = asyncio.current_task()
         clean = False  # every rank reached the end: they wait for each other before tearing the group down
         try:
             self.info = D.init_distributed()
@@ -132,6 +134,10 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
                 log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
             clean = True
             return 143 if self.stop_reason == "SIGTERM" else 0
+        except asyncio.CancelledError:
+            if self.stop_reason != "SIGTERM during a bus outage":
+                raise
+            return 143  # _on_sigterm: the step could not finish; the last checkpoint stands
         except Exception as exc:
             config = isinstance(exc, ConfigError)
             if config:  # no traceback: the message names the field, and a restart cannot fix it
@@ -162,9 +168,20 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
 
     def _on_sigterm(self) -> None:
         # torchrun forwards SIGTERM to every rank; rank 0 decides when to stop and tells the others.
-        if self.info.is_main:
-            log.warning("SIGTERM: checkpointing after this step, then exiting")
-            self.stop_reason = "SIGTERM"
+        if not self.info.is_main:
+            return
+        if self.bus is not None and not self.bus.connected and self._run_task is not None:
+            # A step waiting on a bus that is down would ride out the outage (minutes) and be killed at the end of
+            # the grace period anyway: exit now. Nothing is lost: its groups are unacknowledged (redelivered after
+            # a restart) and the last checkpoint stands.
+            saved = (self.last_checkpoint or {}).get("step")
+            log.warning("SIGTERM while the bus is down: exiting now; a restart resumes from %s",
+                        f"the checkpoint of step {saved}" if saved is not None else "the start (no checkpoint yet)")
+            self.stop_reason = "SIGTERM during a bus outage"
+            self._run_task.cancel()
+            return
+        log.warning("SIGTERM: checkpointing after this step, then exiting")
+        self.stop_reason = "SIGTERM"
 
     async def train_one_step(self) -> bool:
         """One training step on every rank; False when the loop must end early (stop, SIGTERM)."""
