@@ -6,6 +6,7 @@ import inspect
 import os
 
 import pytest
+import torch
 
 from kuberl.runtime.inference import vllm, vllm_server
 
@@ -74,12 +75,42 @@ def _engine_config(cmd: list[str]):
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-@pytest.mark.parametrize(("engine_args", "block"), [([], vllm.CPU_BLOCK_SIZE), (["--block-size", "64"], 64)])
-def test_a_cpu_engine_gets_32_token_kv_blocks_unless_the_manifest_names_its_own(monkeypatch, tiny_model, engine_args, block):
+@pytest.mark.parametrize(("engine_args", "fork", "tp", "block"), [
+    ([], "1", 1, vllm.CPU_SMALL_BLOCK_SIZE),  # one worker, forked: 16 (x86; this VM)
+    ([], "0", 1, vllm.CPU_BLOCK_SIZE),  # a spawned engine core would not carry the patch
+    ([], "1", 2, vllm.CPU_BLOCK_SIZE),  # tensor parallel: not started through vllm_server
+    (["--block-size", "64"], "1", 1, 64),  # the manifest's engineArgs win
+])
+def test_a_cpu_engine_gets_small_kv_blocks_unless_the_manifest_names_its_own(monkeypatch, tiny_model, engine_args, fork, tp, block):
     """vLLM's CPU default (128) would leave a group's prompts under 128 tokens unshared by its n samples: only full blocks
     are cached. test_vllm.py checks the sharing on a running server."""
     monkeypatch.setattr(vllm, "on_cpu", lambda: True)
-    cmd = vllm.build_server_command(str(tiny_model), port=8000, max_model_len=64, extra_args=engine_args)
-    config = _engine_config(cmd)
-    assert config.cache_config.block_size == block
-    assert config.cache_config.enable_prefix_caching
+    monkeypatch.setenv(vllm_server.FORK_ENV, fork)
+    cmd = vllm.build_server_command(str(tiny_model), port=8000, max_model_len=64, extra_args=engine_args, tensor_parallel_size=tp)
+    last = len(cmd) - 1 - cmd[::-1].index("--block-size")  # argparse keeps the last occurrence
+    assert cmd[last + 1] == str(block)
+    if tp == 1:
+        config = _engine_config(cmd)
+        assert config.cache_config.block_size == block
+        assert config.cache_config.enable_prefix_caching
+
+
+def test_vllm_still_declares_32_token_cpu_blocks_but_its_kernel_has_a_16_token_path():
+    """What allow_16_token_kv_blocks relies on, re-checked on every vLLM upgrade: if vLLM starts declaring 16 itself, the
+    patch can go; if its kernel loses the path for blocks not a multiple of 32 (vec16), the patch must go."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends import cpu_attn
+
+    assert cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes() == [MultipleOf(32)]
+    assert cpu_attn._get_attn_isa(torch.float32, 16, 64) == "vec16"
+    assert "vec16" in inspect.getsource(cpu_attn)
+
+
+def test_the_patch_lets_vllm_choose_16_token_blocks(monkeypatch):
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn.CPUAttentionBackend, "get_supported_kernel_block_sizes", cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes)
+    vllm_server.allow_16_token_kv_blocks()
+    sizes = cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes()
+    assert sizes == [MultipleOf(16)]

@@ -41,7 +41,8 @@ WORKER_EXTENSION = "kuberl.runtime.inference.vllm_worker.KubeRLWorkerExtension"
 # "1" (server_env's default on CPU): the worker extension makes float32 CPU GEMMs use live weights, reloaded in place
 # (vllm_worker.use_live_weight_gemms); "0" keeps vLLM's prepacked oneDNN weights and its layerwise reload.
 LIVE_WEIGHTS_ENV = "KUBERL_VLLM_CPU_LIVE_WEIGHTS"
-CPU_BLOCK_SIZE = 32  # tokens per KV block on CPU: the smallest vLLM's CPU attention kernel takes (build_server_command)
+CPU_BLOCK_SIZE = 32  # tokens per KV block on CPU: the smallest vLLM's CPU attention backend declares (build_server_command)
+CPU_SMALL_BLOCK_SIZE = 16  # what vllm_server.allow_16_token_kv_blocks lets it take on x86
 GENERATE_PATH = "/inference/v1/generate"  # vLLM's token-in/token-out endpoint, served with SCALE_OUT_FLAG
 SCALE_OUT_FLAG = "--enable-scale-out"
 # Every sampling field vLLM 0.32 would otherwise fill from server defaults, neutral: a field left out takes the server's
@@ -109,10 +110,10 @@ def build_server_command(
     if on_cpu():
         cmd.append("--enforce-eager")  # no graph capture on CPU
         # vLLM's CPU platform defaults to 128-token KV blocks, and the prefix cache shares only full blocks: a group's n
-        # samples of a prompt under 128 tokens each prefilled it again. 32 is the smallest block its attention kernel
-        # takes. Measured on bench/bench_trl.py's model, 8 groups of 8 samples of a 99-token prompt: 583 -> 248 ms of
-        # engine-core CPU per 64 samples. spec.rollout.engineArgs' --block-size, later on the line, wins.
-        cmd += ["--block-size", str(CPU_BLOCK_SIZE)]
+        # samples of a prompt under 128 tokens each prefilled it again. Measured on bench/bench_trl.py's model, 8 groups
+        # of 8 samples of a 99-token prompt: 583 -> 248 ms of engine-core CPU per 64 samples with 32-token blocks.
+        # spec.rollout.engineArgs' --block-size, later on the line, wins.
+        cmd += ["--block-size", str(cpu_block_size(one_cpu_worker))]
         if one_cpu_worker:
             # The one worker runs inside the engine-core process (server_env sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
             # without which vLLM's CPU platform turns uni back into mp): no worker process spinning on a shared-memory
@@ -133,6 +134,18 @@ def build_server_command(
         cmd += lora_args(lora_rank)
     # Last, so the user's spec.rollout.engineArgs win (argparse keeps the last occurrence).
     return cmd + list(extra_args or [])
+
+
+def cpu_block_size(one_cpu_worker: bool) -> int:
+    """KV block size of a CPU engine: 16 tokens where vllm_server patches vLLM to take them (one worker, its engine
+    core forked, x86: its vec16 kernel path; other CPUs' kernels are not known to), else 32."""
+    import platform
+
+    from kuberl.runtime.inference.vllm_server import FORK_ENV
+
+    forked = os.environ.get(FORK_ENV, "1") != "0"
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return CPU_SMALL_BLOCK_SIZE if one_cpu_worker and forked and x86 else CPU_BLOCK_SIZE
 
 
 def lora_args(rank: int) -> list[str]:
