@@ -369,8 +369,12 @@ class VLLMEngine(HTTPServerEngine):
         await self._post("/abort_requests", json={})
 
     async def resume(self) -> None:
-        await self._post("/resume")
-        self._gate.set()
+        try:
+            await self._post("/resume")
+        finally:
+            # Even when the engine is gone (killed during a weight update): generations held at the gate would wait
+            # for ever, where sent on they fail and the agent notices the engine is gone, as after a failed pause().
+            self._gate.set()
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Reload safetensors from `path` in place (or hot-load the LoRA adapter there); call between pause() and resume(),
