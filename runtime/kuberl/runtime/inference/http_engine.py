@@ -30,7 +30,7 @@ class HTTPServerEngine:
     """An InferenceEngine over an HTTP inference server: launched here (model_path) or attached to (url).
 
     Subclasses set the class attributes below and implement server_command, request_payload,
-    parse_response, _read_body, _pause_server and _abort_requests (plus resume and weight updates).
+    parse_response, _read_body, _pause_server, _abort_requests and _resume_server (plus weight updates).
     """
 
     name: ClassVar[str]
@@ -114,6 +114,10 @@ class HTTPServerEngine:
 
     async def _abort_requests(self) -> None:
         """Abort whatever is still running on the server."""
+        raise NotImplementedError
+
+    async def _resume_server(self) -> None:
+        """Ask the server to run held requests again."""
         raise NotImplementedError
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -274,5 +278,12 @@ class HTTPServerEngine:
                 await self.resume()  # the weights did not change: generation goes on with the version it had
             except Exception as exc:  # noqa: BLE001  the pause's own error is the one to raise
                 log.debug("%s: resume after a failed pause failed too: %s", self.name, exc)
-            self._gate.set()
             raise
+
+    async def resume(self) -> None:
+        """Let held and new generations run again. The gate opens even when the server is gone (killed during a weight
+        update): generations held at it would wait for ever, where sent on they fail and the agent notices."""
+        try:
+            await self._resume_server()
+        finally:
+            self._gate.set()

@@ -155,13 +155,8 @@ class SGLangEngine(HTTPServerEngine):
     async def _abort_requests(self) -> None:
         await self._post("/abort_request", json={"abort_all": True})
 
-    async def resume(self) -> None:
-        try:
-            await self._post("/continue_generation", json={})
-        finally:
-            # Even when the engine is gone (killed during a weight update): generations held at the gate would wait
-            # for ever, where sent on they fail and the agent notices the engine is gone, as after a failed pause().
-            self._gate.set()
+    async def _resume_server(self) -> None:
+        await self._post("/continue_generation", json={})
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         body = await self._post("/update_weights_from_disk", json=update_weights_payload(path, version))

@@ -141,11 +141,10 @@ def cpu_block_size(one_cpu_worker: bool) -> int:
     core forked, x86: its vec16 kernel path; other CPUs' kernels are not known to), else 32."""
     import platform
 
-    from kuberl.runtime.inference.vllm_server import FORK_ENV
+    from kuberl.runtime.inference.vllm_server import forking
 
-    forked = os.environ.get(FORK_ENV, "1") != "0"
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return CPU_SMALL_BLOCK_SIZE if one_cpu_worker and forked and x86 else CPU_BLOCK_SIZE
+    return CPU_SMALL_BLOCK_SIZE if one_cpu_worker and forking() and x86 else CPU_BLOCK_SIZE
 
 
 def lora_args(rank: int) -> list[str]:
@@ -368,13 +367,8 @@ class VLLMEngine(HTTPServerEngine):
     async def _abort_requests(self) -> None:
         await self._post("/abort_requests", json={})
 
-    async def resume(self) -> None:
-        try:
-            await self._post("/resume")
-        finally:
-            # Even when the engine is gone (killed during a weight update): generations held at the gate would wait
-            # for ever, where sent on they fail and the agent notices the engine is gone, as after a failed pause().
-            self._gate.set()
+    async def _resume_server(self) -> None:
+        await self._post("/resume")
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Reload safetensors from `path` in place (or hot-load the LoRA adapter there); call between pause() and resume(),

@@ -43,6 +43,11 @@ def keep_fork_for_uni_executor() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def forking() -> bool:
+    """Whether this wrapper forks the engine core (KUBERL_VLLM_CPU_FORK, default on)."""
+    return os.environ.get(FORK_ENV, "1") != "0"
+
+
 def allow_16_token_kv_blocks() -> None:
     """Let vLLM's CPU attention backend take KV blocks of 16 tokens (vllm.cpu_block_size picks them on x86).
 
@@ -62,7 +67,7 @@ def main() -> None:
     if len(sys.argv) < 2 or not sys.argv[1].startswith("vllm."):
         raise SystemExit("usage: python -m kuberl.runtime.inference.vllm_server vllm.entrypoints.openai.api_server [vLLM arguments]")
     module = sys.argv[1]
-    if os.environ.get(FORK_ENV, "1") != "0":
+    if forking():
         keep_fork_for_uni_executor()
         allow_16_token_kv_blocks()
     sys.argv = [module, *sys.argv[2:]]
