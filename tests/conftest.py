@@ -28,6 +28,7 @@ def xdist_group(nodeid: str) -> str:
     return ENGINES if path.parent.name == "integration" and path.name in ENGINE_FILES else path.as_posix()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the marker into the group (and is registered later)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))

@@ -43,6 +43,9 @@ from kuberl.runtime.trainer.tickets import SeenGroups
 from kuberl.runtime.trainer.weights import digest_state
 
 log = logging.getLogger("kuberl.trainer")
+# Why a trainer stops before totalSteps (stop_reason): SIGTERM finishes the step and checkpoints (exit 143);
+# a SIGTERM while the bus is down cancels the step at once (its groups stay unacknowledged).
+STOP_SIGTERM, STOP_SIGTERM_BUS_DOWN = "SIGTERM", "SIGTERM during a bus outage"
 
 STAGES = ("train.issue_tickets", "train.collect", "train.prox_logp", "train.advantages", "train.ppo_update",
           "train.publish_weights", "train.checkpoint", "train.report")
@@ -133,9 +136,9 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
             if self.info.is_main:
                 log.info("training %s at step %d", f"stopped ({self.stop_reason})" if self.stop_reason else "done", self.step)
             clean = True
-            return 143 if self.stop_reason == "SIGTERM" else 0
+            return 143 if self.stop_reason == STOP_SIGTERM else 0
         except asyncio.CancelledError:
-            if self.stop_reason != "SIGTERM during a bus outage":
+            if self.stop_reason != STOP_SIGTERM_BUS_DOWN:
                 raise
             return 143  # _on_sigterm: the step could not finish; the last checkpoint stands
         except Exception as exc:
@@ -177,11 +180,11 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
             saved = (self.last_checkpoint or {}).get("step")
             log.warning("SIGTERM while the bus is down: exiting now; a restart resumes from %s",
                         f"the checkpoint of step {saved}" if saved is not None else "the start (no checkpoint yet)")
-            self.stop_reason = "SIGTERM during a bus outage"
+            self.stop_reason = STOP_SIGTERM_BUS_DOWN
             self._run_task.cancel()
             return
         log.warning("SIGTERM: checkpointing after this step, then exiting")
-        self.stop_reason = "SIGTERM"
+        self.stop_reason = STOP_SIGTERM
 
     async def train_one_step(self) -> bool:
         """One training step on every rank; False when the loop must end early (stop, SIGTERM)."""
