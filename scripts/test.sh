@@ -11,6 +11,7 @@ PY="${PYTHON:-python3}"
 bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
 # Two workers: the engine runs on one, one after another, everything else on the other meanwhile
-# (tests/conftest.py): 47 min as one process on the 2-core dev VM.
-"$PY" -m pytest -n 2 --dist loadgroup --durations=40 tests e2e_tests
+# (tests/conftest.py): 47 min as one process on the 2-core dev VM. In collection order (no reorder by size), so the
+# long trainer-only runs of tests/integration start early and the many short unit files fill the end.
+"$PY" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40 tests e2e_tests
 exec "$PY" scripts/mutation-check.py

@@ -13,6 +13,18 @@ import torch
 from kuberl.runtime.inference import vllm, vllm_server
 
 
+@pytest.fixture(autouse=True)
+def _start_method_as_it_was():
+    """vLLM's CPU platform writes VLLM_WORKER_MULTIPROC_METHOD (spawn) while it builds a config, and monkeypatch undoes
+    only what it set itself: left behind, every later engine this test process starts would spawn its core."""
+    before = os.environ.get(vllm_server.METHOD_ENV)
+    yield
+    if before is None:
+        os.environ.pop(vllm_server.METHOD_ENV, None)
+    else:
+        os.environ[vllm_server.METHOD_ENV] = before
+
+
 def test_vllm_still_forces_spawn_on_cpu():
     """What vllm_server undoes: if a vLLM upgrade stops forcing spawn, the wrapper can go."""
     from vllm.platforms.cpu import CpuPlatform
@@ -77,17 +89,23 @@ def _engine_config(cmd: list[str]):
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-@pytest.mark.parametrize(("engine_args", "fork", "tp", "block"), [
-    ([], "1", 1, vllm.CPU_SMALL_BLOCK_SIZE),  # one worker, forked: 16 (x86; this VM)
-    ([], "0", 1, vllm.CPU_BLOCK_SIZE),  # a spawned engine core would not carry the patch
-    ([], "1", 2, vllm.CPU_BLOCK_SIZE),  # tensor parallel: not started through vllm_server
-    (["--block-size", "64"], "1", 1, 64),  # the manifest's engineArgs win
+@pytest.mark.parametrize(("engine_args", "fork", "method", "tp", "block"), [
+    ([], "1", None, 1, vllm.CPU_SMALL_BLOCK_SIZE),  # one worker, forked: 16 (x86; this VM)
+    ([], "1", "fork", 1, vllm.CPU_SMALL_BLOCK_SIZE),
+    ([], "0", None, 1, vllm.CPU_BLOCK_SIZE),  # a spawned engine core would not carry the patch
+    ([], "1", "spawn", 1, vllm.CPU_BLOCK_SIZE),  # nor one the environment asks vLLM to spawn
+    ([], "1", None, 2, vllm.CPU_BLOCK_SIZE),  # tensor parallel: not started through vllm_server
+    (["--block-size", "64"], "1", None, 1, 64),  # the manifest's engineArgs win
 ])
-def test_a_cpu_engine_gets_small_kv_blocks_unless_the_manifest_names_its_own(monkeypatch, tiny_model, engine_args, fork, tp, block):
+def test_a_cpu_engine_gets_small_kv_blocks_unless_the_manifest_names_its_own(monkeypatch, tiny_model, engine_args, fork, method, tp, block):
     """vLLM's CPU default (128) would leave a group's prompts under 128 tokens unshared by its n samples: only full blocks
     are cached. test_vllm.py checks the sharing on a running server."""
     monkeypatch.setattr(vllm, "on_cpu", lambda: True)
     monkeypatch.setenv(vllm_server.FORK_ENV, fork)
+    if method is None:
+        monkeypatch.delenv(vllm_server.METHOD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_server.METHOD_ENV, method)
     cmd = vllm.build_server_command(str(tiny_model), port=8000, max_model_len=64, extra_args=engine_args, tensor_parallel_size=tp)
     last = len(cmd) - 1 - cmd[::-1].index("--block-size")  # argparse keeps the last occurrence
     assert cmd[last + 1] == str(block)

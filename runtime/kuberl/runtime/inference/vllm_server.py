@@ -21,6 +21,7 @@ import runpy
 import sys
 
 FORK_ENV = "KUBERL_VLLM_CPU_FORK"
+METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def keep_fork_for_uni_executor() -> None:
@@ -33,19 +34,20 @@ def keep_fork_for_uni_executor() -> None:
     from vllm.platforms import cpu
 
     original = cpu.CpuPlatform.check_and_update_config.__func__
-    chosen = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    chosen = os.environ.get(METHOD_ENV)
 
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
         if vllm_config.parallel_config.distributed_executor_backend == "uni":
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = chosen or "fork"  # vLLM's own default: fork
+            os.environ[METHOD_ENV] = chosen or "fork"  # vLLM's own default: fork
 
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def forking() -> bool:
-    """Whether this wrapper forks the engine core (KUBERL_VLLM_CPU_FORK, default on)."""
-    return os.environ.get(FORK_ENV, "1") != "0"
+    """Whether this wrapper forks the engine core: KUBERL_VLLM_CPU_FORK (default on), unless the environment asks vLLM
+    for another start method (VLLM_WORKER_MULTIPROC_METHOD, which keep_fork_for_uni_executor keeps)."""
+    return os.environ.get(FORK_ENV, "1") != "0" and os.environ.get(METHOD_ENV, "fork") == "fork"
 
 
 def allow_16_token_kv_blocks() -> None:
