@@ -285,10 +285,10 @@ class TestWeights:
 
 class TestConnecting:
     async def test_an_unreachable_server_gives_a_clear_error(self, experiment_name):
-        from kuberl.runtime.bus.server import free_port
+        from kuberl.net import reserve_port
 
-        with pytest.raises(BusError, match=r"cannot reach the bus at nats://127.0.0.1:\d+ within 1s"):
-            await Bus.connect(f"nats://127.0.0.1:{free_port()}", experiment_name, connect_timeout=1)
+        with reserve_port() as held, pytest.raises(BusError, match=r"cannot reach the bus at nats://127.0.0.1:\d+ within 1s"):
+            await Bus.connect(f"nats://127.0.0.1:{held.getsockname()[1]}", experiment_name, connect_timeout=1)
 
     async def test_binding_to_an_experiment_that_does_not_exist_names_it(self, nats_server, experiment_name):
         with pytest.raises(BusError, match=f"experiment '{experiment_name}' do not exist"):

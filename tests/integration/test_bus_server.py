@@ -14,11 +14,11 @@ import time
 import nats
 import pytest
 
+from kuberl.net import free_port, reserve_port
 from kuberl.runtime.bus import Bus, BusError, Ticket
 from kuberl.runtime.bus.server import (
     NatsServerError,
     find_nats_server,
-    free_port,
     parse_max_payload,
     parse_size,
     start_nats_server,
@@ -67,6 +67,23 @@ class TestLauncher:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
+    def test_the_port_it_picked_stays_its_own_between_a_crash_and_the_respawn(self, tmp_path):
+        server = start_nats_server(store_dir=str(tmp_path / "js"))
+        port = server.port
+        try:
+            for _ in range(2):  # the respawned server holds it too
+                server.kill()
+                # What another process would do in the gap: take the port for itself, or get it from bind(0).
+                with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+                    other.bind(("127.0.0.1", port))
+                assert port not in {free_port() for _ in range(200)}
+                server = server.respawn()
+                assert server.port == port and port_open(port)
+        finally:
+            server.stop()
+        with socket.socket() as other:  # released with the server
+            other.bind(("127.0.0.1", port))
+
     def test_a_server_that_cannot_start_reports_its_log(self, tmp_path):
         with start_nats_server() as busy, pytest.raises(NatsServerError, match="address already in use"):
             start_nats_server(port=busy.port, store_dir=str(tmp_path))
@@ -106,8 +123,7 @@ class TestAuth:
 
 class TestCrashRecovery:
     async def test_work_queue_state_survives_kill_9_and_clients_reconnect(self, experiment_name, tmp_path):
-        store, port = str(tmp_path / "js"), free_port()
-        server = start_nats_server(port=port, store_dir=store)
+        server = start_nats_server(store_dir=str(tmp_path / "js"))
         bus = await Bus.connect(server.url, experiment_name, publish_timeout=20)
         try:
             await bus.publish_tickets([ticket(i) for i in range(5)])
@@ -115,7 +131,7 @@ class TestCrashRecovery:
                 await (await bus.pull_ticket(timeout=2)).ack()
             await bus.put_state("weights", {"version": 3})
             server.kill()
-            server = start_nats_server(port=port, store_dir=store)
+            server = server.respawn()
             # The same client carries on: publishes retry until the server is back.
             assert await bus.publish_tickets([ticket(5)]) == 1
             got = []
@@ -129,8 +145,7 @@ class TestCrashRecovery:
             server.stop()
 
     async def test_a_state_watch_keeps_delivering_after_a_server_restart(self, experiment_name, tmp_path):
-        store, port = str(tmp_path / "js"), free_port()
-        server = start_nats_server(port=port, store_dir=store)
+        server = start_nats_server(store_dir=str(tmp_path / "js"))
         bus = await Bus.connect(server.url, experiment_name)
         seen: list[int] = []
         started = asyncio.Event()
@@ -147,7 +162,7 @@ class TestCrashRecovery:
             task = asyncio.create_task(watch())
             await asyncio.wait_for(started.wait(), 5)
             server.kill()
-            server = start_nats_server(port=port, store_dir=store)
+            server = server.respawn()
             await bus.put_state("weights", {"version": 2})
             await asyncio.wait_for(task, 30)
             assert seen[0] == 1 and seen[-1] == 2
@@ -191,7 +206,8 @@ class TestBusCommand:
 
 class TestLostStore:
     async def test_a_server_restarted_without_its_store_gets_the_streams_back(self, experiment_name, tmp_path):
-        port = free_port()
+        held = reserve_port()  # the port, between the two servers
+        port = held.getsockname()[1]
         server = start_nats_server(port=port, store_dir=str(tmp_path / "a"))
         bus = await Bus.connect(server.url, experiment_name, publish_timeout=20)
         try:
@@ -204,3 +220,4 @@ class TestLostStore:
         finally:
             await bus.close()
             server.stop()
+            held.close()

@@ -61,6 +61,30 @@ def test_the_plan_runs_an_engine_and_an_agent_per_replica_and_torchrun_for_sever
     assert logs["trainer"] == str(tmp_path / "logs" / "trainer.termination-log") and len(set(logs.values())) == len(logs)
 
 
+def test_each_engine_port_is_held_for_the_run_so_that_a_restarted_engine_finds_it_free(tmp_path):
+    import socket
+
+    exp = make_experiment(rollout={"engine": "vllm", "replicas": 2, "accelerator": {"type": "cpu", "count": 0}},
+                          trainer={"accelerator": {"type": "cpu", "count": 1}})
+    run = LocalRun(exp, tmp_path / "e.yaml", tmp_path, "nats://127.0.0.1:1")
+    run.plan(gpus=0)
+    ports = [int(r.argv[r.argv.index("--port") + 1]) for r in run.roles if r.name.startswith("engine-")]
+    urls = [r.env["KUBERL_ENGINE_URL"] for r in run.roles if r.name.startswith("rollout-")]
+    assert urls == [f"http://127.0.0.1:{p}" for p in ports]
+    for port in ports:
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", port))  # another process, between the engine's starts
+        for _ in range(2):  # the engine and its restart: vLLM's server socket sets SO_REUSEADDR
+            with socket.socket() as server:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                server.bind(("127.0.0.1", port))
+                server.listen()
+    run.stop_all()
+    for port in ports:
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))  # released with the run
+
+
 def _role_exiting(run: LocalRun, name: str, code: int, message: str) -> None:
     """A role process that writes `message` to its termination log and exits with `code`."""
     import sys

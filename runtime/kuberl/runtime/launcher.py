@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from kuberl.api import RLExperiment, load_experiment
-from kuberl.net import free_port
+from kuberl.net import reserve_port
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
 from kuberl.runtime.resources import available_cpus, plan_local_cpus
 from kuberl.runtime.resources import role_env as role_cpu_env
@@ -130,6 +130,9 @@ class LocalRun:
     roles: list[Role] = field(default_factory=list)
     config_error: bool = False  # a role exited 2: the run failed on its configuration
     supervisor: Any = None  # kuberl.runtime.supervisor.Supervisor, made on the first supervise()
+    # The engines' ports, held for the run's life (kuberl.net.reserve_port): an engine restarted on its port
+    # finds it free, though other processes on the machine open and close ports all the time.
+    ports: list[Any] = field(default_factory=list)
 
     def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -152,7 +155,8 @@ class LocalRun:
         cores = plan_local_cpus(self.exp, available_cpus())
         devices = {role: {**role_cpu_env(c), **devices.get(role, {})} for role, c in cores.items()}
         for i in range(spec.rollout.replicas):
-            port = free_port()
+            self.ports.append(reserve_port())
+            port = self.ports[-1].getsockname()[1]
             url = f"http://127.0.0.1:{port}"
             self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
                                    self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
@@ -188,6 +192,8 @@ class LocalRun:
         order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2}[r.name.split("-")[0]])
         for role in order:
             role.stop(grace=30.0 if role.name == "trainer" else 10.0)
+        for held in self.ports:
+            held.close()
 
 
 def assign_gpus(exp: RLExperiment, gpus: int) -> dict[str, dict[str, str]]:

@@ -57,6 +57,7 @@ class RoleActor:
         import atexit
 
         self.proc: subprocess.Popen | None = None
+        self.ports: list = []  # held for the actor's life: its role's restarts find their port free
         atexit.register(self.reap)  # an actor that exits (its driver gone) takes its role process with it
 
     def node_ip(self) -> str:
@@ -64,10 +65,12 @@ class RoleActor:
 
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        from kuberl.net import free_port
+    def reserve_port(self) -> int:
+        """A port on this node held for this actor's role while the actor lives (kuberl.net.reserve_port)."""
+        from kuberl.net import reserve_port
 
-        return free_port()
+        self.ports.append(reserve_port())
+        return self.ports[-1].getsockname()[1]
 
     def start(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str | None) -> int:
         """Start the command (argv[0], the driver's Python, becomes this node's); returns its pid."""
@@ -318,7 +321,7 @@ class RayRun(LocalRun):
         for role in self.roles:
             if role.name.startswith("engine-"):
                 actor = role.new_actor()
-                port = ray.get(actor.free_port.remote(), timeout=PLACEMENT_TIMEOUT)
+                port = ray.get(actor.reserve_port.remote(), timeout=PLACEMENT_TIMEOUT)
                 role.argv[role.argv.index("--port") + 1] = str(port)
                 by_name["rollout-" + role.name.split("-", 1)[1]].env["KUBERL_ENGINE_URL"] = f"http://127.0.0.1:{port}"
         for role in self.roles:
@@ -342,7 +345,7 @@ def _start_bus(exp: RLExperiment, workdir: Path, token: str) -> RayBus:
     strategy = NodeAffinitySchedulingStrategy(node_id=head_node_id(ray.nodes()), soft=False)
     store = str(workdir / "jetstream")
     probe = RayRole("nats-server", [], {}, workdir / "logs" / "nats-server.log", options={"num_cpus": 0, "scheduling_strategy": strategy})
-    port = ray.get(probe.new_actor().free_port.remote(), timeout=PLACEMENT_TIMEOUT)
+    port = ray.get(probe.new_actor().reserve_port.remote(), timeout=PLACEMENT_TIMEOUT)
     probe.argv = [sys.executable, "-m", "kuberl.cli", "bus", "--port", str(port), "--store-dir", store, "--max-payload", "8MB"]
     probe.env = {TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     bus = RayBus(probe, port, store)

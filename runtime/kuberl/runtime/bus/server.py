@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Self
 
-from kuberl.net import free_port
+from kuberl.net import reserve_port
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,10 @@ class NatsServer:
     """A running nats-server process; `stop()` ends it by PID. Also a context manager."""
 
     def __init__(self, proc: subprocess.Popen, *, host: str, port: int, store_dir: str, workdir: str,
-                 own_store: bool, token: str | None, max_payload: int, log_path: str, server_name: str = "") -> None:
+                 own_store: bool, token: str | None, max_payload: int, log_path: str, server_name: str = "",
+                 reservation: socket.socket | None = None) -> None:
         self.proc = proc
+        self._reservation = reservation  # holds the port across respawns when start_nats_server picked it
         self.server_name = server_name
         self.host = host
         self.port = port
@@ -161,15 +163,20 @@ class NatsServer:
         if self.alive():
             raise NatsServerError(f"nats-server pid {self.pid} is still running")
         own_log = Path(self.log_path).parent == Path(self._workdir)
+        reservation, self._reservation = self._reservation, None  # the port stays held for the new server
         self.stop(remove_store=False)  # its temp folder (config, and the log unless it was given); the store stays
-        new = start_nats_server(port=self.port, store_dir=self.store_dir, max_payload=self.max_payload, token=self.token,
-                                host=self.host, start_timeout=start_timeout, server_name=self.server_name or None,
-                                log_path=None if own_log else self.log_path)
+        try:
+            new = start_nats_server(port=self.port, store_dir=self.store_dir, max_payload=self.max_payload, token=self.token,
+                                    host=self.host, start_timeout=start_timeout, server_name=self.server_name or None,
+                                    log_path=None if own_log else self.log_path, reservation=reservation)
+        except NatsServerError:
+            self._reservation = reservation  # a later respawn of this one may still succeed
+            raise
         new._own_store = self._own_store
         return new
 
     def stop(self, timeout: float = 10.0, *, remove_store: bool | None = None) -> None:
-        """SIGTERM by PID, wait, SIGKILL if it lingers; remove the temp dirs this object created."""
+        """SIGTERM by PID, wait, SIGKILL if it lingers; remove the temp dirs this object created; release the port."""
         if self.alive():
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
@@ -181,6 +188,9 @@ class NatsServer:
         if remove_store if remove_store is not None else self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
         shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
 
     def __enter__(self) -> Self:
         return self
@@ -218,45 +228,48 @@ def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, lo
 
 def start_nats_server(port: int | None = None, store_dir: str | None = None, max_payload: int | str = "8MB",
                       token: str | None = None, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
-                      server_name: str | None = None, log_path: str | None = None) -> NatsServer:
+                      server_name: str | None = None, log_path: str | None = None,
+                      reservation: socket.socket | None = None) -> NatsServer:
     """Start nats-server with JetStream and wait until it accepts connections.
 
-    port None = a free loopback port; store_dir None = a temp folder removed by `stop()`.
+    port None = a free loopback port, reserved (kuberl.net.reserve_port) until the server is stopped, so that its
+    respawns find it free; store_dir None = a temp folder removed by `stop()`.
     token: clients must send it (the config file holding it is private to this user).
     log_path: the server's log (appended to); None = a file in its temp folder.
+    reservation: the socket that holds `port` (what respawn passes on); the server owns it from here.
     """
     payload = parse_max_payload(max_payload)
     binary = find_nats_server()
+    picked = port is None
+    if picked:
+        reservation = reserve_port(host if host not in ("0.0.0.0", "") else "127.0.0.1")
+        port = reservation.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="kuberl-nats-")
     own_store = store_dir is None
     store = store_dir or os.path.join(workdir, "store")
     os.makedirs(store, exist_ok=True)
-    attempts = 1 if port is not None else 3  # a free port may be taken between probe and bind
     name = server_name or f"kuberl-{uuid.uuid4().hex[:12]}"
-    for attempt in range(attempts):
-        p = port if port is not None else free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1")
-        conf = os.path.join(workdir, "nats.conf")
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(render_config(host=host, port=p, store_dir=store, max_payload=payload, token=token, server_name=name))
-        log_path = log_path or os.path.join(workdir, "nats.log")
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            _wait_ready(proc, host, p, start_timeout, log_path, name)
-        except NatsServerError:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if attempt + 1 < attempts and "address already in use" in Path(log_path).read_text(errors="replace"):
-                continue
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        server = NatsServer(proc, host=host, port=p, store_dir=store, workdir=workdir, own_store=own_store,
-                            token=token, max_payload=payload, log_path=log_path, server_name=name)
-        log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
-        return server
-    raise AssertionError("unreachable")
+    conf = os.path.join(workdir, "nats.conf")
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(render_config(host=host, port=port, store_dir=store, max_payload=payload, token=token, server_name=name))
+    log_path = log_path or os.path.join(workdir, "nats.log")
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_ready(proc, host, port, start_timeout, log_path, name)
+    except NatsServerError:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+        if picked:  # a reservation passed in stays with the caller (respawn keeps it)
+            reservation.close()
+        raise
+    server = NatsServer(proc, host=host, port=port, store_dir=store, workdir=workdir, own_store=own_store,
+                        token=token, max_payload=payload, log_path=log_path, server_name=name, reservation=reservation)
+    log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
+    return server
 
 
 def main(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import ClassVar, Self
 
 import aiohttp
 
-from kuberl.net import free_port
+from kuberl.net import reserve_port
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.engine_auth import auth_headers, engine_api_key, redact_command
 
@@ -67,7 +67,10 @@ class HTTPServerEngine:
         if (model_path is None) == (url is None):
             raise ValueError(f"{type(self).__name__} needs exactly one of model_path (launch a server) or url (attach to one)")
         self.model_path = model_path
-        self.port = port or (free_port(host) if url is None else None)
+        # A port of our choosing is held until stop() (kuberl.net.reserve_port): the server binds it only after
+        # seconds of imports, and another process could take a port that was merely free when we looked.
+        self._held = reserve_port(host) if port is None and url is None else None
+        self.port = port or (self._held.getsockname()[1] if self._held else None)
         self.url = (url or f"http://{host}:{self.port}").rstrip("/")
         self._launch = {"host": host, **launch}
         self.startup_timeout = startup_timeout
@@ -175,6 +178,9 @@ class HTTPServerEngine:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 await asyncio.to_thread(self.proc.wait)
         self.proc = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     async def __aenter__(self) -> Self:
         await self.start()

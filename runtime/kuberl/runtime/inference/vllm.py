@@ -29,7 +29,7 @@ import aiohttp
 from kuberl.runtime.inference.base import EngineError, EngineRestarted, GenerateRequest, GenerateResult
 from kuberl.runtime.inference.engine_auth import API_KEY_ENV, engine_api_key
 from kuberl.runtime.inference.engine_auth import MIDDLEWARE as AUTH_MIDDLEWARE
-from kuberl.runtime.inference.http_engine import HTTPServerEngine, free_port  # noqa: F401 (free_port stays importable from here)
+from kuberl.runtime.inference.http_engine import HTTPServerEngine
 
 log = logging.getLogger(__name__)
 
