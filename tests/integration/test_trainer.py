@@ -364,6 +364,11 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         assert (await bus.get_state("progress"))["checkpoint"]["step"] == 2
         unacked = (await bus.stream_info())["groups_pending"]
         assert unacked >= B, "the groups of step 3 were not acknowledged: no checkpoint covers them"
+        # Make it a kill right after step 2's checkpoint, before its report: metrics.jsonl then ends at step 1
+        # (and a row cut short). The checkpoint kept step 2's row; the restarted trainer writes it.
+        before_kill = metrics(workdir)
+        assert [r["step"] for r in before_kill] == [1, 2, 3]
+        (workdir / "metrics.jsonl").write_text(json.dumps(before_kill[0]) + "\n" + '{"step": 2, "ti')
 
         proc = start_trainer(manifest, bus_url, workdir, log)
         async with rollout_agent(manifest, bus, vllm_server, tmp_path, "agent-2") as (agent, after):
@@ -374,10 +379,13 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_finishes(tmp_pat
         assert code == 0, text[-4000:]
         assert "resumed from" in text and "step 2, policy version 2" in text
         rows = metrics(workdir)
-        assert [r["step"] for r in rows] == [1, 2, 3, 3, 4], "step 3 is re-trained once from the checkpoint; nothing else repeats"
+        assert [r["step"] for r in rows] == [1, 2, 3, 4], "step 2's row from the checkpoint, then step 3 re-trained; nothing repeats"
+        assert "writing the one the checkpoint kept" in text and "ends in a row cut short" in text
+        restored = {k: v for k, v in before_kill[1].items() if k not in ("timings", "step_seconds", "samples_per_second", "time")}
+        assert {k: rows[1][k] for k in restored} == restored  # the row the killed trainer would have written
         # Same weights, optimizer state and redelivered groups: the re-trained step computes the same loss.
-        assert rows[3]["loss"] == pytest.approx(rows[2]["loss"], rel=1e-4, abs=1e-6)
-        assert rows[3]["policy_version"] == rows[2]["policy_version"] == 3
+        assert rows[2]["loss"] == pytest.approx(before_kill[2]["loss"], rel=1e-4, abs=1e-6)
+        assert rows[2]["policy_version"] == before_kill[2]["policy_version"] == 3
         progress = await bus.get_state("progress")
         assert progress["done"] and progress["step"] == 4 and progress["policy_version"] == 4
         weights = await bus.get_state("weights")

@@ -196,8 +196,9 @@ async def trained_ids(tmp_path, with_eval: bool) -> list[list[str]]:
         t.book.on_consumed(B)
         t.step, t.version = step, step
         memory, t.bus = t.bus, ReportBus(eval_bus)
-        await t.stage_report({"samples": 4, "step_seconds": 1.0, "wait_seconds": 0.0, "reward_mean": 0.5, "staleness_mean": 0.0,
-                              "staleness_max": 0, "loss": 0.0, "group_ids": steps[-1]})
+        row = await t.step_row({"samples": 4, "step_seconds": 1.0, "wait_seconds": 0.0, "reward_mean": 0.5, "staleness_mean": 0.0,
+                                "staleness_max": 0, "loss": 0.0, "group_ids": steps[-1]})
+        await t.stage_report(row)
         if with_eval:
             assert t.bus.progress[-1]["eval"]["step"] == step, "status.progress.eval: the round of this step"
         t.bus = memory

@@ -369,7 +369,7 @@ async def test_the_trainer_serves_metrics_from_its_first_report_on_rank_0(tmp_pa
     from kuberl.runtime.trainer.dist import DistInfo
     from kuberl.runtime.trainer.tickets import TicketBook
     from kuberl.runtime.trainer.trainer import Trainer
-    from tests.unit.test_tracking import ReportBus, stats
+    from tests.unit.test_tracking import ReportBus, report, stats
 
     monkeypatch.setenv(METRICS_PORT_ENV, "0")
     t = Trainer(experiment(), bus_url="nats://unused:4222", workdir=tmp_path)
@@ -385,7 +385,7 @@ async def test_the_trainer_serves_metrics_from_its_first_report_on_rank_0(tmp_pa
 
         assert "kuberl_trainer_step" in scrape()
         t.step = t.version = 1
-        await t.stage_report({**stats(1), "tokens": 40.0, "timings": {"train.collect": 0.5, "train.publish_weights": 0.25}})
+        await report(t, {**stats(1), "tokens": 40.0, "timings": {"train.collect": 0.5, "train.publish_weights": 0.25}})
         s = scrape()
         assert value(s, "kuberl_trainer_step") == 1 and value(s, "kuberl_trainer_reward_mean") == 0.1
         assert value(s, "kuberl_trainer_samples_per_second") == 8.0 and value(s, "kuberl_trainer_tokens_per_second") == 40.0
@@ -399,11 +399,11 @@ async def test_other_ranks_serve_no_metrics(tmp_path, monkeypatch):
 
     from kuberl.runtime.trainer.dist import DistInfo
     from kuberl.runtime.trainer.trainer import Trainer
-    from tests.unit.test_tracking import stats
+    from tests.unit.test_tracking import report, stats
 
     monkeypatch.setenv(METRICS_PORT_ENV, "0")
     t = Trainer(experiment(), bus_url="nats://unused:4222", workdir=tmp_path)
     t.info = DistInfo(1, 2, 1, torch.device("cpu"))
     t.step = 1
-    await t.stage_report(stats(1))
+    await report(t, stats(1))
     assert t.tracking is None

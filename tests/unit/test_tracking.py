@@ -257,6 +257,11 @@ def experiment(tracking: dict | None) -> RLExperiment:
                                         "metadata": {"name": "unit", "namespace": "team"}, "spec": spec})
 
 
+async def report(t, stats: dict) -> None:
+    """One step's report as Trainer.train_one_step makes it: the row (rank 0 only), then train.report."""
+    await t.stage_report(await t.step_row(stats) if t.info.is_main else None)
+
+
 def stats(step: int) -> dict:
     return {"samples": 8, "step_seconds": 1.0, "wait_seconds": 0.5, "reward_mean": 0.1 * step, "loss": 0.0, "entropy": 2.0,
             "staleness_mean": 0.0, "staleness_max": 0, "timings": {"train.collect": 0.5}, "group_ids": ["a"]}
@@ -275,7 +280,7 @@ async def test_the_trainer_writes_each_reported_step_to_the_trackers_on_rank_0_o
     t.book, t.bus, t.total_steps = TicketBook(20, 2, 0, total_groups=6), ReportBus(), 3
     for s in STEPS:
         t.step = t.version = s
-        await t.stage_report(stats(s))
+        await report(t, stats(s))
     if rank:
         assert t.tracking is None and not (tmp_path / "tensorboard").exists() and not (tmp_path / "metrics.jsonl").exists()
         return
@@ -296,7 +301,7 @@ async def test_without_spec_tracking_the_trainer_writes_metrics_jsonl_only(tmp_p
     t = Trainer(experiment(None), bus_url="nats://unused:4222", workdir=tmp_path)
     t.info = DistInfo(0, 1, 0, torch.device("cpu"))
     t.book, t.bus, t.total_steps, t.step = TicketBook(20, 2, 0, total_groups=6), ReportBus(), 3, 1
-    await t.stage_report(stats(1))
+    await report(t, stats(1))
     t.tracking.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
@@ -358,3 +363,22 @@ def test_steps_still_waiting_at_the_end_get_a_few_more_tries(monkeypatch):
         tr.log(s, row(s))
     tr.close(timeout=30)
     assert fl.starts == 3 and [s for s, _ in fl.seen] == [1, 2, 3] and fl.closed
+
+
+def test_on_resume_the_checkpoints_row_is_written_once_if_missing_and_a_row_cut_short_is_removed(tmp_path):
+    """A trainer killed between committing step 2's checkpoint and writing its row (Trainer.restore_row)."""
+    from kuberl.runtime.trainer.dist import DistInfo
+    from kuberl.runtime.trainer.trainer import Trainer
+
+    t = Trainer(experiment(None), bus_url="nats://unused:4222", workdir=tmp_path)
+    t.info = DistInfo(0, 1, 0, torch.device("cpu"))
+    path = tmp_path / "metrics.jsonl"
+    row1, row2 = {"step": 1, **stats(1)}, {"step": 2, **stats(2)}
+    path.write_text(json.dumps(row1) + "\n" + '{"step": 2, "rew')  # the kill cut a row short
+    t.restore_row(row2)
+    t.restore_row(row2)  # a second resume from the same checkpoint: the row is there now
+    t.tracking.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [row1, row2]
+    path.write_text(json.dumps(row1) + "\n" + '{"st')
+    t.restore_row(None)  # a checkpoint without a row (older, or the final one): only the cut row goes
+    assert path.read_text() == json.dumps(row1) + "\n"

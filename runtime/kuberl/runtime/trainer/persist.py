@@ -89,6 +89,7 @@ class PersistMixin:
         self.answered_request = state.get("answered_request")
         self.book.load_state(state["tickets"])
         self.last_checkpoint = state.get("checkpoint")
+        self.checkpoint_row = state.get("metrics_row")  # absent in checkpoints from before it was kept
         if main:
             log.info("resumed from %s: step %d, policy version %d", path, self.step, self.version)
         return Path(path)
@@ -124,8 +125,9 @@ class PersistMixin:
                       stats["peak_bytes"] / 1e6)
         await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
 
-    async def stage_checkpoint(self, *, request: str | None = None) -> None:
-        """train.checkpoint: model and optimizer shards, schedule, RNG, ticket book; then ack the groups it covers."""
+    async def stage_checkpoint(self, *, request: str | None = None, row: dict[str, Any] | None = None) -> None:
+        """train.checkpoint: model and optimizer shards, schedule, RNG, ticket book and this step's metrics row (rank 0's
+        `row`, ReportMixin.step_row); then ack the groups it covers."""
         saved = request is None and bool(self.last_checkpoint) and self.last_checkpoint.get("step") == self.step and self._saved(self.step)
         if D.broadcast_object(saved, self.info):  # rank 0 decides: every rank must take the same path
             if self.info.is_main:
@@ -141,7 +143,7 @@ class PersistMixin:
             info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
             state = {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
                      "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
-                     "world_size": self.info.world_size, "experiment": self.exp.name}
+                     "world_size": self.info.world_size, "experiment": self.exp.name, "metrics_row": row}
             ck.commit_checkpoint(self.ckpt_root, self.step, state, keep=self.spec.checkpoint.keep)
             self.last_checkpoint = info
             log.info("checkpoint step %d (policy version %d) in %s", self.step, self.version, info["path"])

@@ -20,42 +20,90 @@ log = logging.getLogger("kuberl.trainer")
 class ReportMixin:
     """train.report and the progress document every other report (checkpoint, failure) starts from."""
 
-    async def stage_report(self, stats: dict[str, Any] | None, done: bool = False) -> None:
-        """train.report: KV progress every step, one metrics.jsonl line and one log line per step."""
+    async def step_row(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """This step's metrics.jsonl row (rank 0), made before train.checkpoint: the checkpoint keeps a copy, so that a
+        trainer killed between its checkpoint and its report still gets the row written, on resume (restore_row)."""
+        row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": self._sps(stats),
+               "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
+        if self.evals is not None:  # held-out evaluation: issue a due round, merge the finished ones (never waits)
+            row.update(await self.evals.poll(self.bus.bus, self.step, self.version))
+        return row
+
+    def _sps(self, stats: dict[str, Any]) -> float:
+        """Samples per second over the recent steps and this one."""
+        window = [*self.recent, (stats["samples"], stats["step_seconds"])][-(self.recent.maxlen or 5):]
+        secs = sum(s for _, s in window)
+        return sum(n for n, _ in window) / secs if secs > 0 else 0.0
+
+    async def stage_report(self, row: dict[str, Any] | None, done: bool = False) -> None:
+        """train.report: KV progress every step; a step's row (step_row) into metrics.jsonl, the metrics stream and
+        the tracker, and its log line."""
         if not self.info.is_main:
             return
         await self.bus.refresh_buffered(len(self.buffer))
         await self.bus.put_tickets(self.book.state())
         progress = self._progress_base(done=done)
-        if self.tracking is None:  # rank 0 only: the other ranks returned above; from the first report (/metrics before step 1)
-            self.tracking = Tracking.from_spec(self.spec.tracking, workdir=self.workdir, name=self.exp.name, namespace=self.exp.namespace,
-                                               config=self.spec.to_manifest())
-        if stats is not None:
-            self.recent.append((stats["samples"], stats["step_seconds"]))
-            secs = sum(s for _, s in self.recent)
-            sps = sum(n for n, _ in self.recent) / secs if secs > 0 else 0.0
+        self._ensure_tracking()
+        if row is not None:
+            row["time"] = time.time()
+            row["samples_per_second"] = self._sps(row)  # with the step's whole time (its checkpoint included)
+            self.recent.append((row["samples"], row["step_seconds"]))
             # Kept for every later report (checkpoints, done): the last step's numbers stay visible.
-            self.last_numbers = {"reward_mean": stats["reward_mean"], "samples_per_second": sps, "staleness_mean": stats["staleness_mean"],
-                                 "staleness_max": stats["staleness_max"], "trainer_wait_fraction": stats["wait_seconds"] / max(stats["step_seconds"], 1e-9),
-                                 "entropy": stats.get("entropy")}
+            self.last_numbers = {"reward_mean": row["reward_mean"], "samples_per_second": row["samples_per_second"],
+                                 "staleness_mean": row["staleness_mean"], "staleness_max": row["staleness_max"],
+                                 "trainer_wait_fraction": row["wait_seconds"] / max(row["step_seconds"], 1e-9), "entropy": row.get("entropy")}
             progress.update(self.last_numbers)
-            row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": sps,
-                   "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
-            if self.evals is not None:  # held-out evaluation: issue a due round, merge the finished ones (never waits)
-                row.update(await self.evals.poll(self.bus.bus, self.step, self.version))
+            if self.evals is not None:
                 progress["eval"] = self.evals.last
-            self.last_row = row
-            with open(self.workdir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            if self.metrics_out is not None:  # never blocks: a background task sends it
-                self.metrics_out.publish(row)
-            self.tracking.log(self.step, row)  # never blocks; a tracker that is down is logged once, training goes on
+            self._write_row(row)
+            secs = sum(s for _, s in self.recent)
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
             log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
-                     "wait %.0f%% ETA %s", self.step, self.total_steps, self.version, stats["reward_mean"], stats["loss"],
-                     stats.get("entropy", float("nan")), sps, stats["staleness_mean"], stats["staleness_max"], self.dropped_stale,
-                     self.failed_groups, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
+                     "wait %.0f%% ETA %s", self.step, self.total_steps, self.version, row["reward_mean"], row["loss"],
+                     row.get("entropy", float("nan")), row["samples_per_second"], row["staleness_mean"], row["staleness_max"],
+                     self.dropped_stale, self.failed_groups, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
         await self.bus.put_progress(progress)
+
+    def _ensure_tracking(self) -> None:
+        if self.tracking is None:  # rank 0 only, from the first report (/metrics before step 1)
+            self.tracking = Tracking.from_spec(self.spec.tracking, workdir=self.workdir, name=self.exp.name, namespace=self.exp.namespace,
+                                               config=self.spec.to_manifest())
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        """One row into metrics.jsonl, the metrics stream on the bus and the tracker."""
+        self.last_row = row
+        with open(self.workdir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.metrics_out is not None:  # never blocks: a background task sends it
+            self.metrics_out.publish(row)
+        self.tracking.log(row["step"], row)  # never blocks; a tracker that is down is logged once, training goes on
+
+    def restore_row(self, row: dict[str, Any] | None) -> None:
+        """On resume (rank 0): drop a metrics.jsonl row cut short by the kill (appending after it would spoil the next
+        row too), and write the checkpoint's own step row if the file lacks it (the trainer died after committing
+        the checkpoint and before its report)."""
+        path = self.workdir / "metrics.jsonl"
+        text = path.read_text() if path.is_file() else ""
+        if text and not text.endswith("\n"):
+            complete = text[: text.rfind("\n") + 1]
+            log.warning("metrics.jsonl ends in a row cut short (%d bytes, the trainer was killed writing it): removed", len(text) - len(complete))
+            with open(path, "r+") as fh:
+                fh.truncate(len(complete.encode()))
+            text = complete
+        if row is None:
+            return
+        steps = set()
+        for line in text.splitlines():
+            try:
+                steps.add(json.loads(line).get("step"))
+            except (ValueError, AttributeError):
+                continue
+        if row["step"] in steps:
+            return
+        log.warning("metrics.jsonl has no row for step %d (the trainer stopped between its checkpoint and its report): "
+                    "writing the one the checkpoint kept", row["step"])
+        self._ensure_tracking()
+        self._write_row(row)
 
     def _progress_base(self, done: bool = False) -> dict[str, Any]:
         return {"step": self.step, "total_steps": getattr(self, "total_steps", None),

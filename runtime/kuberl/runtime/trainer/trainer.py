@@ -89,6 +89,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.duplicates = 0
         self.recent: deque[tuple[int, float]] = deque(maxlen=5)  # (samples, seconds) of recent steps
         self.last_checkpoint: dict[str, Any] | None = None
+        self.checkpoint_row: dict[str, Any] | None = None  # the resumed checkpoint's own step row (ReportMixin.restore_row)
         self.stop_reason: str | None = None
         self._run_task: asyncio.Task | None = None  # run()'s task: SIGTERM cancels it while the bus is down
         self.last_numbers: dict[str, Any] = {}  # reward, speed, staleness of the last step, for progress
@@ -119,6 +120,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
                 await self.bus.start(resumed=self.resumed_from is not None)
                 self.metrics_out = await MetricsPublisher.start(self.bus.bus, fresh=self.resumed_from is None)
                 if self.resumed_from is not None:
+                    self.restore_row(self.checkpoint_row)
                     await self.stage_catch_up()
             await self.stage_publish_weights()  # v0 on a fresh start; the checkpoint's version on resume
             await self.stage_report(None)
@@ -228,12 +230,15 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
             self.book.on_consumed(batch.num_groups)
         await self.stage_publish_weights()
         lap("train.publish_weights")
-        due = self.step % self.spec.checkpoint.every_steps == 0
-        if D.broadcast_object(due, self.info):
-            await self.stage_checkpoint()
-            lap("train.checkpoint")
         stats.update(samples=batch.num_samples, wait_seconds=plan.get("wait_seconds", 0.0), step_seconds=time.monotonic() - t0,
                      reward_mean=float(batch.rewards.mean()), timings=timings, group_ids=list(batch.group_ids),
                      **self._staleness(batch))
-        await self.stage_report(stats)
+        row = await self.step_row(stats) if self.info.is_main else None  # before the checkpoint, which keeps a copy
+        due = self.step % self.spec.checkpoint.every_steps == 0
+        if D.broadcast_object(due, self.info):
+            await self.stage_checkpoint(row=row)
+            lap("train.checkpoint")  # into row["timings"] too (the same dict); the checkpoint's copy is without it
+            if row is not None:
+                row["step_seconds"] = time.monotonic() - t0
+        await self.stage_report(row)
         return True
