@@ -382,3 +382,14 @@ def test_on_resume_the_checkpoints_row_is_written_once_if_missing_and_a_row_cut_
     path.write_text(json.dumps(row1) + "\n" + '{"st')
     t.restore_row(None)  # a checkpoint without a row (older, or the final one): only the cut row goes
     assert path.read_text() == json.dumps(row1) + "\n"
+
+
+@pytest.mark.parametrize(("text", "kept"), [("", ""), ("a\n", "a\n"), ("a\nbb", "a\n"), ("cut", ""), ("a\n" + "x" * 20, "a\n"),
+                                            ("a\n" + "y" * 9 + "\n", "a\n" + "y" * 9 + "\n")])
+def test_a_row_cut_short_is_found_across_read_chunks(tmp_path, text, kept):
+    from kuberl.runtime.trainer.report import _cut_short
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    assert _cut_short(path, chunk=4) == len(text) - len(kept)
+    assert path.read_text() == kept

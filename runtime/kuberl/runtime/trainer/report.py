@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from kuberl.runtime.tracking import Tracking
@@ -81,25 +82,17 @@ class ReportMixin:
     def restore_row(self, row: dict[str, Any] | None) -> None:
         """On resume (rank 0): drop a metrics.jsonl row cut short by the kill (appending after it would spoil the next
         row too), and write the checkpoint's own step row if the file lacks it (the trainer died after committing
-        the checkpoint and before its report)."""
+        the checkpoint and before its report). Reads the file line by line: it grows with the run."""
         path = self.workdir / "metrics.jsonl"
-        text = path.read_text() if path.is_file() else ""
-        if text and not text.endswith("\n"):
-            complete = text[: text.rfind("\n") + 1]
-            log.warning("metrics.jsonl ends in a row cut short (%d bytes, the trainer was killed writing it): removed", len(text) - len(complete))
-            with open(path, "r+") as fh:
-                fh.truncate(len(complete.encode()))
-            text = complete
+        if path.is_file() and (cut := _cut_short(path)):
+            log.warning("metrics.jsonl ends in a row cut short (%d bytes, the trainer was killed writing it): removed", cut)
         if row is None:
             return
-        steps = set()
-        for line in text.splitlines():
-            try:
-                steps.add(json.loads(line).get("step"))
-            except (ValueError, AttributeError):
-                continue
-        if row["step"] in steps:
-            return
+        prefix = f'{{"step": {row["step"]},'  # how every row starts (step_row puts the step first)
+        if path.is_file():
+            with open(path) as fh:
+                if any(line.startswith(prefix) for line in fh):
+                    return
         log.warning("metrics.jsonl has no row for step %d (the trainer stopped between its checkpoint and its report): "
                     "writing the one the checkpoint kept", row["step"])
         self._ensure_tracking()
@@ -119,6 +112,25 @@ class ReportMixin:
         # Never negative: after a restart, redelivered groups may come from versions newer than the checkpoint's.
         lags = [max(self.version - 1 - h, 0) for h in batch.head_versions if h >= 0]
         return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags) if lags else 0}
+
+
+def _cut_short(path: Path, chunk: int = 1 << 16) -> int:
+    """Remove the last line of `path` if it has no newline; the bytes removed (0: the file ends in a whole line)."""
+    with open(path, "rb+") as fh:
+        size = fh.seek(0, 2)
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            fh.seek(start)
+            block = fh.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return 0
+            if (i := block.rfind(b"\n")) >= 0:
+                fh.truncate(start + i + 1)
+                return size - (start + i + 1)
+            end = start
+        fh.truncate(0)
+        return size
 
 
 def _fmt_eta(seconds: float) -> str:
