@@ -19,7 +19,8 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     then lets a server that also sets SO_REUSEADDR bind and listen on the port (vLLM, uvicorn, asyncio servers and
     Go's nats-server all do), while nobody else gets it: not bind(0), nor the ephemeral port of an outgoing
     connection, nor a plain bind. With free_port alone, the port is free only until the probe closes, and a server
-    restarted on "its" port can find it taken. Not inherited by child processes (PEP 446).
+    restarted on "its" port can find it taken. Not inherited by child processes (PEP 446). Linux semantics (where
+    `kuberl run` runs: it pins roles with sched_setaffinity); BSD/macOS would refuse the server's own bind.
     """
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
