@@ -22,6 +22,11 @@ ENGINE_FILES = frozenset({
 })
 
 
+# The session fixtures that start a vLLM server (tests/integration/conftest_engines.py): a file using them must be
+# in ENGINE_FILES (checked at collection), or the other worker would run its engine next to the engine group's.
+ENGINE_FIXTURES = frozenset({"vllm_server", "vllm_instruct_server"})
+
+
 def xdist_group(nodeid: str) -> str:
     """The worker group of a test: ENGINES for the engine files of tests/integration, else its file."""
     path = Path(nodeid.split("::")[0])
@@ -30,6 +35,11 @@ def xdist_group(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the marker into the group (and is registered later)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    strays = sorted({item.nodeid.split("::")[0] for item in items
+                     if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and xdist_group(item.nodeid) != ENGINES})
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)}: start vLLM engines (fixtures {', '.join(sorted(ENGINE_FIXTURES))}) but are not "
+                                "in ENGINE_FILES (tests/conftest.py); add them there, so that one worker runs every engine file")
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
 
