@@ -14,6 +14,7 @@ import time
 import pytest
 import pytest_asyncio
 from conftest_engines import generated_tokens
+from dropped_cancels import drop_cancels
 
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.runtime.bus import Bus, Ticket
@@ -183,15 +184,22 @@ async def test_dynamic_sampling_rejects_a_group_whose_rewards_are_all_equal(bus,
     assert group.rejected and group.samples == [] and group.group_id == "e0-i0-0"
 
 
-async def test_a_stopped_agent_gives_its_tickets_back_at_once(bus, engine, tokenizer, vllm_server, experiment_name):
-    exp = make_experiment(experiment_name)
-    await bus.publish_tickets(tickets(2))
+@pytest.mark.parametrize("cancel", ["reaches-the-agent", "dropped-by-a-bus-call"])
+async def test_a_stopped_agent_gives_its_tickets_back_at_once(cancel, monkeypatch, bus, engine, tokenizer, vllm_server,
+                                                              experiment_name):
+    exp = make_experiment(experiment_name)  # concurrency 2
+    # Dropped: one ticket runs and the agent waits in pull_ticket for the next, which comes with the cancel.
+    await bus.publish_tickets(tickets(2 if cancel == "reaches-the-agent" else 1))
+    if cancel == "dropped-by-a-bus-call":
+        drop_cancels(monkeypatch, Bus, "pull_ticket", until_result=True)
     agent = agent_for(exp, bus, engine, tokenizer, vllm_server.workdir, long_responses(tokenizer))
     run = asyncio.create_task(agent.run())
     await generating(engine, run)
     run.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await run
+    if cancel == "dropped-by-a-bus-call":
+        await bus.publish_tickets(tickets(1, start=1))
+    done, _ = await asyncio.wait({run}, timeout=60)  # a fail, not a hang, when the agent runs on
+    assert run in done and run.cancelled(), "the cancelled agent runs on"
     again = [await bus.pull_ticket(timeout=5.0) for _ in range(2)]  # long before the 30 s ack_wait
     assert sorted(lease.value.ticket_id for lease in again if lease) == ["e0-i0-0", "e0-i1-1"]
     assert all(lease.delivered == 2 for lease in again)

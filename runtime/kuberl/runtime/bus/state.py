@@ -13,6 +13,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
+from kuberl.runtime.aio import raise_if_cancelling
 from kuberl.runtime.bus.errors import BusError
 from kuberl.runtime.bus.names import KV_KEY
 from kuberl.runtime.bus.streams import _best_effort
@@ -68,6 +69,7 @@ class StateMixin:
                     try:
                         entry = await watcher.updates(timeout=1.0)
                     except nats.errors.TimeoutError:
+                        raise_if_cancelling()  # the client may have dropped a cancel (kuberl/runtime/aio.py)
                         idle += 1.0
                         if idle >= WATCH_CHECK_SECONDS:
                             idle = 0.0
@@ -76,6 +78,7 @@ class StateMixin:
                                 break
                         continue
                     idle = 0.0
+                    raise_if_cancelling()
                     if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
                         continue  # None marks "caught up with the history"
                     if entry.revision <= last_revision:

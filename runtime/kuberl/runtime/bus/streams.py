@@ -8,6 +8,7 @@ and Topology's `_consumer_config`, `_add_consumer`, `_create`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from kuberl.runtime.aio import cancel_requested, raise_if_cancelling
 from kuberl.runtime.bus.chunks import ChunkAssembler
 from kuberl.runtime.bus.errors import BusError, GroupTooLargeError
 from kuberl.runtime.bus.lease import Lease
@@ -86,8 +88,9 @@ class StreamsMixin:
             if sub is None:
                 stream, _ = self._consumer_config(consumer)
                 sub = self._subs[consumer] = await self.js.pull_subscribe_bind(consumer, stream=stream)
-            return await sub.fetch(batch, timeout=timeout)
+            msgs = await sub.fetch(batch, timeout=timeout)
         except (TimeoutError, nats.errors.TimeoutError):
+            raise_if_cancelling()  # the client may have dropped a cancel (kuberl/runtime/aio.py)
             return []
         except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
             if self.nc.is_closed:
@@ -97,6 +100,13 @@ class StreamsMixin:
             # The consumer went away (deleted, or a server that lost its state): bind again, or re-create it.
             log.warning("bus: pull from consumer %r failed (%s); re-binding", consumer, exc)
             await self._recover_consumer(consumer)
+        else:
+            if cancel_requested():  # messages came back and the cancel was dropped: give them back
+                for m in msgs:
+                    with contextlib.suppress(Exception):
+                        await m.nak()  # redelivered at once, not after ack_wait
+                raise asyncio.CancelledError
+            return msgs
         await asyncio.sleep(min(0.5, max(timeout, 0.0)))
         return []
 

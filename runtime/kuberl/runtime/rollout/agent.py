@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.runtime.aio import cancel_requested
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
@@ -339,6 +340,16 @@ class RolloutAgent:
         self._episodes.add(task)
         task.add_done_callback(lambda t: (self._episodes.discard(t), slots.release()))
 
+    @staticmethod
+    async def _stop_if_cancelled(lease: Lease | None) -> None:
+        """A pull may return its ticket and drop the cancel that stops this agent (kuberl/runtime/aio.py): give the
+        ticket back at once (an episode task cancelled before it starts could not) and stop."""
+        if cancel_requested():
+            if lease is not None:
+                with contextlib.suppress(Exception):
+                    await lease.nak()
+            raise asyncio.CancelledError
+
     async def run(self, max_tickets: int | None = None) -> AgentStats:
         """Take tickets until cancelled (or `max_tickets` are done); then cancel the episodes in flight."""
         self.stats.started = time.monotonic()
@@ -358,10 +369,12 @@ class RolloutAgent:
                     await self._engine_back()
                     continue
                 lease = await self.bus.pull_ticket(timeout=1.0 if self.evaluator is None else 0.3)
+                await self._stop_if_cancelled(lease)
                 self._progressed()
                 if lease is None:
                     # No training ticket waiting: the free slot may take a held-out evaluation ticket.
                     if self.evaluator is not None and (ev := await self.bus.pull_eval_ticket(timeout=0.3)) is not None:
+                        await self._stop_if_cancelled(ev)
                         self._start(run_eval_ticket(self, ev), f"eval-{ev.value.eval_id}", slots)
                         continue
                     slots.release()
