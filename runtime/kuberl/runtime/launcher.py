@@ -27,6 +27,7 @@ import yaml
 
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.net import reserve_port
+from kuberl.runtime.aio import raise_if_cancelling
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
 from kuberl.runtime.resources import available_cpus, plan_local_cpus
 from kuberl.runtime.resources import role_env as role_cpu_env
@@ -290,6 +291,7 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
                     last_line = time.monotonic()
 
             while not stop.is_set():
+                raise_if_cancelling()  # a wait_for below may have dropped the cancel (kuberl/runtime/aio.py)
                 report = await read()
                 if report and report != last:
                     last = report

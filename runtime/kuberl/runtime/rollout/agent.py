@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
-from kuberl.runtime.aio import cancel_requested
+from kuberl.runtime.aio import cancel_requested, raise_if_cancelling
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
 from kuberl.runtime.bus.names import KEY_WEIGHTS
@@ -182,6 +182,7 @@ class RolloutAgent:
         tried that version and failed. Returns False if the ticket starts on older weights anyway.
         """
         while self.engine.version < wanted:
+            raise_if_cancelling()  # the wait_for below may have dropped the cancel of a stopping agent (aio.py)
             if self._followed_version is not None and self._followed_version >= wanted:
                 break  # the follower tried and failed (it logged why): do not hold tickets forever
             w = await self.bus.get_state(KEY_WEIGHTS)
