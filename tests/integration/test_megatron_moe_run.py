@@ -7,7 +7,8 @@ train different row counts and one pads with filler micro-batches). Every step's
 and every published weights/v{N}, must match the reference's. The published folder is what vLLM and transformers
 load (per-expert checkpoint names, gathered from both EP ranks); the checkpoint's per-(tp, pp, ep) files read back
 with checkpoint.read_model_state give the same weights; a run killed after its step-2 checkpoint resumes from its
-EP shards and ends on the reference's weights.
+EP shards and ends on the reference's weights. `kuberl run` at expert 2 (vLLM CPU engine) is in
+test_kuberl_run_backends.py.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from test_megatron_run import (
     assert_same_training,
     finish,
     kill_after_checkpoint_and_resume,
-    kuberl_run_quickstart,
     max_diff,
-    metrics,
     reference,
     start_trainer,
     train,
@@ -111,25 +110,3 @@ def test_expert_parallel_on_a_dense_model_is_refused_naming_the_field(tmp_path):
     text = log.read_text()
     assert code == 2, text[-3000:]
     assert "trainer.parallelism.expert 2 needs a mixture-of-experts model; qwen2" in text
-
-
-def test_kuberl_run_trains_a_moe_model_at_expert_2_on_the_vllm_engine(tmp_path, moe_dir):
-    """`kuberl run` of the quickstart on the tiny Qwen3-MoE: trainer.backend megatron at expert 2 on 2 CPU processes,
-    the real launcher, nats-server, vLLM CPU engine (which serves Qwen3-MoE: its CPU unquantized MoE backend) and
-    rollout agent. Every step completes and the engine loads each published version (its log says so, and staleness
-    stays within maxHeadOffpolicyness 2: later steps' groups come from published weights, not the initial ones)."""
-    workdir = kuberl_run_quickstart(tmp_path, "mg-moe-run", model={"path": str(moe_dir), "dtype": "float32"}, training={"totalSteps": 4},
-                                    checkpoint={"everySteps": 2, "keep": 2},
-                                    trainer={"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"expert": 2}})
-    rows = metrics(workdir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["staleness_max"] <= 2 for r in rows)
-    rollout_log = (workdir / "logs" / "rollout-0.log").read_text()
-    for v in (1, 2, 3):  # the engine loaded the published MoE weights (both EP ranks' experts) of every version
-        assert f"vLLM loaded weights v{v} from" in rollout_log, rollout_log[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    last = workdir / "weights" / "v4"
-    AutoModelForCausalLM.from_pretrained(last)
-    assert max_diff(load_weights(last), load_weights(moe_dir)) > 0
-    assert (workdir / "checkpoints" / "step-00000004" / "megatron-tp0-pp0-ep1.pt").is_file()
