@@ -25,6 +25,13 @@ ENGINE_FILES = frozenset({
 # The session fixtures that start a vLLM server (tests/integration/conftest_engines.py): a file using them must be
 # in ENGINE_FILES (checked at collection), or the other worker would run its engine next to the engine group's.
 ENGINE_FIXTURES = frozenset({"vllm_server", "vllm_instruct_server"})
+# A test file that starts `kuberl run` as a subprocess (its engine, trainer and agent) has this in its source: it too
+# must be in ENGINE_FILES (checked at collection, for the files of tests/integration).
+KUBERL_RUN_CALL = '"kuberl.cli", "run"'
+
+
+def starts_kuberl_runs(path: Path) -> bool:
+    return path.suffix == ".py" and KUBERL_RUN_CALL in path.read_text(encoding="utf-8")
 
 
 def xdist_group(nodeid: str) -> str:
@@ -40,6 +47,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)}: start vLLM engines (fixtures {', '.join(sorted(ENGINE_FIXTURES))}) but are not "
                                 "in ENGINE_FILES (tests/conftest.py); add them there, so that one worker runs every engine file")
+    runs = sorted({str(item.path) for item in items if item.path.parent.name == "integration"
+                   and item.path.name not in ENGINE_FILES and starts_kuberl_runs(item.path)})
+    if runs:
+        raise pytest.UsageError(f"{', '.join(runs)}: start `kuberl run` ({KUBERL_RUN_CALL}) but are not in ENGINE_FILES "
+                                "(tests/conftest.py); add them there, so that one worker runs every engine file")
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
 

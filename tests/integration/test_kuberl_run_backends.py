@@ -10,14 +10,35 @@ tests/conftest.py's ENGINE_FILES: the engine worker runs them one after another 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from test_megatron_moe_run import build_tiny_moe
-from test_megatron_run import kuberl_run_quickstart, max_diff, metrics
+from test_megatron_run import max_diff, metrics
 
 from kuberl.runtime.trainer.weights import load_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def kuberl_run_quickstart(tmp_path: Path, name: str, **spec) -> Path:
+    """`kuberl run` (the real launcher, nats-server, vLLM CPU engine, rollout agent) of examples/quickstart.yaml with
+    batch 4 x 4 samples and `spec` merged over its spec; asserts exit 0 and returns the run's workdir."""
+    root = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["algorithm"].update(batchSize=4, samplesPerPrompt=4)
+    doc["spec"].update(spec)
+    manifest = tmp_path / f"{name}.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    workdir = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)], cwd=root,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return workdir
 
 
 @pytest.fixture(scope="module")

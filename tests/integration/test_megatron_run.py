@@ -300,20 +300,3 @@ def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_pat
         t.megatron_read_state(tmp_path, {"tensor": 1, "pipeline": 1, "expert": 1})
     with pytest.raises(ConfigError, match="written by trainer.backend fsdp"):
         t.megatron_read_state(tmp_path, None)
-
-
-def kuberl_run_quickstart(tmp_path: Path, name: str, **spec) -> Path:
-    """`kuberl run` (the real launcher, nats-server, vLLM CPU engine, rollout agent) of examples/quickstart.yaml with
-    batch 4 x 4 samples and `spec` merged over its spec; asserts exit 0 and returns the run's workdir."""
-    root = Path(__file__).resolve().parents[2]
-    doc = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
-    doc["metadata"]["name"] = name
-    doc["spec"]["algorithm"].update(batchSize=4, samplesPerPrompt=4)
-    doc["spec"].update(spec)
-    manifest = tmp_path / f"{name}.yaml"
-    manifest.write_text(yaml.safe_dump(doc))
-    workdir = tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)], cwd=root,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return workdir
