@@ -427,3 +427,35 @@ class TestRobustness:
             assert (await bus.js.stream_info(bus.names.traj_stream)).state.messages == 0
         finally:
             await bus.close()
+
+
+class TestStoreCreation:
+    """nats-server may answer "error creating store for stream" (500, err_code 10049) while a stream that
+    reset_experiment just deleted is still being removed from its disk (CI, 2026-11-28): the bus tries again."""
+
+    @staticmethod
+    def failing(bus: Bus, monkeypatch, times: int) -> list[str]:
+        import nats.js.errors
+
+        real, calls = bus.js.add_stream, []
+
+        async def add_stream(config=None, **kw):
+            calls.append(config.name)
+            if len(calls) <= times:
+                raise nats.js.errors.ServerError(code=500, err_code=10049, description="error creating store for stream")
+            return await real(config, **kw)
+
+        monkeypatch.setattr(bus.js, "add_stream", add_stream)
+        return calls
+
+    async def test_a_store_the_server_cannot_create_at_first_is_created_on_a_later_attempt(self, bus, monkeypatch):
+        calls = self.failing(bus, monkeypatch, times=2)
+        await bus.reset_experiment()
+        assert calls[:3] == [calls[0]] * 3  # the first stream, tried three times
+        assert await bus.publish_tickets([ticket(0)]) == 1
+        assert (await bus.pull_ticket(timeout=2)).value.ticket_id == ticket(0).ticket_id
+
+    async def test_a_store_that_never_comes_is_a_bus_error_naming_it(self, bus, monkeypatch):
+        self.failing(bus, monkeypatch, times=100)
+        with pytest.raises(BusError, match=r"cannot create stream \S+_TICKETS on nats://.*error creating store for stream \(5 attempts\)"):
+            await bus.reset_experiment()

@@ -6,7 +6,10 @@ chose; `_bind()` only checks they exist. Settings follow docs/design/contracts.m
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -31,6 +34,12 @@ def duplicate_window() -> float:
         raise BusError(str(exc)) from None
 DEFAULT_TICKET_ACK_WAIT = 30.0  # contract: a dead agent's ticket goes to another agent after 30 s
 DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; restarts reset the consumer
+# nats-server's "error creating store for stream" (HTTP-like code 500): seen in CI (2026-11-28) when reset_experiment
+# re-created the streams it had just deleted, the account's store directory still being removed. Transient: try again.
+STORE_CREATE_ERR_CODE = 10049
+STORE_CREATE_ATTEMPTS = 5
+
+log = logging.getLogger("kuberl.runtime.bus.client")
 
 
 class Topology:
@@ -83,7 +92,7 @@ class Topology:
                 info = await self.js.stream_info(cfg.name)
             except nats.js.errors.NotFoundError:
                 try:
-                    info = await self.js.add_stream(cfg)
+                    info = await self._store_created(f"stream {cfg.name}", lambda c=cfg: self.js.add_stream(c))
                 except nats.js.errors.BadRequestError:  # created meanwhile by another role
                     info = await self.js.stream_info(cfg.name)
             else:
@@ -113,8 +122,28 @@ class Topology:
                 await self.js.consumer_info(stream, name)
             except nats.js.errors.NotFoundError:
                 await self._add_consumer(stream, cfg)
-        self._kv = await self.js.create_key_value(bucket=self.names.kv_bucket, history=1, storage=api.StorageType.FILE)
-        self._obj = await self.js.create_object_store(bucket=self.names.weights_bucket, storage=api.StorageType.FILE)
+        n = self.names
+        self._kv = await self._store_created(f"bucket {n.kv_bucket}", lambda: self.js.create_key_value(
+            bucket=n.kv_bucket, history=1, storage=api.StorageType.FILE))
+        self._obj = await self._store_created(f"bucket {n.weights_bucket}", lambda: self.js.create_object_store(
+            bucket=n.weights_bucket, storage=api.StorageType.FILE))
+
+    async def _store_created(self, what: str, create: Callable[[], Awaitable[Any]]) -> Any:
+        """`create()`, again after a moment while the server cannot create the store (STORE_CREATE_ERR_CODE)."""
+        for attempt in range(1, STORE_CREATE_ATTEMPTS):
+            try:
+                return await create()
+            except nats.js.errors.ServerError as exc:
+                if exc.err_code != STORE_CREATE_ERR_CODE:
+                    raise
+                log.warning("bus: creating %s failed (%s); trying again", what, exc.description)
+                await asyncio.sleep(0.2 * attempt)
+        try:
+            return await create()
+        except nats.js.errors.ServerError as exc:
+            if exc.err_code != STORE_CREATE_ERR_CODE:
+                raise
+            raise BusError(f"cannot create {what} on {self.url}: {exc.description} ({STORE_CREATE_ATTEMPTS} attempts)") from None
 
     async def _add_consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
         try:
