@@ -130,20 +130,17 @@ class Topology:
 
     async def _store_created(self, what: str, create: Callable[[], Awaitable[Any]]) -> Any:
         """`create()`, again after a moment while the server cannot create the store (STORE_CREATE_ERR_CODE)."""
-        for attempt in range(1, STORE_CREATE_ATTEMPTS):
+        for attempt in range(1, STORE_CREATE_ATTEMPTS + 1):
             try:
                 return await create()
             except nats.js.errors.ServerError as exc:
                 if exc.err_code != STORE_CREATE_ERR_CODE:
                     raise
+                if attempt == STORE_CREATE_ATTEMPTS:
+                    raise BusError(f"cannot create {what} on {self.url}: {exc.description} ({attempt} attempts)") from None
                 log.warning("bus: creating %s failed (%s); trying again", what, exc.description)
                 await asyncio.sleep(0.2 * attempt)
-        try:
-            return await create()
-        except nats.js.errors.ServerError as exc:
-            if exc.err_code != STORE_CREATE_ERR_CODE:
-                raise
-            raise BusError(f"cannot create {what} on {self.url}: {exc.description} ({STORE_CREATE_ATTEMPTS} attempts)") from None
+        return None  # not reached: the last attempt returns or raises
 
     async def _add_consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
         try:
