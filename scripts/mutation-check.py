@@ -29,7 +29,7 @@ LOSSES = "runtime/kuberl/runtime/algorithms/losses.py"
 ADVANTAGES = "runtime/kuberl/runtime/algorithms/advantages.py"
 TRAINER_COMPUTE = "runtime/kuberl/runtime/trainer/compute.py"
 TRAINER_COLLECT = "runtime/kuberl/runtime/trainer/collect.py"
-BATCH = "runtime/kuberl/runtime/trainer/batch.py"
+TOKEN_LOGPROBS = "runtime/kuberl/runtime/trainer/token_logprobs.py"
 STALENESS = "runtime/kuberl/runtime/staleness.py"
 CONTEXT_PARALLEL = "runtime/kuberl/runtime/trainer/context_parallel.py"
 
@@ -69,8 +69,11 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/unit/test_algorithms.py::TestBaseline",)),
     Mutant("trainer-temperature-ignored", "trainer recomputes log-probs at temperature 1", TRAINER_COMPUTE,
            "return self.spec.algorithm.temperature", "return 1.0", (WIRING,)),
-    Mutant("logprobs-temperature-ignored", "response_logprobs never divides by the temperature", BATCH,
-           "z = z / temperature", "z = z", (WIRING,)),
+    Mutant("logprobs-temperature-ignored", "response_logprobs never divides by the temperature", TOKEN_LOGPROBS,
+           "z.div_(temperature)", "z.mul_(1.0)", (WIRING,)),
+    Mutant("logprob-gradient-target-term-dropped", "the log-prob backward drops the target's +g (gives -g softmax only)",
+           TOKEN_LOGPROBS, "dz.scatter_add_(-1, tgt[s:s + rows], gs)", "dz.mul_(1.0)",
+           ("tests/unit/test_token_logprobs.py::test_values_and_gradients_equal_plain_autograd",)),
     Mutant("loss-gets-behave-as-prox", "the PPO update passes pi_behave as pi_prox (plain PPO)", TRAINER_COMPUTE,
            "loss, st = ppo_actor_loss(logp, prox, behave,", "loss, st = ppo_actor_loss(logp, behave, behave,", (WIRING,)),
     Mutant("prox-is-behave", "stage_prox_logp copies pi_behave instead of recomputing pi_prox", TRAINER_COMPUTE,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kuberl.runtime.trainer.packing import can_share_prompts, packed_logits
+from kuberl.runtime.trainer.token_logprobs import target_logprobs
 
 
 class BatchError(ValueError):
@@ -290,17 +291,8 @@ def response_logprobs(
             logits = _full_sequence_logits(model, prompts, outputs, width, device, pad_id)
         targets, valid = _pad(outputs, width, pad_id)
         targets, valid = targets.to(device), valid.to(device).bool()
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    # log softmax at the target only: gather minus logsumexp.
-    lse = torch.logsumexp(z, dim=-1)
-    token_logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            zd = z.detach()
-            ent = lse.detach() - (torch.softmax(zd, dim=-1) * zd).sum(-1)
+    # log softmax(logits / T) at the target only, in float32, a slice of rows at a time (token_logprobs).
+    token_logp, ent = target_logprobs(logits, targets, temperature, entropy=entropy)
     if packed:  # flat scored positions -> [rows, width], 0 elsewhere
         at = (row * width + col).to(device)
         out = torch.zeros(len(outputs) * width, device=device, dtype=token_logp.dtype).index_put((at,), token_logp).view(len(outputs), width)
