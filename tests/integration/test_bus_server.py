@@ -84,6 +84,23 @@ class TestLauncher:
         with socket.socket() as other:  # released with the server
             other.bind(("127.0.0.1", port))
 
+    def test_batch_scheduling_puts_every_thread_under_sched_batch_and_a_respawn_keeps_it(self, tmp_path):
+        def policies(server) -> set[int]:
+            tids = [int(t) for t in os.listdir(f"/proc/{server.pid}/task")]
+            assert len(tids) > 1  # the Go runtime's threads, started after exec: they inherit the policy
+            return {os.sched_getscheduler(t) for t in tids}
+
+        with start_nats_server() as plain:
+            assert policies(plain) == {os.SCHED_OTHER}
+        server = start_nats_server(store_dir=str(tmp_path / "js"), batch_scheduling=True)
+        try:
+            assert policies(server) == {os.SCHED_BATCH}
+            server.kill()
+            server = server.respawn()
+            assert policies(server) == {os.SCHED_BATCH}
+        finally:
+            server.stop()
+
     def test_a_server_that_cannot_start_reports_its_log(self, tmp_path):
         with start_nats_server() as busy, pytest.raises(NatsServerError, match="address already in use"):
             start_nats_server(port=busy.port, store_dir=str(tmp_path))

@@ -59,14 +59,60 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
+def role_of(cmdline: list[str]) -> str | None:
+    """Which part of a `kuberl run` a process is, from its command line (None: the launcher's helpers)."""
+    text = " ".join(cmdline)
+    if cmdline and Path(cmdline[0]).name == "nats-server":
+        return "nats-server"
+    for role in ("engine", "rollout", "trainer"):
+        if f"kuberl.cli {role} " in text:
+            return role
+    if "vllm" in text.lower():  # the engine's server (exec'd by `kuberl.cli engine`) and its engine-core child
+        return "engine"
+    return None
+
+
+def scheduling_policies(root: psutil.Process) -> dict[str, set[int]]:
+    """The Linux scheduling policy of every thread under `root`, by role."""
+    found: dict[str, set[int]] = {}
+    for p in root.children(recursive=True):
+        try:
+            role = role_of(p.cmdline())
+            if role is not None:
+                found.setdefault(role, set()).update(os.sched_getscheduler(t.id) for t in p.threads())
+        except (psutil.Error, OSError):  # a process or thread that ended meanwhile
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+def short_run_and_policies(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path, dict[str, set[int]]]:
+    """The short run, and the scheduling policies of its processes' threads seen once it trains (step 3)."""
     tmp = tmp_path_factory.mktemp("run")
     manifest = quickstart_manifest(tmp, "it-learns", **{"training.totalSteps": STEPS, "staleness.maxHeadOffpolicyness": ETA})
     workdir = tmp / "work"
-    proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=840)
-    return proc, workdir
+    args = [sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)]
+    out, err = tmp / "stdout", tmp / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=o, stderr=e, text=True)
+    policies: dict[str, set[int]] = {}
+    try:
+        while proc.poll() is None:
+            if not policies and len(read_metrics(workdir)) >= 3:
+                policies = scheduling_policies(psutil.Process(proc.pid))
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text()), workdir, policies
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def short_run(short_run_and_policies) -> tuple[subprocess.CompletedProcess, Path]:
+    return short_run_and_policies[:2]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +186,16 @@ def test_the_run_leaves_a_reward_plot_and_checkpoints(short_run):
     png = workdir / "reward.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((workdir / "checkpoints").glob("step-*"))
+
+
+def test_the_rollout_side_runs_under_sched_batch_and_the_trainer_does_not(short_run_and_policies):
+    """kuberl.runtime.resources.batch_scheduling: the engine (server and engine core), the agent and nats-server, every
+    thread, under SCHED_BATCH, so that they do not preempt the trainer's update on the cores they share with it."""
+    _, _, policies = short_run_and_policies
+    assert set(policies) == {"engine", "rollout", "trainer", "nats-server"}, policies
+    for role in ("engine", "rollout", "nats-server"):
+        assert policies[role] == {os.SCHED_BATCH}, (role, policies[role])
+    assert policies["trainer"] == {os.SCHED_OTHER}
 
 
 def test_no_process_of_the_run_survives_it(short_run):

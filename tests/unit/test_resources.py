@@ -145,6 +145,11 @@ class TestLocalPlan:
         assert plan["engine-0"].compute == (0,) and plan["trainer"].cpus == (1,)
         assert plan["engine-0"].cpus == plan["rollout-0"].cpus == (0, 1) and plan["rollout-0"].threads == 1
 
+    @pytest.mark.parametrize("cores", [[0], [0, 1], list(range(8))])
+    def test_engines_and_agents_run_under_sched_batch_the_trainer_does_not(self, cores):
+        plan = plan_local_cpus(experiment(rollout={"replicas": 2}), cores)
+        assert {name for name, role in plan.items() if role.batch} == {"engine-0", "engine-1", "rollout-0", "rollout-1"}
+
     def test_cpu_requests_weigh_the_split(self):
         exp = experiment(rollout={"resources": {"requests": {"cpu": "6"}}}, trainer={"resources": {"requests": {"cpu": "2"}}})
         plan = plan_local_cpus(exp, list(range(8)))
@@ -162,6 +167,9 @@ class TestLocalPlan:
         assert env["engine-0"]["KUBERL_CPUS"] == env["rollout-0"]["KUBERL_CPUS"] == "0-1"
         assert env["engine-0"]["KUBERL_COMPUTE_CPUS"] == "0" and "KUBERL_COMPUTE_CPUS" not in env["rollout-0"]
         assert env["trainer"]["KUBERL_CPUS"] == "1" and env["trainer"]["KUBERL_THREADS"] == "1"
+        # The rollout side shares the trainer's core and runs under SCHED_BATCH; the trainer does not.
+        assert env["engine-0"]["KUBERL_SCHED_BATCH"] == env["rollout-0"]["KUBERL_SCHED_BATCH"] == "1"
+        assert "KUBERL_SCHED_BATCH" not in env["trainer"]
         # The engine process may run anywhere; its one worker thread is bound to core 0, the trainer's is not there.
         cpus, eng = process_settings("engine", env["engine-0"], [0, 1], None)
         assert cpus == [0, 1] and eng["VLLM_CPU_OMP_THREADS_BIND"] == "0" and eng["OMP_NUM_THREADS"] == "1"
@@ -175,3 +183,24 @@ def test_a_role_process_runs_on_its_cores_with_as_many_torch_threads():
     env.update(KUBERL_CPUS=str(cpu), KUBERL_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [[cpu], 1]
+
+
+SCHED = ("import os, threading, json; from kuberl.runtime.resources import apply_process_resources; apply_process_resources({role!r}); "
+         "ids = []; t = threading.Thread(target=lambda: ids.append(threading.get_native_id())); t.start(); t.join(); "
+         "print(json.dumps([os.sched_getscheduler(0), os.sched_getscheduler(ids[0])]))")
+
+
+@pytest.mark.parametrize(("role", "value", "policy"), [("rollout", "1", os.SCHED_BATCH), ("engine", "1", os.SCHED_BATCH),
+                                                        ("trainer", None, os.SCHED_OTHER), ("rollout", "0", os.SCHED_OTHER)])
+def test_a_role_process_asked_for_sched_batch_runs_under_it_and_so_do_its_later_threads(role, value, policy):
+    env = {k: v for k, v in os.environ.items() if k != "KUBERL_SCHED_BATCH"}
+    if value is not None:
+        env["KUBERL_SCHED_BATCH"] = value
+    out = subprocess.run([sys.executable, "-c", SCHED.format(role=role)], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [policy, policy]
+
+
+def test_a_bad_sched_batch_setting_is_an_error_that_names_it():
+    env = {**os.environ, "KUBERL_SCHED_BATCH": "yes"}
+    out = subprocess.run([sys.executable, "-c", SCHED.format(role="rollout")], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "$KUBERL_SCHED_BATCH='yes': 1 (run under SCHED_BATCH) or 0" in out.stderr

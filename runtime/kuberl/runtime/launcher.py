@@ -429,7 +429,9 @@ def _start_bus(args, exp: RLExperiment, workdir: Path) -> tuple[Any, str]:
     if bus_url is None:
         from kuberl.runtime.bus.server import start_nats_server
 
-        server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB", log_path=str(workdir / "logs" / "nats-server.log"))
+        # SCHED_BATCH like the rest of the rollout side (kuberl.runtime.resources.plan_local_cpus): it wakes at every message.
+        server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB", log_path=str(workdir / "logs" / "nats-server.log"),
+                                   batch_scheduling=True)
         bus_url = server.url
         print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
     return server, bus_url

@@ -24,6 +24,7 @@ from typing import Self
 
 from kuberl.executables import installed_executable
 from kuberl.net import reserve_port
+from kuberl.runtime.resources import batch_scheduling as set_batch_scheduling
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,9 @@ class NatsServer:
 
     def __init__(self, proc: subprocess.Popen, *, host: str, port: int, store_dir: str, workdir: str,
                  own_store: bool, token: str | None, max_payload: int, log_path: str, server_name: str = "",
-                 reservation: socket.socket | None = None) -> None:
+                 reservation: socket.socket | None = None, batch_scheduling: bool = False) -> None:
         self.proc = proc
+        self.batch_scheduling = batch_scheduling
         self._reservation = reservation  # holds the port across respawns when start_nats_server picked it
         self.server_name = server_name
         self.host = host
@@ -160,7 +162,8 @@ class NatsServer:
         try:
             new = start_nats_server(port=self.port, store_dir=self.store_dir, max_payload=self.max_payload, token=self.token,
                                     host=self.host, start_timeout=start_timeout, server_name=self.server_name or None,
-                                    log_path=None if own_log else self.log_path, reservation=reservation)
+                                    log_path=None if own_log else self.log_path, reservation=reservation,
+                                    batch_scheduling=self.batch_scheduling)
         except NatsServerError:
             self._reservation = reservation  # a later respawn of this one may still succeed
             raise
@@ -221,7 +224,7 @@ def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, lo
 def start_nats_server(port: int | None = None, store_dir: str | None = None, max_payload: int | str = "8MB",
                       token: str | None = None, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
                       server_name: str | None = None, log_path: str | None = None,
-                      reservation: socket.socket | None = None) -> NatsServer:
+                      reservation: socket.socket | None = None, batch_scheduling: bool = False) -> NatsServer:
     """Start nats-server with JetStream and wait until it accepts connections.
 
     port None = a free loopback port, reserved (kuberl.net.reserve_port) until the server is stopped, so that its
@@ -229,6 +232,8 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
     token: clients must send it (the config file holding it is private to this user).
     log_path: the server's log (appended to); None = a file in its temp folder.
     reservation: the socket that holds `port` (what respawn passes on); the server owns it from here.
+    batch_scheduling: the server runs under SCHED_BATCH (kuberl.runtime.resources.batch_scheduling), as `kuberl run`'s
+    rollout side does; kept across respawns.
     """
     payload = parse_max_payload(max_payload)
     binary = find_nats_server()
@@ -247,7 +252,8 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
         f.write(render_config(host=host, port=port, store_dir=store, max_payload=payload, token=token, server_name=name))
     log_path = log_path or os.path.join(workdir, "nats.log")
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=set_batch_scheduling if batch_scheduling else None)  # before exec: its threads inherit it
     try:
         _wait_ready(proc, host, port, start_timeout, log_path, name)
     except NatsServerError:
@@ -259,7 +265,8 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
             reservation.close()
         raise
     server = NatsServer(proc, host=host, port=port, store_dir=store, workdir=workdir, own_store=own_store,
-                        token=token, max_payload=payload, log_path=log_path, server_name=name, reservation=reservation)
+                        token=token, max_payload=payload, log_path=log_path, server_name=name, reservation=reservation,
+                        batch_scheduling=batch_scheduling)
     log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
     return server
 
