@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_async import ROOT, run_once  # noqa: E402  (the same runner and step-time accounting)
 
+CONCURRENCY = 16  # groups in flight, the same for both paths whatever the manifests say (the figures in README.md are at 16)
 PATHS = {  # name -> (manifest, generated-token budget per sample)
     "plain": (ROOT / "examples" / "quickstart.yaml", 8),
     "agent": (ROOT / "examples" / "agent-cpu.yaml", 4 + 8),
@@ -38,7 +39,7 @@ def main() -> int:
     for name in names:
         manifest, _ = PATHS[name]
         with tempfile.TemporaryDirectory(prefix=f"kuberl-bench-{name}-") as tmp:
-            results[name] = run_once(manifest, 2, args.steps, Path(tmp))
+            results[name] = run_once(manifest, 2, args.steps, Path(tmp), CONCURRENCY)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}: {args.steps} steps each, eta 2 (first steps excluded as in bench_async)")
     print(f"{'path':<8}{'step s':>8}{'wait s':>8}{'samples/s':>10}{'tok/sample':>11}{'ms/token':>9}{'reward(last5)':>14}{'wall s':>8}")
     for name, r in results.items():
