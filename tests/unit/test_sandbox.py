@@ -139,7 +139,8 @@ class TestToolIntegratedReasoning:
         assert s.num_turns == 2
 
     def test_a_tool_that_times_out_gives_the_model_an_error_and_the_episode_a_zero_reward(self, tokenizer):
-        engine, wf, samples = run_tir(tokenizer, lambda ids: tool_call("while True:\n    pass"))
+        # CPU_BOUND: a 10 s wall clock, so that on loaded cores the loop reaches its 1 s of CPU before the wall limit
+        engine, wf, samples = run_tir(tokenizer, lambda ids: tool_call("while True:\n    pass"), CPU_BOUND)
         assert samples is not None and [s.reward for s in samples] == [0.0, 0.0]
         assert samples[0].num_turns == MAX_TOOL_CALLS + 1
         last_prompt = tokenizer.decode(engine.calls[-1][0].input_ids)
