@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def plan_local_cpus(exp: Any, cpus: list[int]) -> dict[str, RoleCPUs]:
         block = plan[f"engine-{i}"]
         if block.cpus != every:  # its own block: workers there, the rest anywhere
             block = RoleCPUs(every, block.threads, compute=block.cpus)
-        plan[f"engine-{i}"] = RoleCPUs(block.cpus, block.threads, compute=block.compute, batch=True)
+        plan[f"engine-{i}"] = replace(block, batch=True)
         plan[f"rollout-{i}"] = RoleCPUs(every, 1, batch=True)
     nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
     t = plan["trainer"]
@@ -298,7 +299,7 @@ def apply_process_resources(command: str, config: str | None = None) -> dict[str
     return env
 
 
-def wants_batch_scheduling(environ: dict[str, str] | os._Environ) -> bool:
+def wants_batch_scheduling(environ: Mapping[str, str]) -> bool:
     """$KUBERL_SCHED_BATCH: "1" yes, "0" or unset no; anything else is an error that names it."""
     raw = environ.get(BATCH_ENV, "")
     if raw not in ("", "0", "1"):
