@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kuberl.runtime.inference.base import GenerateRequest
+from kuberl.runtime.inference.base import EngineError, GenerateRequest
 from kuberl.runtime.inference.vllm import VLLMEngine, cpu_block_size
 from kuberl.runtime.rollout.workflows import generate_continuing, generate_group
 
@@ -283,3 +283,25 @@ async def test_a_generation_interrupted_by_a_weight_update_continues_and_its_tok
     assert gen.logprobs[switch:] == pytest.approx(new_lp[switch:], abs=2e-3)
     assert max(abs(a - b) for a, b in zip(gen.logprobs[switch:], old_lp[switch:])) > 0.05
     await _load(engine, vllm_server.model_dir, 0)
+
+
+@pytest.mark.parametrize("update", ["disk", "broadcast"])
+async def test_a_server_without_kuberls_worker_extension_gets_an_error_naming_the_flag(engine, vllm_server, update):
+    """What the real server answers for a /collective_rpc method its workers lack (vLLM: HTTP 500 "Method '...' is not
+    implemented.") becomes an error naming --worker-extension-cls, on both weight-update paths; nothing is relabelled and the
+    server keeps serving."""
+    missing = "kuberl_no_such_method"
+    with pytest.raises(EngineError, match=f"has no {missing} method: start it with `kuberl engine` or pass --worker-extension-cls"):
+        if update == "disk":
+            engine.reload_method = missing
+            await engine.update_weights_from_disk(str(vllm_server.model_dir), 7)
+        else:
+            engine.receive_method = missing
+            await engine.update_weights_broadcast({"version": 7, "update": "missing"})
+    assert engine.version != 7
+    fresh = VLLMEngine(url=vllm_server.url)  # a connection of its own: vLLM may close the one that got the 500
+    await fresh.start()
+    try:
+        assert await fresh.health()
+    finally:
+        await fresh.close()

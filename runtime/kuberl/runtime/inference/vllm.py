@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -383,6 +384,33 @@ class VLLMEngine(HTTPServerEngine):
     async def _resume_server(self) -> None:
         await self._post("/resume")
 
+    async def _worker_rpc(self, method: str, kwargs: dict, why: str = "") -> Any:
+        """Call `method` of KubeRL's worker extension on every worker (/collective_rpc); the body vLLM returns.
+
+        A server started without the extension answers HTTP 500 "Method '<method>' is not implemented." (vLLM's
+        run_method): that becomes an error saying how to start it; any other failure is passed on as it came.
+        """
+        try:
+            return await self._post("/collective_rpc", json={"method": method, "kwargs": kwargs})
+        except EngineError as exc:
+            if f"Method '{method}' is not implemented" in str(exc):
+                raise EngineError(f"vLLM at {self.url} has no {method} method: start it with `kuberl engine` or pass "
+                                  f"--worker-extension-cls {WORKER_EXTENSION}{why}", status=exc.status) from exc
+            raise
+
+    async def _serving(self, version: int, body: Any) -> None:
+        """After new full weights are in: label them `version` and ask for the base model again.
+
+        No prefix-cache reset: requests name their version in cache_salt (generate_payload), so no later request reuses
+        KV the earlier weights computed. (A reset cannot do it under weightSync.inFlight keep: vLLM refuses it while any
+        request runs, which without a pause is always.)
+        """
+        await self.label_weights(version)
+        self._version = version
+        self.served_model = SERVED_MODEL_NAME
+        # One entry per worker, e.g. {"tied_layers": n, "refreshed": k} (vllm_worker.refresh_tied_layers).
+        self.last_reload = body.get("results") if isinstance(body, dict) else body
+
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Reload safetensors from `path` in place (or hot-load the LoRA adapter there); call between pause() and resume(),
         or without them for an in-flight update of full weights (weightSync.inFlight keep): vLLM runs the reload between
@@ -393,23 +421,9 @@ class VLLMEngine(HTTPServerEngine):
         if not (Path(path) / "config.json").is_file() and not any(Path(path).glob("*.safetensors")):
             raise EngineError(f"weights path {path!r} holds no safetensors")
         started = time.monotonic()
-        try:
-            body = await self._post("/collective_rpc", json={"method": self.reload_method, "kwargs": {"weights_path": str(path)}})
-        except EngineError as exc:
-            if self.reload_method in str(exc) or "has no attribute" in str(exc):
-                raise EngineError(
-                    f"vLLM at {self.url} has no {self.reload_method} method: start it with `kuberl engine` or pass "
-                    f"--worker-extension-cls {WORKER_EXTENSION} (a plain reload leaves a tied LM head stale on CPU)",
-                    status=exc.status) from exc
-            raise
-        # No prefix-cache reset: requests name their version in cache_salt (generate_payload), so no later request
-        # reuses KV the earlier weights computed. (A reset cannot do it under weightSync.inFlight keep: vLLM refuses
-        # it while any request runs, which without a pause is always.)
-        await self.label_weights(version)
-        self._version = version
-        self.served_model = SERVED_MODEL_NAME
-        # One entry per worker: {"tied_layers": n, "refreshed": k} (vllm_worker.refresh_tied_layers).
-        self.last_reload = body.get("results") if isinstance(body, dict) else body
+        body = await self._worker_rpc(self.reload_method, {"weights_path": str(path)},
+                                      " (a plain reload leaves a tied LM head stale on CPU)")
+        await self._serving(version, body)
         log.info("vLLM loaded weights v%d from %s in %.0f ms (%s)", version, path, 1000 * (time.monotonic() - started), self.last_reload)
 
     # The /collective_rpc method that joins a weight broadcast (weightSync.mode broadcast; vllm_worker.py).
@@ -423,18 +437,9 @@ class VLLMEngine(HTTPServerEngine):
     async def update_weights_broadcast(self, assign: dict) -> None:
         """Receive the trainer's broadcast `assign` (kuberl.runtime.weight_sync.broadcast) in place; call between pause() and resume()."""
         started = time.monotonic()
-        try:
-            body = await self._post("/collective_rpc", json={"method": self.receive_method, "kwargs": {"assign": assign}})
-        except EngineError as exc:
-            if self.receive_method in str(exc) and "has no attribute" in str(exc):
-                raise EngineError(f"vLLM at {self.url} has no {self.receive_method} method: start it with `kuberl engine` or pass "
-                                  f"--worker-extension-cls {WORKER_EXTENSION}", status=exc.status) from exc
-            raise
-        version = int(assign["version"])  # no prefix-cache reset: the version is in each request's cache_salt
-        await self.label_weights(version)
-        self._version = version
-        self.served_model = SERVED_MODEL_NAME
-        self.last_reload = body.get("results") if isinstance(body, dict) else body
+        body = await self._worker_rpc(self.receive_method, {"assign": assign})
+        version = int(assign["version"])
+        await self._serving(version, body)
         log.info("vLLM received weights v%d by broadcast (%s) in %.0f ms (%s)", version, assign.get("update"),
                  1000 * (time.monotonic() - started), self.last_reload)
 
