@@ -326,6 +326,8 @@ def test_ctrl_c_stops_every_role_and_the_bus_it_started(tmp_path):
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
     assert left == []
+    # Roles started after the snapshot (a restarted engine, anything a role spawned late) carry the run's KUBERL_WORKDIR.
+    assert _processes_of_run(workdir) == []
     out = (tmp_path / "launcher.log").read_text()
     assert "interrupted; stopping every role" in out and "Traceback" not in out, out[-2000:]
     # A port the run freed may be taken at once by the other xdist worker's tests (they bind free ports too): a listener
@@ -333,6 +335,18 @@ def test_ctrl_c_stops_every_role_and_the_bus_it_started(tmp_path):
     still = {c.laddr.port: c.pid for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
     leaked = {port: _describe(pid) for port, pid in still.items() if not _under_another_pytest(pid)}
     assert not leaked, f"ports still listening after Ctrl-C: {leaked}"
+
+
+def _processes_of_run(workdir: Path) -> list[str]:
+    """Live processes whose environment names `workdir` as KUBERL_WORKDIR (every role the launcher starts has it)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.status() != psutil.STATUS_ZOMBIE and p.environ().get("KUBERL_WORKDIR") == str(workdir):
+                found.append(_describe(p.pid))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
 
 
 def _under_another_pytest(pid: int | None) -> bool:
