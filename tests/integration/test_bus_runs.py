@@ -68,3 +68,32 @@ async def test_the_operator_reads_the_bucket_the_roles_write(nats_server, experi
     finally:
         await bus.close()
         await reader.close()
+
+
+async def test_an_agent_binding_while_the_trainers_fresh_start_deletes_the_streams_binds_again(nats_server, experiment_name, monkeypatch) -> None:
+    """The race a CI run hit: the agent found the tickets stream, the trainer's reset_experiment deleted it, and the agent's
+    consumer creation failed with "stream not found" (the agent exited 1 and was restarted). Now it binds again."""
+    from nats.js.client import JetStreamContext
+
+    from kuberl.runtime.bus.names import AGENTS_CONSUMER
+
+    trainer = await connect(nats_server.url, experiment_name, TEAM_A, monkeypatch)
+    original, deleted = JetStreamContext.consumer_info, []
+
+    async def consumer_info(js, stream, consumer, *args, **kwargs):
+        if consumer == AGENTS_CONSUMER and not deleted:  # the agent checks its consumer: the trainer's reset deletes the stream
+            deleted.append(stream)
+            await trainer.js.delete_stream(stream)
+        return await original(js, stream, consumer, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamContext, "consumer_info", consumer_info)
+    try:
+        agent = await connect(nats_server.url, experiment_name, TEAM_A, monkeypatch)
+        try:
+            assert deleted, "the agent never checked its consumer"
+            info = await original(agent.js, deleted[0], AGENTS_CONSUMER)
+            assert info.config.durable_name == AGENTS_CONSUMER
+        finally:
+            await agent.close()
+    finally:
+        await trainer.close()

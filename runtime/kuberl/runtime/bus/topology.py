@@ -38,6 +38,18 @@ DEFAULT_GROUP_ACK_WAIT = 24 * 3600.0  # the trainer acks after a checkpoint; res
 # re-created the streams it had just deleted, the account's store directory still being removed. Transient: try again.
 STORE_CREATE_ERR_CODE = 10049
 STORE_CREATE_ATTEMPTS = 5
+# JetStream's "stream not found": a consumer's stream deleted between its check and the consumer's creation, by another
+# role's reset_experiment (a trainer's fresh start) while this one binds. _create then runs again, up to this many times.
+STREAM_NOT_FOUND_ERR_CODE = 10059
+STREAM_GONE_ATTEMPTS = 5
+
+
+class _StreamGone(BusError):
+    """A consumer's stream was not found (a BusError wherever _create does not bind again)."""
+
+    def __init__(self, stream: str, consumer: str) -> None:
+        super().__init__(f"cannot create consumer {consumer} on {stream}: stream not found")
+        self.stream = stream
 
 log = logging.getLogger("kuberl.runtime.bus.client")
 
@@ -86,6 +98,16 @@ class Topology:
         return n.traj_stream, api.ConsumerConfig(ack_wait=self.group_ack_wait or DEFAULT_GROUP_ACK_WAIT, **base)
 
     async def _create(self) -> None:
+        for attempt in range(1, STREAM_GONE_ATTEMPTS + 1):
+            try:
+                return await self._create_once()
+            except _StreamGone as exc:
+                if attempt == STREAM_GONE_ATTEMPTS:
+                    raise BusError(f"{exc} ({attempt} attempts: another role keeps deleting it)") from None
+                log.warning("bus: stream %s was deleted while binding (another role reset the experiment); binding again", exc.stream)
+                await asyncio.sleep(0.2 * attempt)
+
+    async def _create_once(self) -> None:
         for which, explicit in (("tickets", False), ("traj", self.max_bytes is not None)):
             cfg = self._stream_config(which)
             try:
@@ -146,6 +168,8 @@ class Topology:
         try:
             await self.js.add_consumer(stream, cfg)
         except nats.js.errors.APIError as exc:
+            if exc.err_code == STREAM_NOT_FOUND_ERR_CODE:
+                raise _StreamGone(stream, cfg.name) from None
             raise BusError(f"cannot create consumer {cfg.name} on {stream}: {exc.description}") from None
 
     async def _bind(self) -> None:
