@@ -13,11 +13,14 @@ both, in alternating rounds:
 
 Both sample at temperature 1 with the same token budget; generated tokens are counted from what came back. The prefix
 cache is on in both (prompts are ~30 tokens; decoding dominates). Runs anywhere vLLM runs: on CPU (the tiny model built
-locally, float32) it checks the bench itself; on a GPU give a model:
+locally, float32) it checks the bench itself; on a GPU give a model, or `--shape` to build a random-init Qwen2.5 shape
+here (bench_gpu_trainer's: Qwen2.5's config and 151,936-token vocabulary, the tiny tokenizer; nothing downloaded, for
+machines without a network; random weights rarely sample EOS, so responses run to the token budget):
 
     python bench/bench_engine_path.py                                  # CPU, tiny model
-    python bench/bench_engine_path.py --device gpu --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 \
+    python bench/bench_engine_path.py --device gpu --shape qwen2.5-0.5b --dtype bfloat16 \
         --groups 256 --samples 8 --max-new-tokens 512 --concurrency 64
+    python bench/bench_engine_path.py --device gpu --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 ...
 """
 
 from __future__ import annotations
@@ -81,6 +84,14 @@ def start_engine(config: Path, workdir: Path, log: Path) -> tuple[subprocess.Pop
         time.sleep(1)
 
 
+def engine_log_excerpt(log: Path, lines: int = 60) -> str:
+    """Where the engine's log first reports an error (its first ERROR line or traceback), else its last lines."""
+    text = log.read_text(errors="replace").splitlines()
+    first = next((i for i, line in enumerate(text) if "ERROR" in line or line.startswith("Traceback")), None)
+    start = max(0, len(text) - lines) if first is None else first
+    return f"the engine's log ({log}), lines {start + 1}-{min(len(text), start + lines)}:\n" + "\n".join(text[start: start + lines])
+
+
 def rendered_prompts(exp, tokenizer) -> list[list[int]]:
     """The token ids the agent's workflow sends for each item (chat template, generation prompt)."""
     from kuberl.runtime.data import load_items
@@ -104,7 +115,8 @@ async def bare(url: str, prompts: list[list[int]], args: argparse.Namespace) -> 
             r = await client.post(f"{url}/v1/completions", json={
                 "model": SERVED_MODEL_NAME, "prompt": ids, "n": args.samples, "max_tokens": args.max_new_tokens,
                 "temperature": 1.0, "top_p": 1.0})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise SystemExit(f"/v1/completions answered {r.status_code}: {r.text[:2000]}")
             tokens += r.json()["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.concurrency)) as client:
@@ -148,6 +160,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--model", help="a local folder or a Hugging Face id (default: the builtin tiny Qwen2, built locally)")
+    ap.add_argument("--shape", choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "tiny"],
+                    help="build a random-init model of this shape here (bench_gpu_trainer's SHAPES) instead of --model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--groups", type=int, default=64, help="prompts per round")
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt (n)")
@@ -155,6 +169,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="prompts (groups) in flight")
     ap.add_argument("--repeats", type=int, default=2, help="alternating rounds of (bare, agent)")
     args = ap.parse_args()
+    if args.shape and args.model:
+        ap.error("--shape builds the model: give --shape or --model, not both")
 
     import yaml
     from transformers import AutoTokenizer
@@ -165,6 +181,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="kuberl-bench-engine-") as tmp:
         root = Path(tmp)
+        if args.shape:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_gpu_trainer import build_model
+
+            args.model = str(build_model(root, args.shape))
+            import torch
+
+            if torch.cuda.is_available():  # built on the GPU: leave its memory to the engine
+                torch.cuda.empty_cache()
         config = root / "experiment.yaml"
         config.write_text(yaml.safe_dump(manifest(args), sort_keys=False))
         exp = load_experiment(str(config))
@@ -182,12 +207,15 @@ def main() -> int:
                 tokens, s = asyncio.run(through_agent(url, server.url, exp, tokenizer, root, k))
                 rows["agent"].append(tokens / s)
                 print(f"round {k + 1}: agent {tokens:8d} tokens in {s:7.2f} s = {tokens / s:10.1f} tokens/s", flush=True)
+        except BaseException:
+            print(engine_log_excerpt(root / "engine.log"), file=sys.stderr)
+            raise
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(timeout=60)
             server.stop()
     b, a = statistics.median(rows["bare"]), statistics.median(rows["agent"])
-    model = args.model or "builtin tiny-qwen2"
+    model = f"random-init {args.shape} shape" if args.shape else args.model or "builtin tiny-qwen2"
     print(f"\n{time.strftime('%Y-%m-%d')}, {args.device}, {model} ({args.dtype}); {args.groups} prompts x {args.samples} samples, "
           f"at most {args.max_new_tokens} new tokens, {args.concurrency} prompts in flight")
     print(f"median tokens/s: bare engine {b:.1f}, through the rollout agent {a:.1f}: agent / bare = {a / b:.2f}")

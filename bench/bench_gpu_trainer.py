@@ -47,10 +47,9 @@ def sync() -> None:
 
 
 def build_model(root: Path, name: str) -> Path:
-    """A random-init model of `name`'s shape in Hugging Face layout (bf16 safetensors), with the tiny tokenizer."""
+    """A random-init model of `name`'s shape in Hugging Face layout (bf16 safetensors), with the tiny tokenizer padded to
+    the model's vocabulary (`vocab_tokenizer`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from kuberl.runtime.models import build_tokenizer
 
     out = root / name
     cfg = Qwen2Config(**SHAPES[name], vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -59,9 +58,35 @@ def build_model(root: Path, name: str) -> Path:
     with torch.device(DEV):
         model = Qwen2ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    build_tokenizer().save_pretrained(out)
+    vocab_tokenizer(VOCAB).save_pretrained(out)
     del model
     return out
+
+
+def vocab_tokenizer(size: int):
+    """The tiny tokenizer (kuberl.runtime.models.build_tokenizer: byte-level BPE, Qwen's special tokens and chat template) with
+    placeholder entries up to `size` ids. Merges never produce them, so text encodes as before; each decodes to its own text
+    ("<v123>"). The tiny tokenizer alone decodes the ids a random-init model samples beyond its ~320 to nothing, so an engine
+    serving the model (bench_engine_path.py --shape) would detokenize almost nothing and the agent score empty answers: with
+    every id decoding to text, detokenizing and scoring cost what they cost with a real vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from kuberl.runtime.models import CHAT_TEMPLATE, IM_END, IM_START, PAD, TINY_CONFIG, build_tokenizer
+
+    spec = json.loads(build_tokenizer().backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in spec["added_tokens"]}
+    for i in range(size):
+        if i not in taken:
+            vocab[f"<v{i}>"] = i
+    padded = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=IM_END, pad_token=PAD,
+                                     unk_token=None, bos_token=None, additional_special_tokens=[IM_START],
+                                     model_max_length=TINY_CONFIG["max_position_embeddings"])  # as build_tokenizer
+    padded.chat_template = CHAT_TEMPLATE
+    return padded
 
 
 def make_groups(groups: int, prompt: int, response: int, seed: int) -> list[dict]:
