@@ -160,7 +160,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--model", help="a local folder or a Hugging Face id (default: the builtin tiny Qwen2, built locally)")
-    ap.add_argument("--shape", choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "tiny"],
+    # bench_gpu_trainer's `tiny` smoke shape is left out: its head_dim 16 has no vLLM CPU attention kernel (the engine dies).
+    ap.add_argument("--shape", choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
                     help="build a random-init model of this shape here (bench_gpu_trainer's SHAPES) instead of --model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--groups", type=int, default=64, help="prompts per round")
