@@ -236,7 +236,8 @@ step_quickstart() {
   name="$("$PY" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["metadata"]["name"])' "$QUICKSTART")"
   use_cluster
   log "quickstart: $QUICKSTART in namespace $QUICKSTART_NAMESPACE until progress.step >= $QUICKSTART_STEPS (at most ${QUICKSTART_TIMEOUT}s)"
-  if command -v kuberl >/dev/null 2>&1; then kuberl validate "$QUICKSTART"; fi
+  # The kuberl that `deps` installed into $PY, not whichever one PATH finds first (or none, and no check).
+  "$PY" -m kuberl.cli validate "$QUICKSTART"
   manifest="$WORK/quickstart-cpu.yaml"
   quickstart_manifest >"$manifest"
   kubectl get namespace "$QUICKSTART_NAMESPACE" >/dev/null 2>&1 || kubectl create namespace "$QUICKSTART_NAMESPACE"

@@ -456,16 +456,16 @@ class TestImageDepsExtraction:
 # --- .github/workflows/e2e-kind.yml + scripts/e2e-kind.sh: the real-cluster path, without Docker --
 E2E_SCRIPT = ROOT / "scripts" / "e2e-kind.sh"
 # Fake docker, kind, helm, kubectl and python for running scripts/e2e-kind.sh here: each records its
-# arguments (and the bake variables) as a JSON line; python runs for real except `-m pip|pytest`.
+# arguments (and the bake variables) as a JSON line; python then runs for real except `-m pip|pytest`.
 _STUB = '''#!{python}
 import json, os, sys
 from pathlib import Path
 tool, args = Path(sys.argv[0]).name, sys.argv[1:]
 log = Path(os.environ["STUB_LOG"])
-if tool == "python" and not (args[:1] == ["-m"] and args[1:2] in (["pip"], ["pytest"])):
-    os.execv({python!r}, [{python!r}, *args])
 with log.open("a") as fh:
     fh.write(json.dumps({{"tool": tool, "args": args, "env": {{k: os.environ.get(k) for k in ("REGISTRY", "VERSION", "KUBECONFIG")}}}}) + "\\n")
+if tool == "python" and not (args[:1] == ["-m"] and args[1:2] in (["pip"], ["pytest"])):
+    os.execv({python!r}, [{python!r}, *args])
 cluster = log.with_suffix(".cluster")
 if tool == "docker" and args[:1] == ["version"]:
     print("amd64")
@@ -634,6 +634,9 @@ class TestE2EKindWorkflow:
         assert yaml.safe_load(applied.read_text()) == yaml.safe_load(source.read_text()), "a 4-CPU node holds it unpatched"
         for path in (source, applied):
             assert validate_manifest(yaml.safe_load(path.read_text())) == [], path
+        # ...and the script itself ran `kuberl validate` with the Python it installed kuberl into (PYTHON), whatever
+        # `kuberl` PATH holds: a stale one failed it, and none skipped the check.
+        self.find(calls, "python", "-m", "kuberl.cli", "validate", "examples/quickstart-cpu.yaml")
 
     def test_shellcheck_finds_nothing_in_the_script(self):
         exe = installed_executable("shellcheck")
