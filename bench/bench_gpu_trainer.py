@@ -48,8 +48,10 @@ def sync() -> None:
 
 def build_model(root: Path, name: str) -> Path:
     """A random-init model of `name`'s shape in Hugging Face layout (bf16 safetensors), with the tiny tokenizer padded to
-    the model's vocabulary (`vocab_tokenizer`)."""
+    the model's vocabulary (`pad_vocabulary`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kuberl.runtime.models import build_tokenizer
 
     out = root / name
     cfg = Qwen2Config(**SHAPES[name], vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -58,35 +60,25 @@ def build_model(root: Path, name: str) -> Path:
     with torch.device(DEV):
         model = Qwen2ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    vocab_tokenizer(VOCAB).save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    pad_vocabulary(out / "tokenizer.json", VOCAB)
     del model
     return out
 
 
-def vocab_tokenizer(size: int):
-    """The tiny tokenizer (kuberl.runtime.models.build_tokenizer: byte-level BPE, Qwen's special tokens and chat template) with
-    placeholder entries up to `size` ids. Merges never produce them, so text encodes as before; each decodes to its own text
-    ("<v123>"). The tiny tokenizer alone decodes the ids a random-init model samples beyond its ~320 to nothing, so an engine
-    serving the model (bench_engine_path.py --shape) would detokenize almost nothing and the agent score empty answers: with
-    every id decoding to text, detokenizing and scoring cost what they cost with a real vocabulary."""
+def pad_vocabulary(tokenizer_json: Path, size: int) -> None:
+    """Placeholder entries up to `size` ids in a saved tokenizer.json's BPE vocabulary. Merges never produce them, so text
+    encodes as before; each decodes to its own text ("<v123>"). The tiny tokenizer alone decodes the ids a random-init
+    model samples beyond its ~320 to nothing, so an engine serving the model (bench_engine_path.py --shape) would detokenize
+    almost nothing and the agent score empty answers: with every id decoding to text, detokenizing and scoring cost what
+    they cost with a real vocabulary. Everything else (special tokens, chat template) stays as build_tokenizer saved it."""
     import json
 
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from kuberl.runtime.models import CHAT_TEMPLATE, IM_END, IM_START, PAD, TINY_CONFIG, build_tokenizer
-
-    spec = json.loads(build_tokenizer().backend_tokenizer.to_str())
+    spec = json.loads(tokenizer_json.read_text())
     vocab = spec["model"]["vocab"]
     taken = set(vocab.values()) | {t["id"] for t in spec["added_tokens"]}
-    for i in range(size):
-        if i not in taken:
-            vocab[f"<v{i}>"] = i
-    padded = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=IM_END, pad_token=PAD,
-                                     unk_token=None, bos_token=None, additional_special_tokens=[IM_START],
-                                     model_max_length=TINY_CONFIG["max_position_embeddings"])  # as build_tokenizer
-    padded.chat_template = CHAT_TEMPLATE
-    return padded
+    vocab.update({f"<v{i}>": i for i in range(size) if i not in taken})
+    tokenizer_json.write_text(json.dumps(spec))
 
 
 def make_groups(groups: int, prompt: int, response: int, seed: int) -> list[dict]:
