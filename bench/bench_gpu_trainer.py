@@ -97,7 +97,8 @@ def make_groups(groups: int, prompt: int, response: int, seed: int) -> list[dict
     return out
 
 
-def manifest(model: Path, groups: int, response: int, micro_batch_tokens: int = 16384, checkpointing: bool = False) -> dict:
+def manifest(model: Path, groups: int, response: int, micro_batch_tokens: int = 16384, checkpointing: bool = False,
+             packing: str = "auto") -> dict:
     return {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "bench-gpu-trainer"},
         "spec": {
@@ -106,7 +107,7 @@ def manifest(model: Path, groups: int, response: int, micro_batch_tokens: int = 
             "algorithm": {"name": "grpo", "samplesPerPrompt": G, "batchSize": groups, "maxNewTokens": response,
                           "learningRate": 1e-6, "epsClip": 0.2, "ppoMinibatches": 1},
             "trainer": {"backend": "fsdp", "accelerator": {"type": "nvidia", "count": 1}, "microBatchTokens": micro_batch_tokens,
-                        "gradientCheckpointing": checkpointing},
+                        "gradientCheckpointing": checkpointing, "packing": packing},
             "training": {"totalSteps": 100},
         },
     }
@@ -130,7 +131,8 @@ def kuberl_side(model_dir: Path, batches: list[list[dict]], args, work: Path) ->
     from kuberl.runtime.trainer.batch import build_batch
     from kuberl.runtime.trainer.trainer import Trainer
 
-    exp = RLExperiment.model_validate(manifest(model_dir, args.groups, args.response, args.micro_batch_tokens, args.gradient_checkpointing))
+    exp = RLExperiment.model_validate(manifest(model_dir, args.groups, args.response, args.micro_batch_tokens, args.gradient_checkpointing,
+                                                  args.packing))
     t = Trainer(exp, bus_url="nats://unused:4222", workdir=work)
     t.info = D.init_distributed()
     t.setup()
@@ -149,7 +151,9 @@ def kuberl_side(model_dir: Path, batches: list[list[dict]], args, work: Path) ->
         stages["ppo_update"].append(time.perf_counter() - b)
 
     times = time_steps(step, args.warmup, args.reps)
-    info = {"fsdp": type(t.model).__name__, "attn": t.model.config._attn_implementation, "prox_in_update": t.prox_in_update(),
+    probe = build_batch(batches[0], G)
+    info = {"packed": t._packed(probe, t.model),
+            "fsdp": type(t.model).__name__, "attn": t.model.config._attn_implementation, "prox_in_update": t.prox_in_update(),
             "backend": torch.distributed.get_backend(), "peak_gib": peak_gib(),
             "stages": {k: statistics.median(v[args.warmup:]) for k, v in stages.items()}}
     return {"times": times, **info}  # the model and optimizer go with this frame: main empties the cache after
@@ -213,6 +217,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="KubeRL's trainer.microBatchTokens (its default)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="KubeRL's trainer.gradientCheckpointing")
+    ap.add_argument("--packing", choices=["auto", "on", "off"], default="auto",
+                    help="KubeRL's trainer.packing (auto keeps the shared-prompt path for groups that share a prompt)")
     ap.add_argument("--no-peer", action="store_true", help="time KubeRL's side only")
     ap.add_argument("--peer-rows", type=int, default=8, help="rows per micro-batch of the plain step")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -247,6 +253,7 @@ def main() -> int:
                 results.append(r)
             print(f"\n{name} ({params / 1e6:.0f}M parameters): {ours['fsdp']}, attention {ours['attn']}, process group {ours['backend']}, "
                   f"microBatchTokens {args.micro_batch_tokens}, gradient checkpointing {args.gradient_checkpointing}, "
+                  f"packing {args.packing} (packed: {ours['packed']}), "
                   f"pi_prox from the update's forward: {ours['prox_in_update']}; trainer stages (median s): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in ours["stages"].items()), flush=True)
             for _, r in sides:
