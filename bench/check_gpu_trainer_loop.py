@@ -72,6 +72,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp", help="trainer.backend (one rank: no parallel dimension)")
     ap.add_argument("--cpu", action="store_true", help="allow a run without a GPU (a smoke run of the script)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
@@ -93,7 +94,7 @@ def main() -> int:
                     "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "gpu-loop"},
                     "spec": {"model": {"path": str(model), "dtype": "bfloat16"}, "dataset": {"builtin": "repeat-digit", "size": 64},
                              "algorithm": {"name": "grpo", "samplesPerPrompt": G, "batchSize": B, "maxNewTokens": 128, "learningRate": 1e-6},
-                             "staleness": {"maxHeadOffpolicyness": 1}, "trainer": {"accelerator": {"type": "nvidia", "count": 1}},
+                             "staleness": {"maxHeadOffpolicyness": 1}, "trainer": {"backend": args.backend, "accelerator": {"type": "nvidia", "count": 1}},
                              "checkpoint": {"everySteps": 2, "keep": 2}, "training": {"totalSteps": steps}},
                 })
 
