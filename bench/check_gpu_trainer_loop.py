@@ -68,11 +68,31 @@ async def train(exp, url: str, workdir: Path, vocab: int) -> tuple[int, float, i
     return code, time.monotonic() - t0, len(answered)
 
 
+def out_of_memory(exp, url: str, workdir: Path, vocab: int, fraction: float) -> int:
+    """The trainer on a GPU capped to `fraction` of its memory: the real allocator's OutOfMemoryError must end the run
+    with exit 2 and a one-line termination message naming trainer.microBatchTokens and gradientCheckpointing."""
+    import os
+
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    log = workdir.parent / "termination-log"
+    os.environ["KUBERL_TERMINATION_LOG"] = str(log)
+    code, secs, _ = asyncio.run(train(exp, url, workdir, vocab))
+    message = log.read_text() if log.exists() else ""
+    print(f"trainer at {fraction:.0%} of the GPU's memory: exit {code} after {secs:.1f} s; termination message: {message.strip()}",
+          flush=True)
+    ok = code == 2 and "out of memory" in message and "trainer.microBatchTokens" in message and message.count("\n") == 1
+    print("OK" if ok else "FAILED", flush=True)
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp", help="trainer.backend (one rank: no parallel dimension)")
+    ap.add_argument("--memory-fraction", type=float, default=None,
+                    help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction) so the trainer runs out of it: "
+                         "then the check is that it exits 2 with a termination message naming the settings")
     ap.add_argument("--cpu", action="store_true", help="allow a run without a GPU (a smoke run of the script)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
@@ -98,6 +118,8 @@ def main() -> int:
                              "checkpoint": {"everySteps": 2, "keep": 2}, "training": {"totalSteps": steps}},
                 })
 
+            if args.memory_fraction is not None:
+                return out_of_memory(exp(args.steps), server.url, workdir, vocab, args.memory_fraction)
             for steps in (args.steps, args.steps + 2):
                 code, secs, answered = asyncio.run(train(exp(steps), server.url, workdir, vocab))
                 rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]

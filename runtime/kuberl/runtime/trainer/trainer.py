@@ -36,6 +36,7 @@ from kuberl.runtime.trainer.bus_io import TrainerBusIO
 from kuberl.runtime.trainer.collect import CollectMixin
 from kuberl.runtime.trainer.compute import ComputeMixin
 from kuberl.runtime.trainer.megatron.backend import MegatronMixin, check_megatron_spec
+from kuberl.runtime.trainer.memory import out_of_memory_error
 from kuberl.runtime.trainer.persist import PersistMixin
 from kuberl.runtime.trainer.report import ReportMixin
 from kuberl.runtime.trainer.setup_model import SetUpMixin
@@ -144,6 +145,10 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
                 raise
             return 143  # _on_sigterm: the step could not finish; the last checkpoint stands
         except Exception as exc:
+            info = getattr(self, "info", None)  # None when the process group itself failed to start
+            if info is not None and (oom := out_of_memory_error(exc, self.spec.trainer, info.device, info.world_size)) is not None:
+                log.error("out of accelerator memory", exc_info=exc)  # where in the step, and torch's account of the allocator
+                exc = oom
             config = isinstance(exc, ConfigError)
             if config:  # no traceback: the message names the field, and a restart cannot fix it
                 log.error("configuration error: %s", exc)
