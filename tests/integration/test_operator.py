@@ -295,6 +295,36 @@ def test_a_failed_trainer_is_restarted_with_backoff_and_then_the_experiment_fail
     assert "Stopped" in api.event_reasons(e)
 
 
+def test_a_trainer_that_reports_a_retryable_failure_is_restarted_and_the_experiment_does_not_fail(
+        api: Api, experiment_name: str, nats_server: Any) -> None:
+    """contracts.md: a failure at run time (exit 1) is retried under failurePolicy. The trainer reports it in
+    progress.failed on the bus before it exits; that report must read as a restart, not as a terminal Failed phase
+    (a terminal phase stays terminal while the restarted trainer trains on)."""
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, bus={"external": {"url": nats_server.url}}, failurePolicy={"maxRestarts": 1, "backoffSeconds": 1}))
+    run = run_of(api, e)
+    base = {"step": 3, "total_steps": 10, "policy_version": 3, "done": False, "failed": None, "checkpoint": None}
+    kv(nats_server.url, e, "progress", {**base, "time": time.time()}, run=run)
+    first = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))["metadata"]["uid"]
+    api.make_ready(e)
+    api.wait("phase Running", lambda: api.phase(e) == "Running")
+
+    def degraded() -> dict | None:
+        return next((c for c in (api.experiment(e).get("status") or {}).get("conditions", []) if c["type"] == "Degraded"), None)
+
+    # Play the trainer: it reports the failure on the real bus, then exits 1 and its Job fails.
+    kv(nats_server.url, e, "progress", {**base, "failed": "NatsError: nats: timeout", "time": time.time()}, run=run)
+    api.wait("Degraded: TrainerRestarting", lambda: (c := degraded()) and c["status"] == "True" and c["reason"] == "TrainerRestarting")
+    assert api.phase(e) == "Running" and "NatsError: nats: timeout" in degraded()["message"]
+    api.finish_job(e, "Failed")
+    api.wait("a new trainer Job", lambda: (j := api.job(f"{e}-trainer")) and j["metadata"]["uid"] != first)
+    # The restarted trainer resumes and reports again, without the failure.
+    kv(nats_server.url, e, "progress", {**base, "step": 4, "policy_version": 4, "time": time.time()}, run=run)
+    api.make_ready(e)
+    api.wait("Running and no longer degraded", lambda: api.phase(e) == "Running" and (degraded() or {}).get("status") != "True")
+    assert "Failed" not in {c["type"] for c in api.experiment(e)["status"]["conditions"] if c["status"] == "True"}
+
+
 MEGATRON = "trainer.backend 'megatron' is not implemented by this trainer yet; use trainer.backend fsdp"
 
 

@@ -170,11 +170,33 @@ class TestPhases:
         s = compute_status(exp, children(exp, trainer_ready=0, job_conditions=failed), None, NOW)
         assert s["phase"] == "Failed" and s["restarts"] == 2
 
-    def test_the_trainer_reporting_a_failure_fails_the_experiment(self) -> None:
+    def test_a_reported_failure_with_restarts_left_is_a_restart_not_the_end(self) -> None:
+        """A trainer that reports a failure exits 1 (retryable, contracts.md): the handlers re-create its Job from the last
+        checkpoint under failurePolicy, so the phase must not turn Failed (a terminal phase stays terminal)."""
+        exp = make_experiment(status={"restarts": 1, "startTime": "2026-11-28T00:00:00Z"})
+        s = compute_status(exp, children(exp), {**PROGRESS, "failed": "NatsError: nats: timeout"}, NOW)
+        assert s["phase"] == "Running" and cond(s, "Failed")[0] != "True"
+        assert cond(s, "Degraded") == ("True", "TrainerRestarting")
+        assert conditions(s)["Degraded"]["message"] == "the trainer reported a failure (NatsError: nats: timeout); it restarts from the last checkpoint"
+        failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]
+        s = compute_status(exp, children(exp, trainer_ready=0, job_conditions=failed), {**PROGRESS, "failed": "NatsError: nats: timeout"}, NOW)
+        assert s["phase"] == "Running" and cond(s, "Degraded") == ("True", "TrainerRestarting")
+        assert conditions(s)["Degraded"]["message"] == "trainer failed (NatsError: nats: timeout); restart 2 of 2 from the last checkpoint"
+
+    def test_a_reported_failure_fails_the_experiment_once_the_restarts_are_used_up(self) -> None:
+        exp = make_experiment(status={"restarts": 2})  # failurePolicy.maxRestarts 2: all used
+        failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]
+        s = compute_status(exp, children(exp, trainer_ready=0, job_conditions=failed), {**PROGRESS, "failed": "NatsError: nats: timeout"}, NOW)
+        assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "MaxRestartsExceeded")
+        assert conditions(s)["Failed"]["message"].endswith("after 2 of failurePolicy.maxRestarts=2 restarts; the trainer reported: NatsError: nats: timeout")
+        none = make_experiment(failurePolicy={"maxRestarts": 0})
+        s = compute_status(none, children(none, trainer_ready=0, job_conditions=failed), {**PROGRESS, "failed": "x"}, NOW)
+        assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "MaxRestartsExceeded")
+
+    def test_a_failure_reported_after_done_fails_the_experiment(self) -> None:
         exp = make_experiment()
-        s = compute_status(exp, children(exp), {**PROGRESS, "failed": "CUDA out of memory"}, NOW)
+        s = compute_status(exp, children(exp), {**PROGRESS, "done": True, "failed": "OSError: final checkpoint"}, NOW)
         assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "TrainerFailed")
-        assert "CUDA out of memory" in conditions(s)["Failed"]["message"]
 
     def test_suspended_while_pods_stop_then_suspended(self) -> None:
         exp = make_experiment(suspend=True)

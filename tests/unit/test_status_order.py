@@ -15,10 +15,19 @@ def test_suspending_a_finished_experiment_keeps_it_succeeded() -> None:
     assert s["phase"] == "Succeeded" and cond(s, "Complete") == ("True", "TrainingComplete")
 
 
-def test_a_trainer_failure_wins_over_suspend() -> None:
+def test_a_trainer_failure_for_good_wins_over_suspend() -> None:
+    exp = make_experiment(suspend=True, status={"restarts": 2})  # maxRestarts 2: all used
+    failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": ""}]
+    s = compute_status(exp, children(exp, bus_ready=0, rollout_ready=0, trainer_ready=0, job_conditions=failed),
+                       {**PROGRESS, "failed": "OSError: EIO"}, NOW)
+    assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "MaxRestartsExceeded")
+
+
+def test_a_retryable_trainer_failure_while_suspending_stays_suspended() -> None:
+    """Restarts left: resuming restarts the trainer from its last checkpoint, as after any exit 1."""
     exp = make_experiment(suspend=True)
-    s = compute_status(exp, children(exp, bus_ready=0, rollout_ready=0, trainer_ready=0), {**PROGRESS, "failed": "CUDA out of memory"}, NOW)
-    assert s["phase"] == "Failed" and cond(s, "Failed") == ("True", "TrainerFailed")
+    s = compute_status(exp, children(exp, bus_ready=0, rollout_ready=0, trainer_ready=0), {**PROGRESS, "failed": "OSError: EIO"}, NOW)
+    assert s["phase"] == "Suspended" and cond(s, "Failed")[0] != "True"
 
 
 def test_a_trainer_failure_wins_over_done() -> None:

@@ -255,13 +255,15 @@ def _failed_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Map
     if observed.configuration_error is not None:
         msg = observed.configuration_error.describe()
         return _Verdict(Phase.FAILED, CONFIGURATION_ERROR, msg, False, failed=(CONFIGURATION_ERROR, msg))
-    #    The trainer failed for good: it said so, or its Job failed with every restart used.
-    if progress and progress.get("failed"):
-        msg = f"the trainer reported: {progress['failed']}"
+    #    The trainer failed for good: its Job failed with every restart used, or it reported a failure after done.
+    #    A failure it reports while running exits 1, retryable (contracts.md): rule 8 until its Job has failed.
+    reported = (progress or {}).get("failed")
+    if reported and (progress or {}).get("done"):
+        msg = f"the trainer reported: {reported}"
         return _Verdict(Phase.FAILED, Reason.TRAINER_FAILED, msg, False, failed=(Reason.TRAINER_FAILED, msg))
     if job_failed and restarts >= max_restarts:
         msg = (f"trainer Job failed ({job_failed.get('reason', 'Failed')}: {job_failed.get('message', '')}) "
-               f"after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts")
+               f"after {restarts} of failurePolicy.maxRestarts={max_restarts} restarts" + (f"; the trainer reported: {reported}" if reported else ""))
         return _Verdict(Phase.FAILED, Reason.MAX_RESTARTS_EXCEEDED, msg, False, failed=(Reason.MAX_RESTARTS_EXCEEDED, msg))
     return None
 
@@ -322,9 +324,12 @@ def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Ma
     missing = [k for k, v in (("bus", observed.bus if exp.spec.bus.embedded else True), ("rollout", observed.rollout), ("trainer", job)) if v is None]
     if missing and not started:
         return _Verdict(Phase.PENDING, Reason.CREATING, f"creating {', '.join(missing)}", True)
-    # 8. The trainer failed and the handlers restart it.
-    if job_failed:
-        msg = f"trainer failed; restart {restarts + 1} of {max_restarts} from the last checkpoint"
+    # 8. The trainer failed and the handlers restart it: its Job failed, or it reported the failure and is exiting 1
+    #    (until the restarted trainer reports again, the last report still names the failure).
+    reported = (progress or {}).get("failed")
+    if job_failed or reported:
+        msg = (f"trainer failed{f' ({reported})' if reported else ''}; restart {restarts + 1} of {max_restarts} from the last checkpoint"
+               if job_failed else f"the trainer reported a failure ({reported}); it restarts from the last checkpoint")
         return _Verdict(Phase.RUNNING if started else Phase.INITIALIZING, Reason.TRAINER_RESTARTING, msg, True, degraded=(Reason.TRAINER_RESTARTING, msg))
     # 9. Up, or on the way.
     trainer_up = roles.trainer[0] >= roles.trainer[1] or (progress is not None and not progress.get("done"))
