@@ -243,3 +243,23 @@ def test_two_fsdp_ranks_write_what_one_rank_writes_and_rank_0_holds_one_shard_at
         # What rank 0 held at once: the shard being filled plus the full tensor being converted, never the whole model.
         assert got["stats"]["peak_bytes"] <= SHARD, got
         assert got["live_peak"] <= SHARD + got["largest"] < got["stats"]["total_bytes"], got
+
+
+def test_a_tensor_is_cast_where_it_lives_before_it_is_copied_to_the_host():
+    """On a GPU, publishing float32 master weights to a bf16 engine casts there first: half the bytes cross to the host
+    and the host casts nothing. Torch's dispatch records the order here (no GPU on this machine)."""
+    from kuberl.runtime.trainer.weights import _plain_tensor
+
+    calls: list[tuple] = []
+
+    class Recorded(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "to":
+                calls.append(tuple(a for a in args[1:] if isinstance(a, (torch.dtype, str, torch.device))))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    w = torch.randn(4, 3).as_subclass(Recorded)
+    out = _plain_tensor("w", w, torch.bfloat16)
+    assert calls[:2] == [(torch.bfloat16,), ("cpu",)], calls
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), w.as_subclass(torch.Tensor).to(torch.bfloat16).float())

@@ -54,10 +54,12 @@ def _plain_tensor(name: str, tensor: Any, dtype: torch.dtype | None) -> torch.Te
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor (pass a full state dict)")
     src = tensor.detach()
-    t = src.to("cpu")
+    t = src
     if dtype is not None and t.is_floating_point():
+        # Cast where the tensor lives, then copy: from a GPU's float32 master weights to a bf16 engine, half the bytes
+        # cross to the host and the host does no cast (0.5-0.8 s for a 0.5B model on two cores). Same rounding either way.
         t = t.to(dtype)
-    t = t.contiguous()
+    t = t.to("cpu").contiguous()
     # Still the caller's memory (a live parameter; tied weights share it, which safetensors refuses): a copy of its own.
     return t.clone() if t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() else t
 
