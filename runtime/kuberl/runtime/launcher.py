@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -133,7 +134,7 @@ class LocalRun:
     supervisor: Any = None  # kuberl.runtime.supervisor.Supervisor, made on the first supervise()
     # The engines' ports, held for the run's life (kuberl.net.reserve_port): an engine restarted on its port
     # finds it free, though other processes on the machine open and close ports all the time.
-    ports: list[Any] = field(default_factory=list)
+    ports: list[socket.socket] = field(default_factory=list)
 
     def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)

@@ -57,7 +57,7 @@ class RoleActor:
         import atexit
 
         self.proc: subprocess.Popen | None = None
-        self.ports: list = []  # held for the actor's life: its role's restarts find their port free
+        self.ports: list[socket.socket] = []  # held for the actor's life: its role's restarts find their port free
         atexit.register(self.reap)  # an actor that exits (its driver gone) takes its role process with it
 
     def node_ip(self) -> str:
