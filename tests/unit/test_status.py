@@ -177,7 +177,7 @@ class TestPhases:
         s = compute_status(exp, children(exp), {**PROGRESS, "failed": "NatsError: nats: timeout"}, NOW)
         assert s["phase"] == "Running" and cond(s, "Failed")[0] != "True"
         assert cond(s, "Degraded") == ("True", "TrainerRestarting")
-        assert conditions(s)["Degraded"]["message"] == "the trainer reported a failure (NatsError: nats: timeout); it restarts from the last checkpoint"
+        assert conditions(s)["Degraded"]["message"] == "the trainer reported a failure (NatsError: nats: timeout)"
         failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]
         s = compute_status(exp, children(exp, trainer_ready=0, job_conditions=failed), {**PROGRESS, "failed": "NatsError: nats: timeout"}, NOW)
         assert s["phase"] == "Running" and cond(s, "Degraded") == ("True", "TrainerRestarting")

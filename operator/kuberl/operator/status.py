@@ -329,7 +329,7 @@ def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Ma
     reported = (progress or {}).get("failed")
     if job_failed or reported:
         msg = (f"trainer failed{f' ({reported})' if reported else ''}; restart {restarts + 1} of {max_restarts} from the last checkpoint"
-               if job_failed else f"the trainer reported a failure ({reported}); it restarts from the last checkpoint")
+               if job_failed else f"the trainer reported a failure ({reported})")
         return _Verdict(Phase.RUNNING if started else Phase.INITIALIZING, Reason.TRAINER_RESTARTING, msg, True, degraded=(Reason.TRAINER_RESTARTING, msg))
     # 9. Up, or on the way.
     trainer_up = roles.trainer[0] >= roles.trainer[1] or (progress is not None and not progress.get("done"))
