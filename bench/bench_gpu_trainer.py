@@ -218,7 +218,7 @@ def main() -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="KubeRL's trainer.microBatchTokens (its default)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="KubeRL's trainer.gradientCheckpointing")
     ap.add_argument("--packing", choices=["auto", "on", "off"], default="auto",
-                    help="KubeRL's trainer.packing (auto keeps the shared-prompt path for groups that share a prompt)")
+                    help="KubeRL's trainer.packing (auto packs where it feeds fewer token slots: packing.use_packing)")
     ap.add_argument("--no-peer", action="store_true", help="time KubeRL's side only")
     ap.add_argument("--peer-rows", type=int, default=8, help="rows per micro-batch of the plain step")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -71,8 +72,6 @@ async def train(exp, url: str, workdir: Path, vocab: int) -> tuple[int, float, i
 def out_of_memory(exp, url: str, workdir: Path, vocab: int, fraction: float) -> int:
     """The trainer on a GPU capped to `fraction` of its memory: the real allocator's OutOfMemoryError must end the run
     with exit 2 and a one-line termination message naming trainer.microBatchTokens and gradientCheckpointing."""
-    import os
-
     torch.cuda.set_per_process_memory_fraction(fraction)
     log = workdir.parent / "termination-log"
     os.environ["KUBERL_TERMINATION_LOG"] = str(log)

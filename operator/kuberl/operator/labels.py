@@ -152,7 +152,7 @@ class Reason(StrEnum):
     NOT_SUSPENDED = "NotSuspended"
     TRAINING_COMPLETE = "TrainingComplete"  # the trainer finished every step
     NOT_COMPLETE = "NotComplete"
-    TRAINER_FAILED = "TrainerFailed"  # the trainer reported a failure after it was done (its Job failing with every restart used: MaxRestartsExceeded)
+    TRAINER_FAILED = "TrainerFailed"  # the trainer reported a failure after it reported done (failing while running is retried)
     MAX_RESTARTS_EXCEEDED = "MaxRestartsExceeded"  # failurePolicy.maxRestarts trainer restarts used up
     CONFIGURATION_ERROR = "ConfigurationError"  # a role exited 2: the spec cannot run (message: its termination message)
     NO_FAILURE = "NoFailure"

@@ -43,19 +43,25 @@ class ConfigError(ValueError):
     """The spec cannot run; the message names the field and the value (never a secret)."""
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether `exc` (or what caused it) is a network or server problem that a later attempt may not
-    hit: the hub unreachable, a timeout, an HTTP 5xx or 429."""
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what caused it (__cause__, else __context__), and so on; each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a network or server problem that a later attempt may not
+    hit: the hub unreachable, a timeout, an HTTP 5xx or 429."""
+    for current in exception_chain(exc):
         if isinstance(current, (ConnectionError, TimeoutError)) or _TRANSIENT_NAMES & {c.__name__ for c in type(current).__mro__}:
             return True
         status = getattr(getattr(current, "response", None), "status_code", None)
         if isinstance(status, int) and (status >= 500 or status == 429):
             return True
-        current = current.__cause__ or current.__context__
     return False
 
 

@@ -4,7 +4,7 @@ A step's memory is set by the spec: the model, `trainer.microBatchTokens` (the a
 `trainer.gradientCheckpointing`, over the ranks FSDP shards the weights and optimizer state across. The same spec runs
 out of memory again after a restart, so a restart only reloads the model to fail once more. `out_of_memory_error`
 turns the accelerator's out-of-memory error into a ConfigError (exit code 2, not retried) whose message says how
-much was in use and which settings lower it; the run's checkpoints stay, and a fixed spec resumes from them.
+much was in use and which settings lower it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 import torch
 
 from kuberl.api.roles import TrainerSpec
-from kuberl.runtime.errors import ConfigError
+from kuberl.runtime.errors import ConfigError, exception_chain
 
 GIB = 2**30
 _TRIED = re.compile(r"Tried to allocate [\d.]+ [KMGT]i?B")
@@ -25,14 +25,8 @@ def is_out_of_memory(exc: BaseException, device: torch.device) -> bool:
     RuntimeError an Ascend NPU raises ("NPU out of memory"). Never on CPU, where the kernel kills the process."""
     if device.type == "cpu":
         return False
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, torch.OutOfMemoryError) or (isinstance(current, RuntimeError) and "out of memory" in str(current)):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+               for e in exception_chain(exc))
 
 
 def memory_gib(device: torch.device) -> tuple[float, float] | None:
