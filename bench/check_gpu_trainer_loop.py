@@ -92,6 +92,9 @@ def main() -> int:
     ap.add_argument("--memory-fraction", type=float, default=None,
                     help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction) so the trainer runs out of it: "
                          "then the check is that it exits 2 with a termination message naming the settings")
+    ap.add_argument("--async-save", choices=["auto", "on", "off"], default="auto",
+                    help="checkpoint.asyncSave (auto: on for fsdp on a GPU when host memory has room); train.checkpoint in the "
+                    "printed timings is what training waited for")
     ap.add_argument("--cpu", action="store_true", help="allow a run without a GPU (a smoke run of the script)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
@@ -114,7 +117,7 @@ def main() -> int:
                     "spec": {"model": {"path": str(model), "dtype": "bfloat16"}, "dataset": {"builtin": "repeat-digit", "size": 64},
                              "algorithm": {"name": "grpo", "samplesPerPrompt": G, "batchSize": B, "maxNewTokens": 128, "learningRate": 1e-6},
                              "staleness": {"maxHeadOffpolicyness": 1}, "trainer": {"backend": args.backend, "accelerator": {"type": "nvidia", "count": 1}},
-                             "checkpoint": {"everySteps": 2, "keep": 2}, "training": {"totalSteps": steps}},
+                             "checkpoint": {"everySteps": 2, "keep": 2, "asyncSave": args.async_save}, "training": {"totalSteps": steps}},
                 })
 
             if args.memory_fraction is not None:

@@ -41,7 +41,8 @@ step() {  # name, timeout seconds, command...
 step "bench_gpu_trainer.py (defaults, both shapes, against a plain PyTorch step)" 300 "$PY" bench/bench_gpu_trainer.py --json "$OUT/default.json"
 step "bench_gpu_trainer.py --packing off --no-peer" 200 "$PY" bench/bench_gpu_trainer.py --packing off --no-peer
 step "bench_gpu_trainer.py --models qwen2.5-1.5b --gradient-checkpointing --no-peer" 120 "$PY" bench/bench_gpu_trainer.py --models qwen2.5-1.5b --gradient-checkpointing --no-peer
-step "check_gpu_trainer_loop.py --steps 4 (FSDP2)" 200 "$PY" bench/check_gpu_trainer_loop.py --model qwen2.5-0.5b --steps 4
+step "check_gpu_trainer_loop.py --steps 4 (FSDP2, checkpoint.asyncSave auto)" 200 "$PY" bench/check_gpu_trainer_loop.py --model qwen2.5-0.5b --steps 4
+step "check_gpu_trainer_loop.py --steps 4 --async-save off (FSDP2, checkpoints written synchronously)" 200 "$PY" bench/check_gpu_trainer_loop.py --model qwen2.5-0.5b --steps 4 --async-save off
 step "check_gpu_trainer_loop.py --steps 4 --backend megatron" 250 "$PY" bench/check_gpu_trainer_loop.py --model qwen2.5-0.5b --steps 4 --backend megatron
 step "check_gpu_trainer_loop.py --memory-fraction 0.04 (OK: the capped trainer exited 2 with the message)" 120 "$PY" bench/check_gpu_trainer_loop.py --model qwen2.5-0.5b --steps 2 --memory-fraction 0.04
 echo "# log: $LOG"

@@ -104,6 +104,14 @@ class CheckpointSpec(KubeModel):
     existing_claim: str | None = Field(None, description="Use this PVC instead of creating one.")
     every_steps: int = Field(10, ge=1, le=1_000_000, description="Checkpoint every N training steps.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (oldest deleted first).")
+    async_save: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Write checkpoints in the background. on: each rank copies its model and optimizer state to host memory "
+        "(as much memory again as that state, until the write ends), training goes on, and the checkpoint is committed, and the "
+        "groups it covers acknowledged, once every rank's write is done; a crash before that resumes from the checkpoint before. "
+        "off: training waits for every write. auto: on for trainer.backend fsdp on NVIDIA GPUs when host memory has room for "
+        "the copy, else off. on needs trainer.backend fsdp.",
+    )
     retain_policy: Literal["Retain", "Delete"] = Field(
         "Retain",
         description="Retain: the checkpoint PVC the operator creates outlives the experiment (not owned by it), so a re-created "

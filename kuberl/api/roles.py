@@ -110,6 +110,10 @@ MEGATRON_FULL_WEIGHTS = ("trainer.backend megatron trains full weights without a
                          "disk or bus: algorithm.lora, weightSync.mode broadcast and trainer.gradientCheckpointing need trainer.backend fsdp")
 
 
+MEGATRON_ASYNC_CHECKPOINT = ("checkpoint.asyncSave on needs trainer.backend fsdp: the megatron trainer writes its checkpoints in its own "
+                             "per-rank format, synchronously; use asyncSave auto or off")
+
+
 class ParallelismSpec(KubeModel):
     """Trainer parallel dims; each defaults to `allocation` when set, else 1."""
 

@@ -86,6 +86,7 @@ from kuberl.api.roles import (
     ASCEND_IMAGE_RULE,
     CONTEXT_DIVIDE,
     EXPERT_NEED_MEGATRON,
+    MEGATRON_ASYNC_CHECKPOINT,
     MEGATRON_CONTEXT_EXPERT,
     MEGATRON_EXPERT_DIVIDE,
     MEGATRON_EXPERT_TENSOR,
@@ -145,6 +146,7 @@ __all__ = [
     "MEGATRON_EXPERT_DIVIDE",
     "MEGATRON_EXPERT_TENSOR",
     "MEGATRON_FULL_WEIGHTS",
+    "MEGATRON_ASYNC_CHECKPOINT",
     "MEGATRON_ON_ASCEND",
     "MEGATRON_TP_PP_DIVIDE",
     "ModelSpec",
@@ -250,6 +252,9 @@ class RLExperimentSpec(KubeModel):
         ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
           f"{_or('self.trainer.accelerator.type', 'nvidia')} != 'ascend'"),
          MEGATRON_ON_ASCEND, ".trainer.backend"),
+        ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
+          f"!has(self.checkpoint) || {_or('self.checkpoint.asyncSave', 'auto')} != 'on'"),
+         MEGATRON_ASYNC_CHECKPOINT, ".checkpoint.asyncSave"),
         # LoRA: adapters hot-loaded by vLLM only (the shorthand names the engine first). Only the fsdp trainer wraps
         # the model with PEFT; the megatron backend refuses LoRA above.
         (f"!has(self.algorithm.lora) || (has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm')",
@@ -315,6 +320,8 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.trainer.backend", "megatron", MEGATRON_FULL_WEIGHTS)
         if self.trainer.backend == "megatron" and self.trainer.accelerator.type == AcceleratorType.ASCEND:
             raise FieldError("spec.trainer.backend", "megatron", MEGATRON_ON_ASCEND)
+        if self.trainer.backend == "megatron" and self.checkpoint.async_save == "on":
+            raise FieldError("spec.checkpoint.asyncSave", "on", MEGATRON_ASYNC_CHECKPOINT)
         if self.algorithm.lora is not None and r.engine != "vllm":
             raise FieldError("spec.algorithm.lora", "set", LORA_NEEDS_VLLM)
         if self.weight_sync.mode == "broadcast" and r.engine != "vllm":

@@ -51,7 +51,7 @@ def tiny_model(vllm_server) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int = 1, every: int = 1, world: int = 1, mode: str = "disk",
-                   temperature: float = 1.0, bucket_mb: int | None = None) -> Path:
+                   temperature: float = 1.0, bucket_mb: int | None = None, async_save: str = "auto") -> Path:
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
@@ -64,7 +64,7 @@ def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int =
             "rollout": {"engine": "vllm", "concurrency": 4, "accelerator": {"type": "cpu", "count": 0}},
             "trainer": {"accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64},
             "weightSync": {"mode": mode, **({"bucketMB": bucket_mb} if bucket_mb else {})},
-            "checkpoint": {"everySteps": every, "keep": 2},
+            "checkpoint": {"everySteps": every, "keep": 2, "asyncSave": async_save},
             "training": {"totalSteps": steps},
         },
     }
@@ -339,6 +339,41 @@ async def test_two_ranks_with_fsdp2_train_and_end_with_identical_full_weights(tm
         assert (await bus.get_state("progress"))["step"] == 2
         v0 = load_weights(workdir / "weights" / "v0")
         assert digest_state(v0) != digests["0"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        await bus.close()
+
+
+async def test_two_ranks_write_checkpoints_behind_training_each_holding_its_steps_published_weights(tmp_path, bus_url, tiny_model, vllm_server):
+    """checkpoint.asyncSave on, FSDP2 over two ranks: DCP's writes and their collectives run in a thread (on a gloo group
+    of their own) while the ranks train on. Each committed checkpoint holds the weights published at its step, and
+    every group is acknowledged by the end."""
+    from kuberl.runtime.trainer import checkpoint as ck
+    from kuberl.runtime.trainer.weights import digest_state
+
+    name = "tr-async-ckpt"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=4, eta=1, every=1, world=2, async_save="on")
+    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
+    bus = await Bus.connect(bus_url, name)
+    proc = start_trainer(manifest, bus_url, workdir, log, world=2)
+    try:
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, _):
+            task = asyncio.create_task(agent.run())
+            code = await asyncio.to_thread(finish, proc, log, 180)
+            await stop(task)
+        text = log.read_text()
+        assert code == 0, text[-4000:]
+        assert "checkpoints written behind training (checkpoint.asyncSave on)" in text
+        assert text.count("written behind training, committed") >= 3, "steps 1-3 at least were committed from the background"
+        kept = ck.list_checkpoints(workdir / "checkpoints")
+        assert [c.step for c in kept] == [3, 4]  # keep 2
+        for c in kept:
+            assert digest_state(ck.read_model_state(c.path)) == digest_state(load_weights(workdir / "weights" / f"v{c.step}")), c
+        assert not list((workdir / "checkpoints").glob(".tmp-*")), "no write left uncommitted"
+        progress = await bus.get_state("progress")
+        assert progress["done"] and progress["checkpoint"]["step"] == 4
+        assert (await bus.stream_info())["groups_pending"] == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

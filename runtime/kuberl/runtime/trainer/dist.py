@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,25 @@ def save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: to
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """Collective (every rank, once, at set-up): a gloo group of every rank for checkpoints written in the background.
+
+    DCP's `async_save` runs its collectives (the save plan, the report of each rank's writes) in a thread while the main
+    thread trains; on training's own group the two threads' collectives could be matched in a different order on each rank.
+    """
+    return dist.new_group(backend="gloo")
+
+
+def async_save_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             group: dist.ProcessGroup) -> Future:
+    """`save_sharded_state` behind training: returns once this rank's state is copied to host memory (new tensors: the
+    next steps may change the model at once); a background thread writes the copy. The Future is done when every rank's
+    shards and rank 0's `.metadata` are written, and its result() raises what the write raised. Every rank must call."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    writer = dcp.FileSystemWriter(str(folder), sync_files=True)  # its stage(): a fresh host copy (no cache kept between saves)
+    return dcp.async_save({"model": model_sd, "optimizer": optim_sd}, storage_writer=writer, process_group=group)
 
 
 def load_sharded_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -5,6 +5,7 @@ A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.async_checkpoint import PendingCheckpoint, choose_async_save, host_memory_free, state_bytes
 from kuberl.runtime.trainer.megatron.backend import read_layout
 from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights, sync_folder, version_dir
 
@@ -37,6 +39,22 @@ def write_state(info: D.DistInfo, root: Path, step: int, model: torch.nn.Module,
         ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
     D.barrier(info)
     return tmp
+
+
+def write_state_async(info: D.DistInfo, root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LRScheduler, group: Any) -> Any:
+    """Collective: `write_state` with the model and optimizer shards written behind training (DCP async_save on `group`).
+
+    RNG state and schedule are written before it returns, the shards from a host copy taken before it returns; the
+    returned Future is done when every rank's shards are written (then rank 0 may commit)."""
+    if info.is_main:
+        ck.begin_checkpoint(root, step)
+    D.barrier(info)
+    tmp = ck.tmp_checkpoint_path(root, step)
+    ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
+    if info.is_main:
+        ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
+    return D.async_save_sharded_state(tmp, model, optimizer, group)
 
 
 def read_state(info: D.DistInfo, path: Path, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -125,31 +143,81 @@ class PersistMixin:
                       stats["peak_bytes"] / 1e6)
         await self.bus.publish_weights(self.version, path, mode=self.spec.weight_sync.mode)
 
-    async def stage_checkpoint(self, *, request: str | None = None, row: dict[str, Any] | None = None) -> None:
+    def setup_checkpoints(self) -> None:
+        """Collective, at set-up: whether periodic checkpoints are written behind training (checkpoint.asyncSave; every rank
+        must take the same path, so one rank without host memory for the copy keeps them all synchronous) and, if so,
+        the gloo group their writes use."""
+        backend = self.spec.trainer.backend
+        need = state_bytes(self.model, self.optimizer) if backend == "fsdp" else 0
+        wanted, why = choose_async_save(self.spec.checkpoint.async_save, backend=backend, device_type=self.info.device.type,
+                                        need=need, free=host_memory_free())
+        agreed = D.all_reduce_sum([1.0 if wanted else 0.0], self.info)[0] == self.info.world_size
+        if wanted and not agreed:
+            why = "checkpoint.asyncSave auto: another rank has no host memory for its copy; checkpoints are written synchronously"
+        if agreed:
+            self.checkpoint_group = D.checkpoint_group()
+        if self.info.is_main:
+            log.info("checkpoints %s (%s)", "written behind training" if agreed else "written synchronously", why)
+
+    async def stage_checkpoint(self, *, request: str | None = None, row: dict[str, Any] | None = None, background: bool = False) -> None:
         """train.checkpoint: model and optimizer shards, schedule, RNG, ticket book and this step's metrics row (rank 0's
-        `row`, ReportMixin.step_row); then ack the groups it covers."""
+        `row`, ReportMixin.step_row); then ack the groups it covers.
+
+        background (the periodic checkpoints, with asyncSave): return once the state is copied; `finish_checkpoint`
+        commits it and acks its groups when the write is done. The last checkpoint and the operator's are synchronous."""
+        await self.finish_checkpoint()  # one in flight at most; it may be this very step's
         saved = request is None and bool(self.last_checkpoint) and self.last_checkpoint.get("step") == self.step and self._saved(self.step)
         if D.broadcast_object(saved, self.info):  # rank 0 decides: every rank must take the same path
             if self.info.is_main:
                 await self._ack_held()
             return  # this step is saved already (e.g. the end right after a periodic checkpoint)
+        if request is not None:
+            self.answered_request = request
+        if background and self.checkpoint_group is not None:
+            future = write_state_async(self.info, self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler, self.checkpoint_group)
+            pending = PendingCheckpoint(self.step, future)
+            if self.info.is_main:  # the state and the groups as of this step: later steps go on changing both
+                pending.state, pending.held, self.held = self._checkpoint_state(row), self.held, []
+            self.pending_checkpoint = pending
+            return
         if self.megatron:
             self.megatron_write_state(self.ckpt_root, self.step)
         else:
             write_state(self.info, self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler)
         if self.info.is_main:  # every rank has written its shards (write_state ends on a barrier)
-            if request is not None:
-                self.answered_request = request
-            info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
-            state = {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
-                     "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
-                     "world_size": self.info.world_size, "experiment": self.exp.name, "metrics_row": row}
-            ck.commit_checkpoint(self.ckpt_root, self.step, state, keep=self.spec.checkpoint.keep)
-            self.last_checkpoint = info
-            log.info("checkpoint step %d (policy version %d) in %s", self.step, self.version, info["path"])
-            await self._ack_held()
-            await self.bus.put_progress(self._progress_base())
+            held, self.held = self.held, []
+            await self._commit(self.step, self._checkpoint_state(row), held)
         D.barrier(self.info)
+
+    async def finish_checkpoint(self, *, wait: bool = True) -> None:
+        """The checkpoint written in the background, once its write is done: committed and its groups acked (rank 0).
+        wait=False (between steps): only if the write is done already. Raises what the write raised."""
+        pending = self.pending_checkpoint
+        if pending is None or not (wait or pending.future.done()):
+            return
+        await asyncio.wrap_future(pending.future)  # the bus's client keeps running meanwhile
+        self.pending_checkpoint = None
+        if self.info.is_main:  # rank 0's future is done only after every rank reported its writes (DCP's coordinator)
+            log.info("checkpoint step %d: written behind training, committed %.1f s after it was taken", pending.step, time.monotonic() - pending.started)
+            await self._commit(pending.step, pending.state, pending.held)
+
+    def _checkpoint_state(self, row: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0: trainer_state.json of a checkpoint of this step (the ticket book, counters, this step's metrics row)."""
+        info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
+        return {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
+                "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
+                "world_size": self.info.world_size, "experiment": self.exp.name, "metrics_row": row}
+
+    async def _commit(self, step: int, state: dict[str, Any], held: list[Any]) -> None:
+        """Rank 0, once every rank's shards of `step` are written: commit, then ack the groups it covers."""
+        info = state["checkpoint"]
+        ck.commit_checkpoint(self.ckpt_root, step, state, keep=self.spec.checkpoint.keep)
+        self.last_checkpoint = info
+        log.info("checkpoint step %d (policy version %d) in %s", step, info["policy_version"], info["path"])
+        if self.bus is not None:
+            if held:
+                await self.bus.ack(held)
+            await self.bus.put_progress(self._progress_base())
 
     def sync_final_weights(self) -> None:
         """fsync the last published version (published without, each step): it is the run's trained model."""

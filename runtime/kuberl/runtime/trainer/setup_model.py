@@ -106,6 +106,7 @@ class SetUpMixin:
         with spec_errors():  # spec.evaluation: its split or file missing or empty
             self.evals = EvalSchedule.from_experiment(self.spec, self.total_steps) if self.info.is_main else None
         self.resumed_from = self._resume()
+        self.setup_checkpoints()  # persist.py: checkpoint.asyncSave
 
     def _total_steps(self, num_items: int) -> int:
         self._num_items = num_items

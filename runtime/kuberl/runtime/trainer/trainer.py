@@ -90,6 +90,8 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.duplicates = 0
         self.recent: deque[tuple[int, float]] = deque(maxlen=5)  # (samples, seconds) of recent steps
         self.last_checkpoint: dict[str, Any] | None = None
+        self.pending_checkpoint = None  # a checkpoint being written behind training (persist.py, checkpoint.asyncSave)
+        self.checkpoint_group = None  # the gloo group of those writes; None: checkpoints are written synchronously
         self.checkpoint_row: dict[str, Any] | None = None  # the resumed checkpoint's own step row (ReportMixin.restore_row)
         self.stop_reason: str | None = None
         self._run_task: asyncio.Task | None = None  # run()'s task: SIGTERM cancels it while the bus is down
@@ -235,13 +237,14 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
             self.book.on_consumed(batch.num_groups)
         await self.stage_publish_weights()
         lap("train.publish_weights")
+        await self.finish_checkpoint(wait=False)  # commit the checkpoint written behind training, if its write is done
         stats.update(samples=batch.num_samples, wait_seconds=plan.get("wait_seconds", 0.0), step_seconds=time.monotonic() - t0,
                      reward_mean=float(batch.rewards.mean()), timings=timings, group_ids=list(batch.group_ids),
                      **self._staleness(batch))
         row = await self.step_row(stats) if self.info.is_main else None  # before the checkpoint, which keeps a copy
         due = self.step % self.spec.checkpoint.every_steps == 0
         if D.broadcast_object(due, self.info):
-            await self.stage_checkpoint(row=row)
+            await self.stage_checkpoint(row=row, background=True)  # with checkpoint.asyncSave: only the copy to host memory
             lap("train.checkpoint")  # into row["timings"] too (the same dict); the checkpoint's copy is without it
             if row is not None:
                 row["step_seconds"] = time.monotonic() - t0
