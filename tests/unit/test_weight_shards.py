@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from kuberl.runtime.trainer.weights import (
     INDEX_FILE,
@@ -110,8 +111,20 @@ def test_the_trainer_path_on_one_rank_writes_what_export_weights_writes(models, 
     model = perturbed(models["tied"])
     stats: dict = {}
     a = export_model_weights(model, One(), tmp_path / "a", 2, shard_bytes=SHARD, source_dir=models["tied"], dtype=torch.float32, stats=stats)
-    b = export_weights(model.state_dict(), tmp_path / "b", 2, source_dir=models["tied"], dtype=torch.float32, shard_bytes=SHARD)
+    # A tied LM head is written once, under the embedding's name, as save_pretrained and the Hub's tied models have it.
+    untied_names = without_tied_head(model.state_dict())
+    b = export_weights(untied_names, tmp_path / "b", 2, source_dir=models["tied"], dtype=torch.float32, shard_bytes=SHARD)
     assert stats["shards"] >= 3 and folder_bytes(a) == folder_bytes(b)
+    assert "lm_head.weight" not in load_weights(a) and "model.embed_tokens.weight" in load_weights(a)
+    loaded = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()  # tied again on load
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def without_tied_head(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != "lm_head.weight"}
 
 
 def test_a_write_that_fails_halfway_still_runs_every_gather_and_leaves_nothing(models, tmp_path):
@@ -237,7 +250,9 @@ def test_two_fsdp_ranks_write_what_one_rank_writes_and_rank_0_holds_one_shard_at
     for kind, dtype in (("untied", torch.bfloat16), ("tied", torch.float32)):
         got = rank0[kind]
         assert rank1[kind]["path"] is None and rank1[kind]["live_peak"] <= rank1[kind]["largest"]  # one full tensor at a time
-        ref = export_weights(perturbed(models[kind]).state_dict(), tmp_path / "one" / kind, 1, source_dir=models[kind], dtype=dtype, shard_bytes=SHARD)
+        state = perturbed(models[kind]).state_dict()
+        state = without_tied_head(state) if kind == "tied" else state  # written once, under the embedding's name
+        ref = export_weights(state, tmp_path / "one" / kind, 1, source_dir=models[kind], dtype=dtype, shard_bytes=SHARD)
         assert folder_bytes(Path(got["path"])) == folder_bytes(ref), kind
         assert got["stats"]["shards"] >= 3 and got["stats"]["total_bytes"] > 2 * SHARD
         # What rank 0 held at once: the shard being filled plus the full tensor being converted, never the whole model.

@@ -13,13 +13,16 @@ adapter_config.json + adapter_model.safetensors, see `export_adapter`), which vL
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -225,12 +228,12 @@ def export_model_weights(model: torch.nn.Module, info: Any, root: str | Path, ve
     """Collective (every rank calls): `model`'s weights as `root/v{version}/`, written by rank 0 shard by shard.
 
     The ranks gather one state dict entry at a time in the same order (FSDP2: `full_tensor()`); rank 0 keeps at most
-    one shard (`shard_bytes`) of them. Same names as a full state dict (`dist.full_model_state`), tied ones under each
-    name. info: the trainer's `dist.DistInfo`. Returns the folder on rank 0, None elsewhere. durable: `write_weights_streamed`.
+    one shard (`shard_bytes`) of them. Same names as a full state dict (`dist.full_model_state`), a tied LM head left out
+    (`written_entries`). info: the trainer's `dist.DistInfo`. Returns the folder on rank 0, None elsewhere. durable: `write_weights_streamed`.
     """
     from kuberl.runtime.trainer import dist as D
 
-    entries = D.model_state_entries(model, cached=True)
+    entries = written_entries(model, D.model_state_entries(model, cached=True))
     tensors = D.iter_full_tensors(entries)
     if not info.is_main:
         deque(tensors, maxlen=0)  # take part in every gather, in rank 0's order, holding none once the next one starts
@@ -238,6 +241,24 @@ def export_model_weights(model: torch.nn.Module, info: Any, root: str | Path, ve
     sizes = [(name, tensor_nbytes(t, dtype)) for name, t in entries]
     return write_weights_streamed(sizes, tensors, root, version, shard_bytes=shard_bytes, source_dir=source_dir, dtype=dtype,
                                   keep=keep, stats=stats, durable=durable)
+
+
+def written_entries(model: torch.nn.Module, entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The entries a published version holds: with tied word embeddings (config.tie_word_embeddings) a tensor shared
+    under two names is written once, under its first (`model.embed_tokens.weight`), as `save_pretrained` writes it and as
+    the Hub's tied models (Qwen2.5-0.5B/1.5B) are; engines and transformers tie the LM head to it on load. For the
+    0.5B shape that is 21% fewer bytes to gather, cast and write every step. Every rank gets the same list (a collective
+    gathers each entry)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return entries
+    first: dict[int, str] = {}
+    again = set()  # names of a parameter registered under an earlier name too (the same on every rank: module structure)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            again.add(name)
+        else:
+            first[id(p)] = name
+    return [(name, t) for name, t in entries if name not in again]
 
 
 def _commit_folder(tmp: Path, final: Path, root: Path, version: int, *, durable: bool = True) -> None:
@@ -334,16 +355,44 @@ def list_versions(root: str | Path) -> list[int]:
     return sorted(int(p.name[1:]) for p in root.iterdir() if p.is_dir() and p.name[:1] == "v" and p.name[1:].isdigit())
 
 
+TRASH_PREFIX = ".trash-v"  # a pruned version, renamed out of the listing, being deleted in the background
+
+
 def prune_weights(root: str | Path, keep: int, protect: int | None = None) -> list[int]:
-    """Delete all but the newest `keep` versions (and never `protect`, the one just published)."""
+    """Remove all but the newest `keep` versions (and never `protect`, the one just published); returns the versions removed.
+
+    Each is renamed out of the listing at once (`.trash-vN-...`) and deleted by a background thread, with any trash a
+    crash left: unlinking the shards of a 0.5B-shape version (1.3 GB) took 0.4 s of a 2.5 s publish on this CPU."""
+    root = Path(root)
     versions = list_versions(root)
     removed = []
     for v in versions[: max(len(versions) - keep, 0)]:
         if v == protect:
             continue
-        shutil.rmtree(version_dir(root, v), ignore_errors=True)
+        try:
+            os.rename(version_dir(root, v), root / f"{TRASH_PREFIX}{v}-{os.getpid()}-{time.monotonic_ns()}")
+        except FileNotFoundError:  # pruned meanwhile by another writer of this folder
+            continue
         removed.append(v)
+    trash = [p for p in root.glob(f"{TRASH_PREFIX}*") if p.is_dir()]
+    if trash:
+        _trash_deleter().submit(_delete_all, trash)
     return removed
+
+
+@functools.cache
+def _trash_deleter() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kuberl-prune")  # joined at exit: nothing left half-deleted
+
+
+def _delete_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_pruning() -> None:
+    """Block until every pruned version handed to the background thread so far is deleted (tests, tools)."""
+    _trash_deleter().submit(lambda: None).result()
 
 
 def weight_files(path: str | Path) -> list[Path]:
