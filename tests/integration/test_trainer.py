@@ -131,8 +131,12 @@ async def stop(task: asyncio.Task) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def start_trainer(manifest: Path, bus_url: str, workdir: Path, log: Path, world: int = 1, termination_log: Path | None = None) -> subprocess.Popen:
+def start_trainer(manifest: Path, bus_url: str, workdir: Path, log: Path, world: int = 1, termination_log: Path | None = None,
+                  hold_writes: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "KUBERL_BUS_URL": bus_url, "KUBERL_WORKDIR": str(workdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if hold_writes is not None:  # DCP's shard writes wait while this file exists (held_checkpoint_writes/sitecustomize.py)
+        env["KUBERL_TEST_HOLD_DCP_WRITES"] = str(hold_writes)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "held_checkpoint_writes"), env.get("PYTHONPATH", "")])
     if termination_log is not None:
         env["KUBERL_TERMINATION_LOG"] = str(termination_log)
     cmd = [sys.executable, "-m", "kuberl.cli", "trainer", "--config", str(manifest)]
@@ -375,6 +379,60 @@ async def test_two_ranks_write_checkpoints_behind_training_each_holding_its_step
         assert progress["done"] and progress["checkpoint"]["step"] == 4
         assert (await bus.stream_info())["groups_pending"] == 0
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        await bus.close()
+
+
+async def test_a_trainer_killed_while_a_checkpoint_is_written_behind_it_resumes_from_the_one_before_and_loses_no_group(
+        tmp_path, bus_url, tiny_model, vllm_server):
+    """checkpoint.asyncSave on. Step 2's checkpoint is committed; step 4's write is held (a slow volume) while the trainer
+    trains step 5, and the trainer is killed. Nothing of step 4's checkpoint may count: the restart resumes from step 2,
+    the groups of steps 3-5 (never acknowledged) come back, and the run finishes with every group trained once."""
+    name = "tr-async-kill"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=6, eta=1, every=2, async_save="on")
+    workdir, log, hold = tmp_path / "work", tmp_path / "trainer.log", tmp_path / "hold-writes"
+    bus = await Bus.connect(bus_url, name)
+    proc = start_trainer(manifest, bus_url, workdir, log, hold_writes=hold)
+
+    async def checkpoint_step():
+        p = await bus.get_state("progress")
+        return (p or {}).get("checkpoint") and p["checkpoint"]["step"]
+
+    try:
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "agent-1") as (agent, first):
+            await asyncio.wait_for(agent.run(max_tickets=3 * B), 120)
+            await wait_for(lambda: _at_step(bus, 3), 120, "step 3", proc, log)
+            assert await wait_for(checkpoint_step, 30, "step 2's checkpoint committed", proc, log) == 2
+            hold.touch()  # from now on the shard writes wait
+            await asyncio.wait_for(agent.run(max_tickets=2 * B), 120)
+            await wait_for(lambda: _at_step(bus, 5), 120, "step 5", proc, log)
+        assert await checkpoint_step() == 2, "step 4's checkpoint is still being written: not committed"
+        assert (workdir / "checkpoints" / ".tmp-step-00000004").is_dir()
+        assert (await bus.stream_info())["groups_pending"] >= 3 * B, "the groups of steps 3-5 wait for a checkpoint"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        hold.unlink()
+
+        proc = start_trainer(manifest, bus_url, workdir, log)
+        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "agent-2") as (agent, second):
+            task = asyncio.create_task(agent.run())
+            code = await asyncio.to_thread(finish, proc, log, 180)
+            await stop(task)
+        text = log.read_text()
+        assert code == 0, text[-4000:]
+        assert "step 2, policy version 2" in text, "resumed from step 2, the last committed checkpoint"
+        # The killed run's rows of steps 3-5 stay (as after any kill between checkpoints); the re-trained steps follow.
+        assert [r["step"] for r in metrics(workdir)] == [1, 2, 3, 4, 5, 3, 4, 5, 6]
+        progress = await bus.get_state("progress")
+        assert progress["done"] and progress["step"] == 6 and progress["checkpoint"]["step"] == 6
+        assert (await bus.get_state("tickets"))["consumed"] == 6 * B
+        published = [g.group_id for g in first.published + second.published]
+        assert len(published) == len(set(published)), "no group rolled out twice: steps 3-5 trained on the redelivered ones"
+        assert (await bus.stream_info())["groups_pending"] == 0
+        assert not list((workdir / "checkpoints").glob(".tmp-*"))
+    finally:
+        hold.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         await bus.close()
