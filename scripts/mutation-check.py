@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation check: break the RL algorithm on purpose, one way at a time, and require a test to fail.
+"""Mutation check: break the RL algorithm (and the trainer's checkpoint paths) on purpose, one way at a time, and require a test to fail.
 
 Each mutant in MUTANTS is an exact source substitution (old text -> new text in one file). For each one
 the script copies kuberl/, tests/ and pyproject.toml into a temporary folder, applies the substitution
@@ -32,11 +32,14 @@ TRAINER_COLLECT = "runtime/kuberl/runtime/trainer/collect.py"
 TOKEN_LOGPROBS = "runtime/kuberl/runtime/trainer/token_logprobs.py"
 STALENESS = "runtime/kuberl/runtime/staleness.py"
 CONTEXT_PARALLEL = "runtime/kuberl/runtime/trainer/context_parallel.py"
+PERSIST = "runtime/kuberl/runtime/trainer/persist.py"
+DIST = "runtime/kuberl/runtime/trainer/dist.py"
 
 # Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
 OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
 WIRING = "tests/unit/test_trainer_compute.py::TestDecoupledWiring"
 ULYSSES = "tests/unit/test_context_parallel.py::test_ulysses_equals_one_process_on_two_gloo_ranks"  # 2 gloo ranks, ~25 s
+ASYNC_CKPT = "tests/unit/test_async_checkpoint.py::test_a_background_checkpoint_holds_the_weights_of_its_step_and_acks_only_its_groups_once_committed"
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cp-gather-backward-summed", "context parallel's log-prob gather sums the gradients over the CP group too (2x)", CONTEXT_PARALLEL,
            "        return grad, None\n", "        grad = grad.clone()\n        dist.all_reduce(grad, group=None)\n        return grad, None\n",
            (ULYSSES,)),
+    # Nothing lost when a pod dies: a checkpoint written behind training (checkpoint.asyncSave).
+    Mutant("async-ckpt-live-tensors", "the background checkpoint writes the live tensors (no host copy): later steps leak into it", DIST,
+           "storage_writer=writer, process_group=group)",
+           "storage_writer=writer, process_group=group,\n                           async_stager=type('NoCopy', (dcp.staging.BlockingAsyncStager,), "
+           "{'stage': lambda self, sd: sd})())", (ASYNC_CKPT,)),
+    Mutant("async-ckpt-ack-at-save", "a background checkpoint's groups acked when it is taken, before it is written", PERSIST,
+           "pending.state, pending.held, self.held = self._checkpoint_state(row), self.held, []",
+           "await self.bus.ack(self.held)\n                pending.state, pending.held, self.held = self._checkpoint_state(row), [], []",
+           (ASYNC_CKPT,)),
+    Mutant("async-ckpt-commit-unwritten", "a background checkpoint committed at the next step whether or not its write is done", PERSIST,
+           "if pending is None or not (wait or pending.future.done()):", "if pending is None:", (ASYNC_CKPT,)),
 )
 
 
