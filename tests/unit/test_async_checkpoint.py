@@ -204,3 +204,49 @@ async def test_asyncsave_auto_on_cpu_writes_synchronously(tmp_path, process_grou
     t.held = ["lease-a"]
     await t.stage_checkpoint(background=True)
     assert t.pending_checkpoint is None and t.bus.acked == ["lease-a"] and ck.latest_checkpoint(tmp_path / "checkpoints").step == 1
+
+
+async def test_a_checkpoint_whose_write_ends_while_the_trainer_waits_for_groups_is_committed_then(tmp_path, process_group):
+    """The engines may keep the trainer waiting for minutes: its groups are acknowledged (and progress shows it) as soon
+    as the write is done, not only after the next step."""
+    import asyncio
+
+    from kuberl.runtime.bus import Sample, TrajectoryGroup
+
+    t = set_up_trainer(tmp_path, "on")
+    train_a_step(t)
+    t.held = ["lease-a"]
+    t.book.bound.consumed = t.book.bound.issued = 0
+    arrive_at = time.monotonic() + 1.5  # the groups come after the write (0.3 s) is done
+
+    class WaitingBus(AckBus):
+        tickets: list = []
+
+        async def publish_tickets(self, tickets):
+            self.tickets += tickets
+            return len(tickets)
+
+        async def put_tickets(self, state):
+            pass
+
+        async def get_control(self):
+            return {}
+
+        async def fetch_groups(self, max_n, timeout):
+            if time.monotonic() < arrive_at:
+                await asyncio.sleep(0.05)
+                return []
+            out, self.tickets = self.tickets[:max_n], self.tickets[max_n:]
+            return [(TrajectoryGroup(group_id=tk.ticket_id, ticket=tk, samples=[
+                Sample(input_ids=[1, 2], output_ids=[3, 4], logprobs=[-1.0, -1.0], versions=[1, 1], loss_mask=[1, 1], reward=r)
+                for r in (1.0, 0.0)]), f"lease-{tk.ticket_id}") for tk in out]
+
+    t.bus = WaitingBus()
+    patch, _ = slow_writes(0.3)
+    with patch:
+        await t.stage_checkpoint(background=True)
+        await t.stage_issue_tickets()
+        plan = await t.stage_collect()
+    assert len(plan["groups"]) == 2
+    assert t.pending_checkpoint is None and t.bus.acked == ["lease-a"], "committed while the trainer waited"
+    assert ck.latest_checkpoint(tmp_path / "checkpoints").step == 1

@@ -84,6 +84,7 @@ class CollectMixin:
             else:
                 self.held.append(handle)
         while len(self.buffer) < self.B:
+            await self.finish_checkpoint(wait=False)  # a checkpoint written behind training: committed as soon as it is written
             if self.stop_reason is not None:
                 return {"stop": self.stop_reason}
             control = await self.bus.get_control()
