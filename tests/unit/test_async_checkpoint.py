@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 from kuberl.api import RLExperiment
+from kuberl.runtime.resources import host_memory_free
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.async_checkpoint import HEADROOM, choose_async_save, host_memory_free, state_bytes
+from kuberl.runtime.trainer.async_checkpoint import HEADROOM, choose_async_save, state_bytes
 from kuberl.runtime.trainer.trainer import Trainer
 
 GiB = 2**30

@@ -1,6 +1,7 @@
 """CPU resources per role: which cores each local role gets, and how many threads each process runs.
 
-Pure functions (core split, cgroup quota, thread environment) used by `kuberl run` to give the engines
+Pure functions (core split, cgroup quota, thread environment; and the host memory left, for the trainer's background
+checkpoints) used by `kuberl run` to give the engines
 and the trainer their own cores, and by every role entry point (`kuberl engine|rollout|trainer`, via
 `apply_process_resources`) so that in a pod thread pools follow the container's CPU limit, not the node.
 """
@@ -96,6 +97,30 @@ def cgroup_cpu_limit(root: str | Path = "/sys/fs/cgroup") -> float | None:
             continue
         return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
     return None
+
+
+def host_memory_free(cgroup: str | Path = "/sys/fs/cgroup", meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """Bytes this process may still allocate on the host: the container's memory limit (cgroup v2 memory.max minus
+    memory.current, else v1) where there is one, and the machine's MemAvailable, whichever is smaller; None = unknown."""
+    found: list[int] = []
+    root = Path(cgroup)
+    for limit_file, usage_file in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text != "max" and limit_text.isdigit() and int(limit_text) < 1 << 60:  # v1 writes ~2^63 for "no limit"
+            found.append(max(0, int(limit_text) - usage))
+        break
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(found) if found else None
 
 
 def thread_count(cores: int, limit: float | None) -> int:

@@ -12,16 +12,12 @@ never on training's group: two threads issuing collectives on one group may inte
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-
-log = logging.getLogger("kuberl.trainer")
 
 # The host copy is as large as the state; keep this much more free for everything else the process allocates meanwhile.
 HEADROOM = 1.25
@@ -51,30 +47,6 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     if not held:
         held = 2 * sum(local(p).numel() * 4 for p in params)  # exp_avg and exp_avg_sq, float32
     return total + held
-
-
-def host_memory_free(cgroup: str | Path = "/sys/fs/cgroup", meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """Bytes this process may still allocate on the host: the container's memory limit (cgroup v2 memory.max minus
-    memory.current, else v1) where there is one, and the machine's MemAvailable, whichever is smaller; None = unknown."""
-    found: list[int] = []
-    root = Path(cgroup)
-    for limit_file, usage_file in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit_text = (root / limit_file).read_text().strip()
-            usage = int((root / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text != "max" and limit_text.isdigit() and int(limit_text) < 1 << 60:  # v1 writes ~2^63 for "no limit"
-            found.append(max(0, int(limit_text) - usage))
-        break
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    return min(found) if found else None
 
 
 def choose_async_save(setting: str, *, backend: str, device_type: str, need: int, free: int | None) -> tuple[bool, str]:

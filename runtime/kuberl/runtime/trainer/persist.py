@@ -13,13 +13,26 @@ from typing import Any
 
 import torch
 
+from kuberl.runtime.resources import host_memory_free
 from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
-from kuberl.runtime.trainer.async_checkpoint import PendingCheckpoint, choose_async_save, host_memory_free, state_bytes
+from kuberl.runtime.trainer.async_checkpoint import PendingCheckpoint, choose_async_save, state_bytes
 from kuberl.runtime.trainer.megatron.backend import read_layout
 from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights, sync_folder, version_dir
 
 log = logging.getLogger("kuberl.trainer")
+
+
+def _begin_state(info: D.DistInfo, root: Path, step: int, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+    """Collective: `.tmp-step-N/` begun, with each rank's RNG state and rank 0's schedule in it; returns the folder."""
+    if info.is_main:
+        ck.begin_checkpoint(root, step)
+    D.barrier(info)
+    tmp = ck.tmp_checkpoint_path(root, step)
+    ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
+    if info.is_main:
+        ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
+    return tmp
 
 
 def write_state(info: D.DistInfo, root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -29,14 +42,8 @@ def write_state(info: D.DistInfo, root: Path, step: int, model: torch.nn.Module,
     Every rank writes its own model and optimizer shards (DCP) and its RNG state; rank 0 the schedule.
     Returns once every rank has finished writing (barrier), so rank 0 may commit.
     """
-    if info.is_main:
-        ck.begin_checkpoint(root, step)
-    D.barrier(info)
-    tmp = ck.tmp_checkpoint_path(root, step)
-    ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
+    tmp = _begin_state(info, root, step, scheduler)
     D.save_sharded_state(tmp, model, optimizer)
-    if info.is_main:
-        ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
     D.barrier(info)
     return tmp
 
@@ -47,14 +54,7 @@ def write_state_async(info: D.DistInfo, root: Path, step: int, model: torch.nn.M
 
     RNG state and schedule are written before it returns, the shards from a host copy taken before it returns; the
     returned Future is done when every rank's shards are written (then rank 0 may commit)."""
-    if info.is_main:
-        ck.begin_checkpoint(root, step)
-    D.barrier(info)
-    tmp = ck.tmp_checkpoint_path(root, step)
-    ck.write_torch(tmp, f"rng-rank{info.rank}.pt", ck.capture_rng_state())
-    if info.is_main:
-        ck.write_torch(tmp, "scheduler.pt", scheduler.state_dict())
-    return D.async_save_sharded_state(tmp, model, optimizer, group)
+    return D.async_save_sharded_state(_begin_state(info, root, step, scheduler), model, optimizer, group)
 
 
 def read_state(info: D.DistInfo, path: Path, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
