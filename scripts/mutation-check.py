@@ -34,6 +34,7 @@ STALENESS = "runtime/kuberl/runtime/staleness.py"
 CONTEXT_PARALLEL = "runtime/kuberl/runtime/trainer/context_parallel.py"
 PERSIST = "runtime/kuberl/runtime/trainer/persist.py"
 DIST = "runtime/kuberl/runtime/trainer/dist.py"
+WEIGHTS = "runtime/kuberl/runtime/trainer/weights.py"
 
 # Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
 OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
@@ -125,6 +126,11 @@ MUTANTS: tuple[Mutant, ...] = (
            (ASYNC_CKPT,)),
     Mutant("async-ckpt-commit-unwritten", "a background checkpoint committed at the next step whether or not its write is done", PERSIST,
            "if pending is None or not (wait or pending.future.done()):", "if pending is None:", (ASYNC_CKPT,)),
+    # The engine samples the trained policy: a published version holds every weight (only a tied head is written once).
+    Mutant("publish-drops-untied-head", "publishing leaves out lm_head.weight of an untied model too (no head for the engine)", WEIGHTS,
+           '"tie_word_embeddings", False):\n        return entries',
+           '"tie_word_embeddings", False):\n        return [(n, t) for n, t in entries if n != "lm_head.weight"]',
+           ("tests/unit/test_weight_shards.py::test_two_fsdp_ranks_write_what_one_rank_writes_and_rank_0_holds_one_shard_at_most",)),
 )
 
 
