@@ -235,6 +235,32 @@ async def test_megatron_trains_the_same_weights_as_fsdp_on_the_same_batches(tmp_
         assert latest.step == STEPS and max_diff(ck.read_model_state(latest.path), load_weights(got / "weights" / f"v{STEPS}")) == 0
 
 
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory) -> Path:
+    """The builtin Instruct-shaped tiny Qwen2: tied word embeddings, as Qwen2.5-0.5B/1.5B-Instruct have."""
+    from kuberl.runtime.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tied", variant="tiny-qwen2-instruct")
+
+
+async def test_megatron_publishes_a_tied_model_as_fsdp_does_its_head_once_under_the_embeddings_name(tmp_path, tmp_path_factory,
+                                                                                                      nats_server, tied_model_dir):
+    """Pipeline 2: the last stage holds its own copy of the tied embedding as its output layer. Each published version
+    has the FSDP reference's names and weights, the LM head not written a second time (weights.written_entries), and
+    transformers loads it back tied."""
+    agent = ScriptedAgent(tied_model_dir)
+    ref = await reference(tmp_path_factory, nats_server.url, tied_model_dir, agent, 1, 0.0)
+    got = await train(tmp_path, "mg-tied-pp2", nats_server.url, tied_model_dir, agent, backend="megatron", world=2, pipeline=2)
+    assert_same_training(got, ref, tied_model_dir)  # the same names as the reference's versions, and the same values
+    last = got / "weights" / f"v{STEPS}"
+    assert "lm_head.weight" not in load_weights(last) and "model.embed_tokens.weight" in load_weights(last)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(last, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, load_weights(last)["model.embed_tokens.weight"])
+
+
 async def kill_after_checkpoint_and_resume(path: Path, nats_url: str, workdir: Path, agent: ScriptedAgent, ref: Path, shards: list[str]) -> None:
     """A 2-rank trainer of `path` (checkpoints every 2 steps) killed while it waits for step 3's groups, its step-2
     checkpoint holding exactly `shards`; restarted, it must resume at step 2, train step 3 and publish the reference's v3."""

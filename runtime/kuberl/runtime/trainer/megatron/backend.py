@@ -301,10 +301,9 @@ class MegatronMixin:
                         parts.append(t.cpu())
                 if self.info.is_main:
                     for gname, full in zip(gnames, parts):
-                        for hname, t in convert.full_to_hf({gname: full}, shape).items():
-                            yield hname, t
-                            if shape.tied and hname == "model.embed_tokens.weight":
-                                yield "lm_head.weight", t  # under both names, as the FSDP path's state dict has them
+                        # A tied LM head is not among them: written once, under the embedding's name, as the FSDP path
+                        # (weights.written_entries) and save_pretrained write it; engines tie it on load.
+                        yield from convert.full_to_hf({gname: full}, shape).items()
 
     def _hf_sizes(self, dtype: torch.dtype | None) -> list[tuple[str, int]]:
         """(HF name, bytes) of everything _hf_tensors yields, in its order (from shapes alone: meta tensors)."""
@@ -317,8 +316,6 @@ class MegatronMixin:
                 for gname in gnames:
                     for hname, t in convert.full_to_hf({gname: torch.empty(full_shape, dtype=pdtype, device="meta")}, self.mm.shape).items():
                         out.append((hname, tensor_nbytes(t, dtype)))
-                        if self.mm.shape.tied and hname == "model.embed_tokens.weight":
-                            out.append(("lm_head.weight", tensor_nbytes(t, dtype)))
         return out
 
     def megatron_export_weights(self, dtype: torch.dtype, stats: dict) -> Path | None:
