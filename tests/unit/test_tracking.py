@@ -66,6 +66,22 @@ def test_tensorboard_event_files_hold_every_step(tmp_path):
     assert [e.wall_time for e in acc.Scalars("loss")] == [1_700_000_000.0 + s for s in STEPS]
 
 
+def test_a_restarted_trainer_replaces_the_steps_it_trains_again_in_tensorboard(tmp_path):
+    """Killed after step 3 with its checkpoint at step 1, a trainer re-trains steps 2 and 3: TensorBoard shows each step
+    once, the re-trained values (a new event file alone would leave both)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    track({"tensorboard": {}}, tmp_path)  # steps 1-3
+    time.sleep(1.1)  # event files are named by the second they are opened in
+    tr = Tracking.from_spec(TrackingSpec.model_validate({"tensorboard": {}}), workdir=tmp_path, name="exp", namespace="team")
+    for s in (2, 3, 4):
+        tr.log(s, row(s) | {"reward_mean": 1.0 + s})
+    tr.close(timeout=120)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 5)) for e in acc.Scalars("reward_mean")] == [(1, 0.1), (2, 3.0), (3, 4.0), (4, 5.0)]
+
+
 def wandb_records(path: Path):
     """The protobuf records of a W&B transaction log (.wandb): W&B's LevelDB-style log, read by hand since the SDK
     no longer ships a Python reader. Header ':W&B' + magic 0xBEE1 + version 0; 32 KiB blocks of records

@@ -101,12 +101,16 @@ class TensorBoardBackend:
         self.writer: Any = None
 
     def start(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A trainer restarted from a checkpoint re-trains the steps after it, and a new event file of the same run
+            # would show those steps twice: purge_step hides the earlier files' events from this step on.
+            resumed = any(self.log_dir.glob("events.out.tfevents.*"))
+            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step if resumed else None)
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step, walltime=wall_time)
         self.writer.flush()  # a killed trainer keeps every step it reported
