@@ -130,7 +130,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("publish-drops-untied-head", "publishing leaves out lm_head.weight of an untied model too (no head for the engine)", WEIGHTS,
            '"tie_word_embeddings", False):\n        return entries',
            '"tie_word_embeddings", False):\n        return [(n, t) for n, t in entries if n != "lm_head.weight"]',
-           ("tests/unit/test_weight_shards.py::test_two_fsdp_ranks_write_what_one_rank_writes_and_rank_0_holds_one_shard_at_most",)),
+           ("tests/unit/test_weight_shards.py::test_the_trainer_path_writes_an_untied_models_lm_head_as_export_weights_does",)),
 )
 
 

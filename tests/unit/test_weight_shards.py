@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +47,9 @@ def perturbed(model_dir: Path) -> torch.nn.Module:
         for p in model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=gen))
     return model
+
+
+ONE_RANK = SimpleNamespace(is_main=True)  # a one-rank trainer's rank info, as export_model_weights reads it
 
 
 def folder_bytes(path: Path) -> dict[str, bytes]:
@@ -105,12 +109,9 @@ def test_a_version_that_fits_one_shard_is_the_plain_file_of_before_byte_for_byte
 
 
 def test_the_trainer_path_on_one_rank_writes_what_export_weights_writes(models, tmp_path):
-    class One:
-        is_main = True
-
     model = perturbed(models["tied"])
     stats: dict = {}
-    a = export_model_weights(model, One(), tmp_path / "a", 2, shard_bytes=SHARD, source_dir=models["tied"], dtype=torch.float32, stats=stats)
+    a = export_model_weights(model, ONE_RANK, tmp_path / "a", 2, shard_bytes=SHARD, source_dir=models["tied"], dtype=torch.float32, stats=stats)
     # A tied LM head is written once, under the embedding's name, as save_pretrained and the Hub's tied models have it.
     untied_names = without_tied_head(model.state_dict())
     b = export_weights(untied_names, tmp_path / "b", 2, source_dir=models["tied"], dtype=torch.float32, shard_bytes=SHARD)
@@ -121,6 +122,15 @@ def test_the_trainer_path_on_one_rank_writes_what_export_weights_writes(models, 
     ids = torch.tensor([[1, 5, 9, 2]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_the_trainer_path_writes_an_untied_models_lm_head_as_export_weights_does(models, tmp_path):
+    """Only a tied head is left out (written_entries): an untied model's lm_head is its own weight, published."""
+    model = perturbed(models["untied"])
+    a = export_model_weights(model, ONE_RANK, tmp_path / "a", 2, shard_bytes=SHARD, source_dir=models["untied"], dtype=torch.float32, stats={})
+    b = export_weights(model.state_dict(), tmp_path / "b", 2, source_dir=models["untied"], dtype=torch.float32, shard_bytes=SHARD)
+    assert folder_bytes(a) == folder_bytes(b)
+    assert torch.equal(load_weights(a)["lm_head.weight"], model.lm_head.weight.detach())
 
 
 def without_tied_head(state: dict) -> dict:
@@ -183,6 +193,7 @@ class TestReadingShards:
 WORKER = r'''
 import json, sys, weakref
 from pathlib import Path
+from types import SimpleNamespace
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
