@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what the tests need, then runs every tier
 # in one pytest session: tests/unit (seconds), tests/integration (real nats-server, vLLM CPU; minutes),
-# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset), on two
-# pytest-xdist workers;
-# then the mutation check (scripts/mutation-check.py, ~2 min): each planted RL bug must fail a test.
-# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit` (no mutation check then).
+# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset), and
+# tests/mutation (scripts/mutation-check.py's table: each planted RL bug must fail a test; ~4 min), on two
+# pytest-xdist workers.
+# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -12,6 +12,6 @@ bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
 # Two workers: the engine runs on one, one after another, everything else on the other meanwhile
 # (tests/conftest.py): 47 min as one process on the 2-core dev VM. In collection order (no reorder by size), so the
-# long trainer-only runs of tests/integration start early and the many short unit files fill the end.
-"$PY" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40 tests e2e_tests
-exec "$PY" scripts/mutation-check.py
+# long trainer-only runs of tests/integration start early and the many short unit files fill the end; the mutation
+# tier runs on the worker without the engine files, in the minutes it would otherwise wait for the engine worker.
+exec "$PY" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40 tests e2e_tests

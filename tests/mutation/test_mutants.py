@@ -1,0 +1,43 @@
+"""The mutation tier: each bug in scripts/mutation-check.py's table, planted one at a time in a copy of the code,
+must make one of its named tests fail (the RL algorithm's weights, clip, baseline and temperature; the staleness
+bound; Ulysses context parallel; checkpoints written behind training; a published version's LM head).
+
+The same check as `python3 scripts/mutation-check.py`, as one pytest test per mutant, so that `scripts/test.sh` runs
+it inside its pytest session: there it goes to the worker that does not run the engine files (tests/conftest.py),
+which otherwise finishes minutes before the engine worker and waits. The copy is made and the unmutated selections
+are checked to pass once per worker (a mutant "killed" by a test that fails anyway would prove nothing).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_mutation_check import ROOT, load_script
+
+MC = load_script()
+TIMEOUT = 300  # seconds for one mutant's tests (the script's default); the unmutated baseline gets twice that
+
+
+@pytest.fixture(scope="module")
+def copy():
+    """A copy of kuberl/, operator/, runtime/ and tests/ that imports from itself, whose unmutated selections pass."""
+    problems = MC.check_mutants(ROOT, MC.MUTANTS)
+    assert not problems, "the mutant table no longer matches the code (scripts/mutation-check.py):\n" + "\n".join(problems)
+    with tempfile.TemporaryDirectory(prefix="kuberl-mutants-") as tmp:
+        where = MC.make_copy(Path(tmp) / "copy")
+        MC.assert_imports_from(where)
+        tests = tuple(dict.fromkeys(t for m in MC.MUTANTS for t in m.tests))
+        code, out = MC.run_tests(where, tests, TIMEOUT * 2)
+        assert code == 0, f"the mutants' tests fail without any mutant (exit {code}):\n{out[-4000:]}"
+        yield where
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 60)  # the first test also waits for the baseline
+@pytest.mark.parametrize("mutant", MC.MUTANTS, ids=[m.id for m in MC.MUTANTS])
+def test_the_planted_bug_fails_a_test(copy, mutant):
+    result = MC.run_one(copy, mutant, TIMEOUT)
+    assert result.outcome == "killed", (f"{mutant.id} {result.outcome}: {mutant.what}\n  {mutant.file}: {mutant.old!r} -> {mutant.new!r}\n"
+                                        f"  tests: {' '.join(mutant.tests)}\n  {result.detail}")
