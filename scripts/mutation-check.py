@@ -5,8 +5,9 @@ Each mutant in MUTANTS is an exact source substitution (old text -> new text in 
 the script copies kuberl/, tests/ and pyproject.toml into a temporary folder, applies the substitution
 there (never in the working tree), runs the mutant's tests with pytest and calls it "killed" if a test
 fails. It prints a table and exits 1 if any mutant survives, or if a mutant's old text is not found
-(a refactor moved it: update the table, never let a mutant vanish silently). Run by scripts/test.sh
-after pytest; `python3 scripts/mutation-check.py --list` shows the table, `--only ID` runs some.
+(a refactor moved it: update the table, never let a mutant vanish silently). scripts/test.sh runs the same
+table as tests/mutation (one pytest test per mutant) inside its pytest session; `python3 scripts/mutation-check.py
+--list` shows the table, `--only ID` runs some.
 """
 
 from __future__ import annotations
