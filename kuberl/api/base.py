@@ -24,6 +24,9 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 # AReaL's allocation grammar: "<engine>:<dims>+<backend>:<dims>", dims like d4, d2t2, d2p2t2c1e1.
 ALLOCATION_PATTERN = r"^(sglang|vllm):([dtp][0-9]+)+\+(fsdp|megatron):([dtpce][0-9]+)+$"
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# An RLExperiment's name prefixes its Services' names, and Service names are DNS-1035 labels: a letter first
+# (KubeRay asks the same of a RayCluster's name).
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 Quantity = Annotated[
     int | str,

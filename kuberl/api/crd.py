@@ -237,10 +237,12 @@ def build_schema() -> dict[str, Any]:
     status["properties"]["conditions"].update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     _core_scheduling_schemas(spec)
     meta_name = api.ObjectMeta.model_fields["name"].metadata
-    name_schema: dict[str, Any] = {"type": "string", "pattern": api.DNS1123_LABEL}
+    name_schema: dict[str, Any] = {"type": "string"}
     for m in meta_name:
         if hasattr(m, "max_length"):
             name_schema["maxLength"] = m.max_length
+        if hasattr(m, "pattern"):
+            name_schema["pattern"] = m.pattern
     return _ordered({
         "type": "object",
         "description": (api.RLExperiment.__doc__ or "").strip(),

@@ -16,6 +16,10 @@ OVERRIDE_LABEL_MESSAGE = ("podTemplate.labels and podTemplate.annotations must n
                           "(the operator's selectors and bookkeeping)")
 OVERRIDE_ENV_MESSAGE = "podTemplate.env must not set KUBERL_* variables (the operator sets them from the spec)"
 OVERRIDE_VOLUME_MESSAGE = "podTemplate.volumes must not reuse the names config, dshm, cache, workdir, checkpoints, model or dataset"
+# core/v1 Volume and VolumeMount items: free-form, but their `name` is declared (and required) so that CEL rules
+# may read it. The API server type-checks rules against declared properties only and ignores preserve-unknown-fields.
+_NAMED_ITEMS = {"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "required": ["name"],
+                          "properties": {"name": {"type": "string", "minLength": 1}}}}
 _FREE_FORM_ITEMS = {"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
 
 
@@ -44,7 +48,7 @@ class PodTemplateOverride(KubeModel):
          "(!has(self.annotations) || self.annotations.all(k, !k.startsWith('kuberl.io/') && !k.startsWith('app.kubernetes.io/')))",
          OVERRIDE_LABEL_MESSAGE, ".labels"),
         ("!has(self.env) || self.env.all(e, !e.name.startsWith('KUBERL_'))", OVERRIDE_ENV_MESSAGE, ".env"),
-        ("!has(self.volumes) || self.volumes.all(v, !has(v.name) || !(v.name in ['config', 'dshm', 'cache', 'workdir', 'checkpoints', 'model', 'dataset']))",
+        ("!has(self.volumes) || self.volumes.all(v, !(v.name in ['config', 'dshm', 'cache', 'workdir', 'checkpoints', 'model', 'dataset']))",
          OVERRIDE_VOLUME_MESSAGE, ".volumes"),
     )
     labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod labels, e.g. sidecar.istio.io/inject or a Kueue pod-group label.")
@@ -53,11 +57,11 @@ class PodTemplateOverride(KubeModel):
     env: list[EnvVar] = Field(default_factory=list, max_length=64,
                               description="Environment of every runtime container of the role (NCCL_*, HTTP(S)_PROXY, HF_*).")
     volumes: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=32, description="Extra pod volumes (core/v1 Volume), each with a name.", json_schema_extra=_FREE_FORM_ITEMS
+        default_factory=list, max_length=32, description="Extra pod volumes (core/v1 Volume), each with a name.", json_schema_extra=_NAMED_ITEMS
     )
     volume_mounts: list[dict[str, Any]] = Field(
         default_factory=list, max_length=32, description="Mounts of the extra volumes in every runtime container of the role (core/v1 VolumeMount).",
-        json_schema_extra=_FREE_FORM_ITEMS,
+        json_schema_extra=_NAMED_ITEMS,
     )
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16, description="Secrets to pull a private image with.")
     service_account_name: str | None = Field(

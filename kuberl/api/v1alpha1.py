@@ -33,6 +33,7 @@ from kuberl.api.base import (
     ALLOCATION_PATTERN,
     API_VERSION,
     CATEGORIES,
+    DNS1035_LABEL,
     DNS1123_LABEL,
     GROUP,
     KIND,
@@ -341,7 +342,8 @@ class ObjectMeta(BaseModel):
     """The part of metav1.ObjectMeta KubeRL reads; everything else is kept as it is."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=52, pattern=DNS1123_LABEL)  # 52: room for "-rollout-NN" child names
+    # 52: room for "-rollout-NN" child names; DNS-1035 (a letter first): its Services are named after it
+    name: str = Field(min_length=1, max_length=52, pattern=DNS1035_LABEL)
     namespace: str = "default"
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

@@ -671,6 +671,18 @@ class TestImmutableFields:
         bigger = build_checkpoint_pvc(make_experiment(checkpoint={"size": "200Gi"}))
         assert keep_immutable_fields(bigger, live)[0]["spec"]["resources"]["requests"]["storage"] == "200Gi"
 
+    def test_what_the_api_server_defaulted_is_kept_without_a_note(self) -> None:
+        """A real API server fills PVC volumeMode and (DefaultStorageClass) storageClassName: not a change."""
+        pvc = build_checkpoint_pvc(make_experiment())
+        assert "volumeMode" not in pvc["spec"] and "storageClassName" not in pvc["spec"]
+        live = self.live(pvc)
+        live["spec"] |= {"volumeMode": "Filesystem", "storageClassName": "standard-rwx"}
+        merged, notes = keep_immutable_fields(pvc, live)
+        assert notes == []
+        assert merged["spec"]["volumeMode"] == "Filesystem" and merged["spec"]["storageClassName"] == "standard-rwx"
+        named = build_checkpoint_pvc(make_experiment(checkpoint={"storageClassName": "premium"}))
+        assert len(keep_immutable_fields(named, live)[1]) == 1, "a class the spec names and the PVC lacks is a change"
+
 
 class TestRuntimeImageRepository:
     """The operator's runtime image repository (KUBERL_RUNTIME_IMAGE_REPOSITORY, read once by

@@ -403,6 +403,18 @@ def test_lists_and_maps_are_bounded_for_the_cel_cost_estimator(schema):
 # ---------------------------------------------------------------------------------------------
 
 SELF_PATH = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)")
+# `self.volumes.all(v, ... v.name ...)`: the macro's variable is an item of the list (or a key of a map).
+MACRO = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)\.(?:all|exists|exists_one|map|filter)\(\s*([A-Za-z_]\w*)\s*,")
+
+
+def macro_variable_fields(rule: str) -> list[tuple[str, str]]:
+    """(list path, field) for each `var.field` that a macro over `self.<list path>` reads."""
+    out = []
+    for match in MACRO.finditer(rule):
+        var = match.group(2)
+        # `m.endsWith(...)` is a method of a string item, not a field
+        out += [(match.group(1), field) for field in re.findall(rf"\b{var}\.([A-Za-z_]\w*)(?!\w|\()", rule[match.end():])]
+    return out
 
 
 def test_every_cel_rule_compiles_and_names_only_declared_fields(schema):
@@ -421,7 +433,17 @@ def test_every_cel_rule_compiles_and_names_only_declared_fields(schema):
             if not path:
                 continue
             assert resolve(node, path) is not None, f"{where}: {rule['rule']!r} names undeclared {path}"
+        for path, field in macro_variable_fields(rule["rule"]):
+            # the API server builds an item's type from its declared properties only (preserve-unknown-fields adds none)
+            items = (resolve(node, path) or {}).get("items") or {}
+            assert field in (items.get("properties") or {}), f"{where}: {rule['rule']!r} reads {field} of {path}'s items, undeclared"
         assert rule["message"] and "\n" not in rule["message"]
+
+
+def test_a_macro_variable_reading_an_undeclared_item_field_is_caught():
+    assert macro_variable_fields("!has(self.volumes) || self.volumes.all(v, !(v.name in ['x']))") == [(".volumes", "name")]
+    assert macro_variable_fields("self.env.all(e, !e.name.startsWith('K'))") == [(".env", "name")]
+    assert macro_variable_fields("self.targetModules.exists(m, m.endsWith('lm_head'))") == []
 
 
 def test_a_syntax_error_in_a_rule_is_caught():

@@ -66,6 +66,8 @@ def keep_immutable_fields(built: Obj, live: Obj | None) -> tuple[Obj, list[str]]
         parent = _get(out, path[:-1])
         if isinstance(parent, dict):
             parent[path[-1]] = copy.deepcopy(current)
+        if wanted is None:
+            continue  # left to the API server, which filled it (PVC volumeMode, the default StorageClass): no change
         notes.append(f"{name}: {'.'.join(path)} cannot change after creation; keeping {current!r} instead of {wanted!r}")
     if built.get("kind") == "PersistentVolumeClaim":
         size_path = ("spec", "resources", "requests", "storage")
