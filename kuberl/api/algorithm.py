@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kuberl.api.base import KubeModel, _cel
+from kuberl.api.base import KubeModel, _cel, _or
 
 
 class AlgorithmName(StrEnum):
@@ -94,9 +94,11 @@ class AlgorithmSpec(KubeModel):
 
     model_config = _cel(
         ("!has(self.epsClipHigh) || !has(self.epsClip) || self.epsClipHigh >= self.epsClip", "algorithm.epsClipHigh must be >= algorithm.epsClip"),
-        ("!(self.name in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || self.samplesPerPrompt >= 2",
+        # name and samplesPerPrompt through _or: the API server also checks these rules on the CRD's default `algorithm: {}`
+        # (before the nested defaults apply), where a bare `self.name` fails with "no such key" and the CRD is refused.
+        (f"!({_or('self.name', 'grpo')} in ['grpo', 'drgrpo', 'dapo', 'gspo', 'rloo']) || {_or('self.samplesPerPrompt', 4)} >= 2",
          "group-relative algorithms need algorithm.samplesPerPrompt >= 2"),
-        ("self.name != 'ppo'", PPO_UNSUPPORTED),
+        (f"{_or('self.name', 'grpo')} != 'ppo'", PPO_UNSUPPORTED),
         ("!has(self.topP) || self.topP == 1.0", TOP_P_UNSUPPORTED, ".topP"),
     )
     name: AlgorithmName = Field(

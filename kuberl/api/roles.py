@@ -7,12 +7,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kuberl.api.base import AcceleratorSpec, AcceleratorType, FieldError, KubeModel, _cel
+from kuberl.api.base import AcceleratorSpec, AcceleratorType, FieldError, KubeModel, _cel, _or
 from kuberl.api.pods import SchedulingSpec
 
 
 class AutoscalingSpec(KubeModel):
-    model_config = _cel(("self.minReplicas <= self.maxReplicas", "rollout.autoscaling.minReplicas must be <= maxReplicas"))
+    # _or: the API server also checks the rule on the CRD's default `autoscaling: {}`, before its fields' defaults apply
+    model_config = _cel((f"{_or('self.minReplicas', 1)} <= {_or('self.maxReplicas', 1)}", "rollout.autoscaling.minReplicas must be <= maxReplicas"))
     enabled: bool = Field(False, description="Let the operator scale rollout replicas from bus signals.")
     min_replicas: int = Field(1, ge=0, le=1024, description="Lower bound.")
     max_replicas: int = Field(1, ge=1, le=1024, description="Upper bound.")

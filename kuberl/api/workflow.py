@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kuberl.api.base import KubeModel, SecretKeyRef, VolumeRef, _cel
+from kuberl.api.base import KubeModel, SecretKeyRef, VolumeRef, _cel, _or
 
 
 class ModelSpec(KubeModel):
@@ -79,6 +79,7 @@ class AgentExportStyle(StrEnum):
 
 
 _IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+_TYPE = _or("self.type", "rlvr")
 
 
 class SandboxSpec(KubeModel):
@@ -93,13 +94,15 @@ class SandboxSpec(KubeModel):
 class WorkflowSpec(KubeModel):
     """How a rollout agent turns one data set item into a trajectory group (AReaL's RolloutWorkflow)."""
 
+    # type and maxTurns through _or: the API server also checks these rules on the CRD's default `workflow: {}`, before
+    # the nested defaults apply (a bare `self.type` fails there with "no such key", and the CRD is refused).
     model_config = _cel(
-        ("self.type == 'multi-turn' || self.maxTurns == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"),
-        ("self.type != 'custom' || has(self.class)", "workflow.type custom needs workflow.class (package.module:Class)"),
-        ("!has(self.class) || self.type == 'custom'", "workflow.class needs workflow.type custom"),
-        ("self.type != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
-        ("!has(self.agent) || self.type == 'agent'", "workflow.agent needs workflow.type agent"),
-        ("!has(self.exportStyle) || self.type == 'agent'", "workflow.exportStyle needs workflow.type agent"),
+        (f"{_TYPE} == 'multi-turn' || {_or('self.maxTurns', 1)} == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"),
+        (f"{_TYPE} != 'custom' || has(self.class)", "workflow.type custom needs workflow.class (package.module:Class)"),
+        (f"!has(self.class) || {_TYPE} == 'custom'", "workflow.class needs workflow.type custom"),
+        (f"{_TYPE} != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
+        (f"!has(self.agent) || {_TYPE} == 'agent'", "workflow.agent needs workflow.type agent"),
+        (f"!has(self.exportStyle) || {_TYPE} == 'agent'", "workflow.exportStyle needs workflow.type agent"),
     )
     type: WorkflowType = Field(WorkflowType.RLVR, description="rlvr (single turn), multi-turn, custom (workflow.class) or agent (workflow.agent).")
     max_turns: int = Field(1, ge=1, le=32, description="Turns per episode (multi-turn).")
