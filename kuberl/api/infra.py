@@ -57,7 +57,8 @@ class ExternalBusSpec(KubeModel):
         ("!has(self.account) || has(self.accountSigningKeySecret)",
          "bus.external.account names the account of bus.external.accountSigningKeySecret: set that too"),
     )
-    url: str = Field(description="NATS URL, e.g. nats://nats.nats.svc:4222.", pattern=r"^(nats|tls|ws|wss)://\S+$")
+    # RE2's \S spelled out: pydantic's (Rust) \S is Unicode, and the operator refused a URL the API server had admitted
+    url: str = Field(description="NATS URL, e.g. nats://nats.nats.svc:4222.", pattern=r"^(nats|tls|ws|wss)://[^\t\n\f\r ]+$")
     credentials_secret: SecretKeyRef | None = Field(None, description="Secret with the NATS token every role of this experiment uses (key default: token).")
     account_signing_key_secret: SecretKeyRef | None = Field(
         None, description="Secret with a signing key seed (SA...) of the NATS account this experiment uses, on a NATS run in JWT mode "

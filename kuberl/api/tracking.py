@@ -29,7 +29,8 @@ MLFLOW_TOKEN_NEEDS_SERVER = "tracking.mlflow.tokenSecret needs an http(s):// tra
 
 # A folder inside the workdir: relative, no `..` segment, no leading slash (RE2: no look-ahead).
 RELATIVE_PATH = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)*$"
-_HTTP = r"^https?://\S+$"
+# [^\t\n\f\r ] is RE2's \S spelled out: pydantic's (Rust) \S is Unicode, so \S let the two disagree on a no-break space.
+_HTTP = r"^https?://[^\t\n\f\r ]+$"
 
 
 class TensorBoardSpec(KubeModel):
@@ -78,7 +79,7 @@ class MlflowSpec(KubeModel):
         ("!has(self.tokenSecret) || (has(self.trackingUri) && self.trackingUri.matches('^https?://'))", MLFLOW_TOKEN_NEEDS_SERVER, ".tokenSecret"),
     )
     tracking_uri: str | None = Field(
-        None, max_length=2048, pattern=r"^(https?://|file:)\S+$",
+        None, max_length=2048, pattern=r"^(https?://|file:)[^\t\n\f\r ]+$",
         description="http(s)://server:5000, or file:///abs/path (a folder the trainer can write); default: file store <workdir>/mlruns.",
     )
     experiment_name: str | None = Field(None, min_length=1, max_length=256, description="MLflow experiment; default: the experiment's namespace/name.")

@@ -78,7 +78,8 @@ class AgentExportStyle(StrEnum):
     INDIVIDUAL = "individual"  # one sample per call, sharing the episode reward (groups of varying size)
 
 
-_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+# Classes spelled out, not \w: the API server's (RE2) \w is ASCII, pydantic's (Rust) Unicode (`kuberl run` took pkg.modé:fn).
+_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 _TYPE = _or("self.type", "rlvr")
 
 
@@ -113,7 +114,7 @@ class WorkflowSpec(KubeModel):
     reward: str = Field(
         "math",
         description="Reward function: a registered name (math, exact-match, repeat-digit) or an import path `package.module:function`.",
-        pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
     )
     use_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
     workflow_class: str | None = Field(

@@ -164,3 +164,33 @@ def test_free_form_content_next_to_declared_fields_reaches_the_models():
     errors, stored = check_admission(d)
     assert errors == [] and stored["spec"]["trainer"]["podTemplate"]["volumes"] == [{"name": "extra", "emptyDir": {"medium": "Memory"}}]
     assert validate_manifest(copy.deepcopy(d)) == []
+
+
+def schema_patterns(node: dict[str, Any]) -> set[str]:
+    out = {node["pattern"]} if "pattern" in node else set()
+    for sub in [*(node.get("properties") or {}).values(), node.get("items"), node.get("additionalProperties")]:
+        out |= schema_patterns(sub) if isinstance(sub, dict) else set()
+    return out
+
+
+def test_the_models_patterns_mean_what_the_api_servers_do():
+    # Bug: pydantic's regexps (Rust) read \S and \w as Unicode classes, the API server's (RE2) as ASCII: a bus URL with a
+    # no-break space was admitted and then refused by the operator; `kuberl run` took an import path with an é.
+    from typing import Annotated
+
+    import pydantic
+
+    from kuberl.testing.admission_fuzz import EDGES, STRINGS
+
+    patterns = schema_patterns(build_schema())
+    assert len(patterns) >= 10
+    for pattern in patterns:
+        model = pydantic.TypeAdapter(Annotated[str, pydantic.Field(pattern=pattern)])
+        samples = [s for s in STRINGS if go_regex(pattern).search(s)] or ["x"]
+        for text in STRINGS + [s[:i] + e + s[i:] for s in samples for e in EDGES for i in (0, 1, len(s))]:
+            try:
+                model.validate_python(text)
+                ours = True
+            except pydantic.ValidationError:
+                ours = False
+            assert ours == bool(go_regex(pattern).search(text)), (pattern, text)
