@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -101,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args._target.split(":")
+    if argv is None and args.command in ("engine", "rollout", "trainer", "bus"):
+        # This process is the role (not a caller running one in-process): it ends with its launcher or its parent.
+        from kuberl.runtime.lifetime import watch_parent
+
+        watch_parent()
     if args.command in ("engine", "rollout", "trainer"):  # cores and thread pools, before torch or vLLM start threads
         from kuberl.runtime.resources import ResourceError, apply_process_resources
 
@@ -119,8 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; install it with: pip install 'kuberl[{extra}]'" if extra else ""
         print(f"kuberl {args.command}: missing dependency {exc.name}{hint}", file=sys.stderr)
         return 2
-    result = getattr(module, func_name)(args)
-    return int(result or 0)
+    result = int(getattr(module, func_name)(args) or 0)
+    if argv is None and args.command == "run":
+        # The launcher's own process, its run over: exit without Python's teardown of the torch it loaded (1-2 s on a
+        # busy machine), which would count against the bound of a stop (SIGTERM, Ctrl-C: kuberl.runtime.lifetime).
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # its terminal is gone (SIGHUP)
+                pass
+        os._exit(result)
+    return result
 
 
 if __name__ == "__main__":

@@ -173,3 +173,51 @@ def test_ray_without_a_cluster_says_so_and_exits_2(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, **RAY_ENV})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"cannot reach the Ray cluster at --ray {dead}" in proc.stderr
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_role_process_and_no_actor(ray_cluster, tmp_path):
+    """Ray kills the actors of a driver that is gone; each role's life hangs on its actor's (RoleActor's lifeline), and
+    what a role started on its own (the bus's nats-server, the engine's engine core) on the role's."""
+    address, _ = ray_cluster
+    manifest = quickstart_manifest(tmp_path, "ray-kill-9", **{"training.totalSteps": 500})
+    workdir = tmp_path / "work"
+    out = tmp_path / "launcher.out"
+    with open(out, "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir), "--ray", address],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
+    procs: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(workdir)) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        roles = processes_mentioning(str(workdir))  # the role commands; under them nats-server and vLLM's engine core
+        procs = [*roles, *(c for p in roles for c in p.children(recursive=True))]
+        assert any("nats-server" in " ".join(p.cmdline()) for p in procs), [p.cmdline() for p in procs]
+        run.kill()
+        run.wait()
+        t0 = time.monotonic()
+        while (left := [p.pid for p in procs if _running(p)]) and time.monotonic() - t0 < 60:  # Ray notices in seconds
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        left = [f"pid {p.pid}: {' '.join(p.cmdline())[:200]}" for p in procs if p.pid in left and _running(p)]
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert left == []
+    assert processes_mentioning(str(workdir)) == []
+    assert live_actors(address) == 0
+    print(f"{len(procs)} role processes, all gone {took:.1f}s after the launcher's SIGKILL")
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (re-parented to init, a killed process may stay one for a while)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -3,7 +3,8 @@
 Starts the same role processes the operator puts in pods (nats-server, `kuberl engine` + `kuberl
 rollout` per rollout replica, `kuberl trainer`, torchrun when the trainer has several processes),
 shows live progress read from the bus, restarts a crashed role per the failure policy, plots the
-reward curve, and on the end of training or Ctrl-C stops every process group it started. A role that
+reward curve, and on the end of training, SIGTERM or Ctrl-C stops every process group it started (all at once:
+SIGTERM, then SIGKILL after lifetime.STOP_GRACE_SECONDS); killed itself, it takes them along (kuberl.runtime.lifetime). A role that
 exits 2 (a configuration error, contracts.md) is not restarted: the run stops at once and prints the
 reason the role wrote to its termination message ($KUBERL_TERMINATION_LOG, logs/<role>.termination-log).
 """
@@ -30,15 +31,17 @@ from kuberl.api import RLExperiment, load_experiment
 from kuberl.net import reserve_port
 from kuberl.runtime.aio import raise_if_cancelling
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
+from kuberl.runtime.lifetime import STOP_GRACE_SECONDS, Lifeline
 from kuberl.runtime.resources import available_cpus, plan_local_cpus
 from kuberl.runtime.resources import role_env as role_cpu_env
 
 log = logging.getLogger("kuberl.run")
+stop_log = logging.getLogger("kuberl.run.stop")  # the launcher's log only (route_logs shows kuberl.run's own lines)
 
 
 @dataclass
 class Role:
-    """One role process (a process group, so that engine children die with it)."""
+    """One role process (a session and process group of its own, so that engine children die with it)."""
 
     name: str
     argv: list[str]
@@ -49,6 +52,7 @@ class Role:
     restarts: int = 0
     next_start: float = 0.0
     done: bool = False
+    lifeline: Lifeline | None = None  # ties the process to the launcher's life (kuberl.runtime.lifetime)
 
     @property
     def termination_log(self) -> Path | None:
@@ -71,7 +75,9 @@ class Role:
         out = open(self.log_path, "ab")
         out.write(f"\n==> {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        tie, env = ({"start_new_session": True}, self.env) if self.lifeline is None else \
+            (self.lifeline.popen_kwargs(), {**self.env, **self.lifeline.env()})
+        self.proc = subprocess.Popen(self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, **tie)
         out.close()
 
     def alive(self) -> bool:
@@ -98,20 +104,31 @@ class Role:
         if self.proc is not None:
             self.proc.wait(timeout=timeout)
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left after `grace` seconds."""
+    def terminate(self) -> None:
+        """SIGTERM the process group (the role stops in its own time: stop() bounds it)."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the process group (it may outlive its leader: vLLM's engine core) and reap the leader."""
         if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(self.proc.pid, signal.SIGKILL)  # the group may outlive its leader (vLLM's engine core)
+        _signal_group(self.proc.pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             log.warning("%s (pid %d) did not exit after SIGKILL", self.name, self.proc.pid)
+
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after `grace` seconds."""
+        if self.proc is None:
+            return
+        self.terminate()
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -135,6 +152,8 @@ class LocalRun:
     # The engines' ports, held for the run's life (kuberl.net.reserve_port): an engine restarted on its port
     # finds it free, though other processes on the machine open and close ports all the time.
     ports: list[socket.socket] = field(default_factory=list)
+    lifeline: Lifeline = field(default_factory=Lifeline)  # every role's life hangs on this process's (kuberl.runtime.lifetime)
+    hurry: bool = False  # a second Ctrl-C or SIGTERM while stopping: SIGKILL what is left now
 
     def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -161,11 +180,11 @@ class LocalRun:
             port = self.ports[-1].getsockname()[1]
             url = f"http://127.0.0.1:{port}"
             self.roles.append(Role(f"engine-{i}", [*cli, "engine", "--config", str(self.manifest), "--port", str(port), "--host", "127.0.0.1"],
-                                   self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log"))
+                                   self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log", lifeline=self.lifeline))
             self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
                                    self.role_env(f"rollout-{i}", KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}",
                                                  **devices.get(f"rollout-{i}", {})),
-                                   logs / f"rollout-{i}.log"))
+                                   logs / f"rollout-{i}.log", lifeline=self.lifeline))
         nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
         trainer_cmd = ["trainer", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)]
         if nproc > 1:
@@ -174,7 +193,7 @@ class LocalRun:
                     "-m", "kuberl.cli", *trainer_cmd]
         else:
             argv = [*cli, *trainer_cmd]
-        self.roles.append(Role("trainer", argv, self.role_env("trainer", **devices.get("trainer", {})), logs / "trainer.log"))
+        self.roles.append(Role("trainer", argv, self.role_env("trainer", **devices.get("trainer", {})), logs / "trainer.log", lifeline=self.lifeline))
 
     @property
     def trainer(self) -> Role:
@@ -189,11 +208,21 @@ class LocalRun:
             self.supervisor = Supervisor(self)
         return self.supervisor.check()
 
-    def stop_all(self) -> None:
-        # Trainer first (it may be writing a checkpoint: give it the longest grace), then agents, then engines.
+    def stop_all(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM every role at once, SIGKILL what is left after `grace` seconds (or as soon as `hurry` is set).
+
+        At once, so that the bound is the same whatever state the roles are in: a trainer waiting on groups that never
+        come (every episode failing) finishes no step, and its checkpoint on SIGTERM would never start; checkpoints are
+        written atomically, so one cut short is simply not there (the run resumes from the one before)."""
+        # The trainer first (it checkpoints after its step), then the agents (they give their tickets back), then engines.
         order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2}[r.name.split("-")[0]])
         for role in order:
-            role.stop(grace=30.0 if role.name == "trainer" else 10.0)
+            role.terminate()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not self.hurry and any(role.alive() for role in order):
+            time.sleep(0.1)
+        for role in order:
+            role.kill()
         for held in self.ports:
             held.close()
 
@@ -374,21 +403,26 @@ def main(args) -> int:
     exp, manifest, workdir = prepared
     from kuberl.runtime.supervisor import BusProcess, Supervisor
 
-    server, bus_url = _start_bus(args, exp, workdir)
-    run = LocalRun(exp, manifest, workdir, bus_url)
+    lifeline = Lifeline()  # every process started from here on dies with this one, however it ends
+    lifeline.start_guard()
     try:
-        run.plan(gpus=local_gpu_count())
-    except SystemExit:
-        if server is not None:
-            server.stop()
-        raise
-    for role in run.roles:
-        role.start()
-    bus_proc = BusProcess(server) if server is not None else None
-    supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
-    print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
-    report, failure, interrupted = _supervise(run, supervisor, bus_proc, workdir)
-    return _finish(run, workdir, report, failure, interrupted)
+        server, bus_url = _start_bus(args, exp, workdir, lifeline)
+        run = LocalRun(exp, manifest, workdir, bus_url, lifeline=lifeline)
+        try:
+            run.plan(gpus=local_gpu_count())
+        except SystemExit:
+            if server is not None:
+                server.stop()
+            raise
+        for role in run.roles:
+            role.start()
+        bus_proc = BusProcess(server) if server is not None else None
+        supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
+        print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
+        report, failure, interrupted = _supervise(run, supervisor, bus_proc, workdir)
+        return _finish(run, workdir, report, failure, interrupted)
+    finally:
+        lifeline.close()  # the guard kills anything of the run still alive, then exits
 
 
 def _prepare(args) -> tuple[RLExperiment, Path, Path] | int:
@@ -421,7 +455,7 @@ def _prepare(args) -> tuple[RLExperiment, Path, Path] | int:
     return exp, manifest, workdir
 
 
-def _start_bus(args, exp: RLExperiment, workdir: Path) -> tuple[Any, str]:
+def _start_bus(args, exp: RLExperiment, workdir: Path, lifeline: Lifeline | None = None) -> tuple[Any, str]:
     """The bus URL (--bus-url, else spec.bus.external), or a nats-server of the run's own: (server or None, URL)."""
     server = None
     bus_url = args.bus_url
@@ -432,7 +466,7 @@ def _start_bus(args, exp: RLExperiment, workdir: Path) -> tuple[Any, str]:
 
         # SCHED_BATCH like the rest of the rollout side (kuberl.runtime.resources.plan_local_cpus): it wakes at every message.
         server = start_nats_server(store_dir=str(workdir / "jetstream"), max_payload="8MB", log_path=str(workdir / "logs" / "nats-server.log"),
-                                   batch_scheduling=True)
+                                   batch_scheduling=True, lifeline=lifeline)
         bus_url = server.url
         print(f"kuberl run: nats-server (JetStream) at {bus_url}, pid {server.pid}")
     return server, bus_url
@@ -462,10 +496,14 @@ def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> 
         await sup
         return report
 
-    def on_sigterm(signum, frame):  # `kill` of the launcher stops the run like Ctrl-C does
+    def on_sigterm(signum, frame):  # `kill` of the launcher, or its terminal closed (SIGHUP), stops the run like Ctrl-C does
         raise KeyboardInterrupt
 
+    def hurry(signum, frame):  # another one while stopping: kill what is left now
+        run.hurry = True
+
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)
     # Ctrl-C too, even where the launcher inherited SIGINT ignored (a command started with `&` by a non-interactive
     # shell, e.g. a CI script, ignores it: Python then installs no handler, and SIGINT would not stop the run).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -476,22 +514,32 @@ def _supervise(run: LocalRun, supervisor: Any, bus_proc: Any, workdir: Path) -> 
             run.trainer.wait(timeout=120)  # let it write its final checkpoint
     except KeyboardInterrupt:
         interrupted = True
-        print("\nkuberl run: interrupted; stopping every role", file=sys.stderr)
+        stop_log.info("interrupted (SIGINT, SIGTERM or SIGHUP)")
+        try:
+            print(f"\nkuberl run: interrupted; stopping every role (SIGKILL after {STOP_GRACE_SECONDS:.0f}s, or now on a second "
+                  "Ctrl-C)", file=sys.stderr)
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
     except subprocess.TimeoutExpired:
         pass
     except Exception as exc:  # unexpected: one line on the terminal, the traceback in the launcher's log
         log.exception("kuberl run failed")
         failure = failure or f"{type(exc).__name__}: {exc} (traceback in {workdir / 'logs' / 'launcher.log'})"
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # from here on, a signal hurries the stop
+            signal.signal(sig, hurry)
+        t0 = time.monotonic()
         run.stop_all()
+        t1 = time.monotonic()
         _cancel_pending(loop)  # an interrupted loop still holds the progress watch and its bus connection
         if bus_proc is not None:
             bus_proc.stop()
         loop.close()
+        stop_log.info("roles stopped in %.2fs, the bus %.2fs later", t1 - t0, time.monotonic() - t1)
     return report, failure, interrupted
 
 
-def _cancel_pending(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+def _cancel_pending(loop: asyncio.AbstractEventLoop, timeout: float = 2.0) -> None:
     """Cancel the loop's unfinished tasks and let them clean up (close the bus), at most `timeout` seconds: closed with
     them pending, the loop prints their tracebacks on the user's terminal."""
     pending = [t for t in asyncio.all_tasks(loop) if not t.done()]

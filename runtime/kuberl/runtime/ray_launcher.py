@@ -30,6 +30,7 @@ from typing import Any
 from kuberl.api import RLExperiment
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV
 from kuberl.runtime.launcher import LocalRun, Role, _finish, _prepare, _supervise
+from kuberl.runtime.lifetime import STOP_GRACE_SECONDS, Lifeline
 from kuberl.runtime.ray_placement import (
     TOKEN_ENV,
     RayLaunchError,
@@ -40,7 +41,7 @@ from kuberl.runtime.ray_placement import (
     ray_role_env,
     reachable,
 )
-from kuberl.runtime.supervisor import describe_exit, say
+from kuberl.runtime.supervisor import BUS_STOP_SECONDS, describe_exit, say
 
 PLACEMENT_TIMEOUT = 120.0
 """Seconds to wait for the cluster to reserve a role's resources before the run stops naming them."""
@@ -51,12 +52,16 @@ BUS_READY_SECONDS = 30.0
 
 
 class RoleActor:
-    """Runs one role's command as a subprocess (its own process group) on the node Ray placed it on."""
+    """Runs one role's command as a subprocess (its own process group) on the node Ray placed it on.
+
+    The role's life hangs on the actor's (kuberl.runtime.lifetime.Lifeline): however the actor ends (ray.kill, its
+    driver gone, its worker killed), the role and everything it started end with it."""
 
     def __init__(self) -> None:
         import atexit
 
         self.proc: subprocess.Popen | None = None
+        self.lifeline = Lifeline()
         self.ports: list[socket.socket] = []  # held for the actor's life: its role's restarts find their port free
         atexit.register(self.reap)  # an actor that exits (its driver gone) takes its role process with it
 
@@ -75,12 +80,12 @@ class RoleActor:
     def start(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str | None) -> int:
         """Start the command (argv[0], the driver's Python, becomes this node's); returns its pid."""
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        full_env = {**os.environ, **env}
+        full_env = {**os.environ, **env, **self.lifeline.env()}
         with open(log_path, "ab") as out:
             out.write(f"\n==> {time.strftime('%H:%M:%S')} {' '.join(argv)} (Ray node {self.node_ip()})\n".encode())
             out.flush()
             self.proc = subprocess.Popen([sys.executable, *argv[1:]], env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=cwd if cwd and os.path.isdir(cwd) else None, start_new_session=True)
+                                         cwd=cwd if cwd and os.path.isdir(cwd) else None, **self.lifeline.popen_kwargs())
         return self.proc.pid
 
     def poll(self) -> int | None:
@@ -256,7 +261,7 @@ class RayBus:
         return False
 
     def stop(self) -> None:
-        self.role.stop(grace=10.0)
+        self.role.stop(grace=BUS_STOP_SECONDS)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -326,6 +331,22 @@ class RayRun(LocalRun):
                 by_name["rollout-" + role.name.split("-", 1)[1]].env["KUBERL_ENGINE_URL"] = f"http://127.0.0.1:{port}"
         for role in self.roles:
             role.start()
+
+    def stop_all(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """Stop every role's actor at once (SIGTERM, SIGKILL after `grace` seconds, sooner if `hurry` is set), then kill
+        the actors: a role still there dies with its actor (RoleActor)."""
+        import ray
+
+        held = [r for r in self.roles if isinstance(r, RayRole) and r.actor is not None]
+        pending = [r.actor.stop.remote(grace) for r in held]
+        deadline = time.monotonic() + grace + 5.0  # + the calls' own latency
+        while pending and not self.hurry and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+        for role in held:
+            ray.kill(role.actor)
+            role.actor = None
+        for port in self.ports:
+            port.close()
 
     def remove_groups(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -406,9 +427,7 @@ def main(args) -> int:
         return 1
     finally:
         if run is not None:
-            for role in run.roles:
-                if isinstance(role, RayRole) and role.actor is not None:
-                    role.stop(grace=5.0)
+            run.stop_all()  # what _supervise has not stopped (a start that failed): nothing when it has
             run.remove_groups()
         if bus is not None and bus.role.actor is not None:
             bus.stop()

@@ -28,6 +28,8 @@ ROLE_CRASH_LIMIT = 5
 HEALTHY_SECONDS = 120.0
 """A process that ran this long before dying starts its backoff and crash count again."""
 ROLE_BACKOFF_MAX = 30.0
+BUS_STOP_SECONDS = 3.0
+"""SIGTERM to SIGKILL for the run's nats-server when the run stops (after its roles: they may still use it)."""
 
 
 def say(line: str) -> None:
@@ -86,7 +88,7 @@ class BusProcess:
         return True
 
     def stop(self) -> None:
-        self.server.stop(remove_store=False)
+        self.server.stop(BUS_STOP_SECONDS, remove_store=False)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Self
 
 from kuberl.executables import installed_executable
 from kuberl.net import reserve_port
+from kuberl.runtime.lifetime import Lifeline
 from kuberl.runtime.resources import batch_scheduling as set_batch_scheduling
 
 log = logging.getLogger(__name__)
@@ -112,9 +113,10 @@ class NatsServer:
 
     def __init__(self, proc: subprocess.Popen, *, host: str, port: int, store_dir: str, workdir: str,
                  own_store: bool, token: str | None, max_payload: int, log_path: str, server_name: str = "",
-                 reservation: socket.socket | None = None, batch_scheduling: bool = False) -> None:
+                 reservation: socket.socket | None = None, batch_scheduling: bool = False, lifeline: Lifeline | None = None) -> None:
         self.proc = proc
         self.batch_scheduling = batch_scheduling
+        self.lifeline = lifeline
         self._reservation = reservation  # holds the port across respawns when start_nats_server picked it
         self.server_name = server_name
         self.host = host
@@ -163,7 +165,7 @@ class NatsServer:
             new = start_nats_server(port=self.port, store_dir=self.store_dir, max_payload=self.max_payload, token=self.token,
                                     host=self.host, start_timeout=start_timeout, server_name=self.server_name or None,
                                     log_path=None if own_log else self.log_path, reservation=reservation,
-                                    batch_scheduling=self.batch_scheduling)
+                                    batch_scheduling=self.batch_scheduling, lifeline=self.lifeline)
         except NatsServerError:
             self._reservation = reservation  # a later respawn of this one may still succeed
             raise
@@ -224,7 +226,8 @@ def _wait_ready(proc: subprocess.Popen, host: str, port: int, timeout: float, lo
 def start_nats_server(port: int | None = None, store_dir: str | None = None, max_payload: int | str = "8MB",
                       token: str | None = None, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
                       server_name: str | None = None, log_path: str | None = None,
-                      reservation: socket.socket | None = None, batch_scheduling: bool = False) -> NatsServer:
+                      reservation: socket.socket | None = None, batch_scheduling: bool = False,
+                      lifeline: Lifeline | None = None) -> NatsServer:
     """Start nats-server with JetStream and wait until it accepts connections.
 
     port None = a free loopback port, reserved (kuberl.net.reserve_port) until the server is stopped, so that its
@@ -234,6 +237,7 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
     reservation: the socket that holds `port` (what respawn passes on); the server owns it from here.
     batch_scheduling: the server runs under SCHED_BATCH (kuberl.runtime.resources.batch_scheduling), as `kuberl run`'s
     rollout side does; kept across respawns.
+    lifeline: the server dies with the process holding it (`kuberl run`: kuberl.runtime.lifetime); kept across respawns.
     """
     payload = parse_max_payload(max_payload)
     binary = find_nats_server()
@@ -251,9 +255,10 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
     with os.fdopen(fd, "w") as f:
         f.write(render_config(host=host, port=port, store_dir=store, max_payload=payload, token=token, server_name=name))
     log_path = log_path or os.path.join(workdir, "nats.log")
+    then = set_batch_scheduling if batch_scheduling else None  # before exec: its threads inherit it
+    tie = {"preexec_fn": then} if lifeline is None else {**lifeline.popen_kwargs(then), "env": {**os.environ, **lifeline.env()}}
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=set_batch_scheduling if batch_scheduling else None)  # before exec: its threads inherit it
+        proc = subprocess.Popen([binary, "-c", conf], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **tie)
     try:
         _wait_ready(proc, host, port, start_timeout, log_path, name)
     except NatsServerError:
@@ -266,7 +271,7 @@ def start_nats_server(port: int | None = None, store_dir: str | None = None, max
         raise
     server = NatsServer(proc, host=host, port=port, store_dir=store, workdir=workdir, own_store=own_store,
                         token=token, max_payload=payload, log_path=log_path, server_name=name, reservation=reservation,
-                        batch_scheduling=batch_scheduling)
+                        batch_scheduling=batch_scheduling, lifeline=lifeline)
     log.info("nats-server pid %d listening on %s (store %s)", proc.pid, server.url, store)
     return server
 
@@ -290,6 +295,8 @@ def main(args: argparse.Namespace) -> int:
         server = start_nats_server(
             port=args.port, store_dir=args.store_dir, max_payload=args.max_payload,
             token=os.environ.get("KUBERL_BUS_TOKEN") or None, host=getattr(args, "host", "0.0.0.0"),
+            # It dies with this process, however this one ends (under a Ray actor, a SIGKILL that leaves no time to stop it).
+            lifeline=Lifeline(),
         )
     except (ValueError, NatsServerError) as exc:
         print(f"kuberl bus: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ from kuberl.api import RLExperiment, load_experiment
 from kuberl.api.v1alpha1 import AcceleratorType
 from kuberl.runtime.errors import ConfigError, config_error_exit, spec_errors
 from kuberl.runtime.inference.engine_auth import engine_api_key, redact_command
+from kuberl.runtime.lifetime import before_exec
 
 log = logging.getLogger("kuberl.engine")
 
@@ -105,5 +106,6 @@ def main(args: argparse.Namespace) -> int:
     log.info("exec: %s", redact_command(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
+    before_exec()  # the server dies with `kuberl run` though it may start no watchdog of its own (kuberl.runtime.lifetime)
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached

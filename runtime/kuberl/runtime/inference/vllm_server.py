@@ -20,6 +20,8 @@ import os
 import runpy
 import sys
 
+from kuberl.runtime.lifetime import watch_parent
+
 FORK_ENV = "KUBERL_VLLM_CPU_FORK"
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -69,6 +71,7 @@ def main() -> None:
     if len(sys.argv) < 2 or not sys.argv[1].startswith("vllm."):
         raise SystemExit("usage: python -m kuberl.runtime.inference.vllm_server vllm.entrypoints.openai.api_server [vLLM arguments]")
     module = sys.argv[1]
+    watch_parent()  # `kuberl engine` exec'd this: its watchdog did not survive the exec (kuberl.runtime.lifetime)
     if forking():
         keep_fork_for_uni_executor()
         allow_16_token_kv_blocks()

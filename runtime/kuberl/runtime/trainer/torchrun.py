@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT
+from kuberl.runtime.lifetime import watch_parent
 
 
 def exit_code(failures: dict[int, object], first_rank: int) -> int:
@@ -22,6 +23,7 @@ def exit_code(failures: dict[int, object], first_rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    watch_parent()  # its ranks watch it in turn: none outlives it (kuberl.runtime.lifetime)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
