@@ -199,9 +199,9 @@ def _is_qualified_name(key: str) -> bool:
     return 0 < len(name) <= 63 and bool(_QUALIFIED_NAME.fullmatch(name))
 
 
-def check_metadata(meta: dict[str, Any]) -> list[ValidationError]:
-    """metadata as the API server decodes (unknown fields, Go types) and validates it (labels, annotations, finalizers,
-    generateName, owner references). The name's own rules are the CRD's schema, checked with the rest."""
+def decode_metadata(meta: dict[str, Any]) -> list[ValidationError]:
+    """metadata as the API server decodes it into metav1.ObjectMeta: unknown fields (strict) and Go types (a type error
+    fails the whole request before anything is validated)."""
     errors = []
     for key, value in meta.items():
         if key not in OBJECT_META:
@@ -218,8 +218,13 @@ def check_metadata(meta: dict[str, Any]) -> list[ValidationError]:
                 errors.append(ValidationError(f"metadata.{key}", value, f"cannot unmarshal into ObjectMeta.{key}"))
         elif key.endswith("Timestamp") and not _RFC3339.fullmatch(value):
             errors.append(ValidationError(f"metadata.{key}", value, f"parsing time {value!r} as RFC 3339"))
-    if errors:  # decoding failed: the API server answers 400 before validating
-        return errors
+    return errors
+
+
+def check_metadata(meta: dict[str, Any]) -> list[ValidationError]:
+    """metadata (decoded) as the API server validates it: labels, annotations, finalizers, owner references, generateName.
+    The name's own rules are the CRD's schema, checked with the rest."""
+    errors = []
     for key, value in (meta.get("labels") or {}).items():
         if not _is_qualified_name(key):
             errors.append(ValidationError("metadata.labels", key, "a label key must be a qualified name"))
@@ -234,10 +239,10 @@ def check_metadata(meta: dict[str, Any]) -> list[ValidationError]:
     for value in meta.get("finalizers") or []:
         if not _is_qualified_name(value or ""):
             errors.append(ValidationError("metadata.finalizers", value or "", "a finalizer must be a qualified name"))
-    for i, ref in enumerate(meta.get("ownerReferences") or []):
+    for ref in meta.get("ownerReferences") or []:
         for key in ("apiVersion", "kind", "name", "uid"):
             if not isinstance((ref or {}).get(key), str) or not ref[key]:
-                errors.append(ValidationError(f"metadata.ownerReferences[{i}].{key}", "", "must not be empty"))
+                errors.append(ValidationError(f"metadata.ownerReferences.{key}", "", "must not be empty"))  # no index, as the server
     prefix = meta.get("generateName")
     masked = prefix[:-2] + "a" if prefix and len(prefix) > 1 and prefix.endswith("-") else prefix  # maskTrailingDash, as it is
     if prefix and (len(masked) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(masked)):
@@ -370,8 +375,16 @@ def _schema_validator() -> Any:
 
 def check_schema(doc: dict[str, Any]) -> list[ValidationError]:
     """Errors of `doc` (already pruned and defaulted) against the CRD's openAPIV3Schema."""
-    errors = sorted(_schema_validator().iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
-    return [schema_error(e) for e in errors]
+    out = []
+    for err in sorted(_schema_validator().iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path]):
+        if err.validator == "required" and isinstance(err.instance, dict):  # one error per missing field, as the API server
+            where = ""
+            for part in err.absolute_path:
+                where = _join(where, part)
+            out += [ValidationError(_join(where, k), None, "", kind="Required value") for k in err.validator_value if k not in err.instance]
+        else:
+            out.append(schema_error(err))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +488,8 @@ def check_cel(schema: dict[str, Any], value: Any, path: str = "") -> list[Valida
         try:
             ok = evaluate_rule(rule["rule"], schema, value, cel_value)
         except celpy.CELEvalError as exc:
-            errors.append(ValidationError(where, value, f"rule {rule['rule']!r} failed to evaluate: {exc.args[0]}"))
+            # reported where the rule sits, not at its fieldPath, as the API server reports an evaluation error
+            errors.append(ValidationError(path, value, f"rule {rule['rule']!r} failed to evaluate: {exc.args[0]}"))
             continue
         if not ok:
             errors.append(ValidationError(where, value, rule.get("message") or f"failed rule: {rule['rule']}"))
@@ -515,36 +529,42 @@ def check_models(doc: dict[str, Any]) -> list[ValidationError]:
     return []
 
 
+def _blocking(error: ValidationError) -> bool:
+    """Errors after which the API server does not run the CEL rules ("some validation rules were not checked"): unknown
+    fields (the request stops at decoding), wrong types, enums, required fields, too long, too many. A pattern or a
+    bound violated does not stop them."""
+    return error.kind in ("unknown field", "Unsupported value", "Required value", "Too long", "Too many") or "must be of type" in error.message
+
+
 def check_admission(doc: dict[str, Any]) -> tuple[list[ValidationError], dict[str, Any] | None]:
     """What the API server decides on create: its errors, and the object it would store (pruned and defaulted; None if rejected)."""
     if doc.get("apiVersion") != API_VERSION:
         return [ValidationError("apiVersion", doc.get("apiVersion"), f"supported values: {show(API_VERSION)}", kind="Unsupported value")], None
     if doc.get("kind") != KIND:
         return [ValidationError("kind", doc.get("kind"), f"supported values: {show(KIND)}", kind="Unsupported value")], None
-    meta = doc.get("metadata")
+    meta = {} if doc.get("metadata") is None else doc["metadata"]  # null decodes as an empty ObjectMeta
     if not isinstance(meta, dict):
-        return [ValidationError("metadata", meta, "metadata must be an object")], None
-    doc = decode_numbers(doc)
-    meta = doc["metadata"]
-    schema = crd_schema()
-    errors = check_metadata(meta)
-    # Strict decoding: unknown fields anywhere, status included (the status subresource drops status only afterwards).
-    unknown_fields(schema["properties"]["status"], doc.get("status"), "status", errors)
-    doc = {k: v for k, v in doc.items() if k != "status"}
-    if errors:
+        return [ValidationError("metadata", meta, f"cannot unmarshal {_json_type(meta)} into ObjectMeta")], None
+    doc = decode_numbers({**doc, "metadata": meta})
+    meta, schema = doc["metadata"], crd_schema()
+    errors = decode_metadata(meta)
+    if any(e.kind != "unknown field" for e in errors):  # undecodable: the API server answers with that alone
         return errors, None
+    # Strict decoding names unknown fields anywhere, status included (the status subresource drops status only afterwards).
+    unknown_fields(schema["properties"]["status"], doc.get("status"), "status", errors)
+    defaulted = prune_and_default(schema, {k: v for k, v in doc.items() if k not in ("metadata", "status")}, "", errors)
+    errors.extend(check_metadata(meta))
     if not meta.get("name") and not meta.get("generateName"):
-        return [ValidationError("metadata.name", None, "name or generateName is required", kind="Required value")], None
-    if not meta.get("name"):  # the API server appends 5 random letters and digits to generateName (cut to 58)
-        doc["metadata"] = {**meta, "name": meta["generateName"][:MAX_GENERATED_NAME_PREFIX] + "xxxxx"}
-    defaulted = prune_and_default(schema, {k: v for k, v in doc.items() if k != "metadata"}, "", errors)
-    defaulted["metadata"] = copy.deepcopy(doc["metadata"])
+        errors.append(ValidationError("metadata.name", None, "name or generateName is required", kind="Required value"))
+    elif not meta.get("name"):  # the API server appends 5 random letters and digits to generateName (cut to 58)
+        meta = {**meta, "name": meta["generateName"][:MAX_GENERATED_NAME_PREFIX] + "xxxxx"}
+    defaulted["metadata"] = copy.deepcopy(meta)
     errors.extend(check_schema(defaulted))
     rollout = defaulted["spec"].get("rollout") if isinstance(defaulted.get("spec"), dict) else None
     replicas = rollout.get("replicas") if isinstance(rollout, dict) else None
     if isinstance(replicas, float):  # the /scale subresource's specReplicasPath is read as an int64
         errors.append(ValidationError(".spec.rollout.replicas", 0, f".spec.rollout.replicas accessor error: {replicas} is of the type float64, expected int64"))
-    if errors:  # CEL rules assume a well-typed object, as the API server's do
+    if any(_blocking(e) for e in errors):  # CEL rules need a well-typed, complete object, as the API server's do
         return errors, None
     errors.extend(check_cel(schema, defaulted))
     return errors, None if errors else defaulted

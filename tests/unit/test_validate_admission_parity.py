@@ -194,3 +194,17 @@ def test_the_models_patterns_mean_what_the_api_servers_do():
             except pydantic.ValidationError:
                 ours = False
             assert ours == bool(go_regex(pattern).search(text)), (pattern, text)
+
+
+def test_error_lists_match_the_api_servers():
+    # A pattern or a bound does not stop the CEL rules (only types, enums, required, too long/many do): both are named.
+    errors = check_admission(doc({"bus": {"embedded": {}, "external": {"url": "http://x"}}}))[0]
+    assert {e.path for e in errors} == {"spec.bus.external.url", "spec.bus"}
+    errors = check_admission(doc({"bus": {"embedded": {}, "external": {"url": 5}}}))[0]
+    assert {e.path for e in errors} == {"spec.bus.external.url"}
+    # every missing required field, not the first one
+    errors = check_admission(doc({"algorithm": {"lora": {}}}))[0]
+    assert {(e.path, e.kind) for e in errors} == {("spec.algorithm.lora.rank", "Required value"), ("spec.algorithm.lora.alpha", "Required value")}
+    # a null metadata decodes as an empty one: the name is what is missing; a CEL evaluation error is named where its rule sits
+    assert [e.path for e in check_admission(doc(metadata=None))[0]] == ["metadata.name"]
+    assert [e.path for e in check_admission(doc({"trainer": {"parallelism": {"tensor": 1.0}}}))[0]] == ["spec"]
