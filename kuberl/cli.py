@@ -103,11 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args._target.split(":")
-    if argv is None and args.command in ("engine", "rollout", "trainer", "bus"):
-        # This process is the role (not a caller running one in-process): it ends with its launcher or its parent.
-        from kuberl.runtime.lifetime import watch_parent
-
-        watch_parent()
     if args.command in ("engine", "rollout", "trainer"):  # cores and thread pools, before torch or vLLM start threads
         from kuberl.runtime.resources import ResourceError, apply_process_resources
 
@@ -116,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         except ResourceError as exc:
             print(f"kuberl {args.command}: {exc}", file=sys.stderr)
             return 2
+    if argv is None and args.command in ("engine", "rollout", "trainer", "bus"):
+        # This process is the role (not a caller running one in-process): it ends with its launcher or its parent. After
+        # the resources above: its watchdog thread gets the process's cores and scheduling policy.
+        from kuberl.runtime.lifetime import watch_parent
+
+        watch_parent()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
