@@ -307,3 +307,23 @@ def test_the_nats_server_of_kuberl_bus_dies_with_it_however_it_ends(tmp_path):
             os.killpg(bus.pid, signal.SIGKILL)
     kill_all(left)
     assert left == {}
+
+
+def test_a_role_that_execs_another_program_hands_it_the_parent_death_signal_back(tmp_path):
+    """`kuberl engine` runs the watchdog (which takes the parent-death signal over), then execs the engine's server, which
+    may start no watchdog of its own (vLLM without KubeRL's wrapper): killed with the launcher all the same."""
+    role = ("import os, sys; from kuberl.runtime.lifetime import before_exec, watch_parent; watch_parent(); before_exec(); "
+            "os.execv(sys.executable, [sys.executable, '-c', 'import time; print(\"up\", flush=True); time.sleep(600)'])")
+    launcher = ("import subprocess, sys, time; from kuberl.runtime.lifetime import Lifeline; line = Lifeline(); "
+                f"p = subprocess.Popen([sys.executable, '-c', {role!r}], env=line.env(), **line.popen_kwargs()); "
+                "print(p.pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, start_new_session=True)
+    server = int(proc.stdout.readline())
+    try:
+        assert proc.stdout.readline() == b"up\n"  # the role has exec'd the "server"
+        proc.kill()
+        proc.wait()
+        left = wait_gone({"server": server}, GRACE)
+    finally:
+        kill_all({"server": server})
+    assert left == {}
