@@ -1,29 +1,30 @@
 """End-to-end fixtures: a cluster that kubectl talks to, through KUBECONFIG only.
 
 KUBECONFIG set: that cluster is used as it is (the operator installed, e.g. by the Helm chart); a
-missing CRD fails the session with a clear message instead of skipping. KUBECONFIG unset: the strict
-kmock emulator and the real operator (a subprocess) start here, and a kubeconfig is written for them.
+missing CRD fails the session with a clear message instead of skipping. KUBECONFIG unset: a real control
+plane (kube-apiserver, etcd, controller manager, scheduler) with KWOK's fake nodes starts here, the chart
+is installed with helm and the operator runs with the chart's ServiceAccount (the root conftest.py).
 The tests themselves only run kubectl, so they run unchanged against kind or any real cluster.
 
 Both ways the tests work in a namespace of their own ($KUBERL_E2E_NAMESPACE, default kuberl-e2e),
 created here if missing and deleted at the end (with everything in it) when this session created
 it; KUBERL_E2E_KEEP_ON_FAILURE=1 keeps it, and the failing experiment, for inspection.
 
-Tests marked `real_pods` need containers that really run (a trainer that reports steps): against
-the emulator they are skipped with the reason, against a real cluster they run and can fail.
+Tests marked `real_pods` need containers that really run (a trainer that reports steps): on KWOK's
+fake nodes (pods reach Running, Succeeded and Failed, but no container runs) they are skipped with the
+reason, against a real cluster they run and can fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +35,23 @@ CRD_NAME = "rlexperiments.kuberl.io"
 NAMESPACE = os.environ.get("KUBERL_E2E_NAMESPACE", "kuberl-e2e")
 # The chart's operator pods (charts/kuberl/templates/_helpers.tpl kuberl.selectorLabels).
 OPERATOR_SELECTOR = "app.kubernetes.io/name=kuberl,app.kubernetes.io/component=operator"
-EMULATOR_SKIP_REASON = ("needs pods that really run (a trainer reporting steps): the emulated API server runs no "
-                        "containers. Set KUBECONFIG to a cluster with KubeRL installed, e.g. kind via scripts/e2e-kind.sh")
+FAKE_PODS_SKIP_REASON = ("needs pods that really run (a trainer reporting steps): KWOK's fake nodes run no containers. "
+                         "Set KUBECONFIG to a cluster with KubeRL installed, e.g. kind via scripts/e2e-kind.sh")
 
 
-def emulated() -> bool:
-    """Whether this session runs against the emulator: the `cluster` fixture starts one exactly when KUBECONFIG is unset."""
+def fake_pods() -> bool:
+    """Whether this session's pods are KWOK's: the local control plane starts exactly when KUBECONFIG is unset."""
     return not os.environ.get("KUBECONFIG")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "real_pods: needs a real cluster whose pods run; skipped against the emulator")
+    config.addinivalue_line("markers", "real_pods: needs a real cluster whose pods run; skipped on KWOK's fake nodes")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not emulated():
+    if not fake_pods():
         return
-    skip = pytest.mark.skip(reason=EMULATOR_SKIP_REASON)
+    skip = pytest.mark.skip(reason=FAKE_PODS_SKIP_REASON)
     for item in items:
         if item.get_closest_marker("real_pods"):
             item.add_marker(skip)
@@ -58,19 +59,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @dataclass
 class Cluster:
-    """kubectl against the cluster under test, in `namespace`; `emulated` tells whether pods really run."""
+    """kubectl against the cluster under test, in `namespace`; `fake_pods` tells whether pods are KWOK's (no containers)."""
 
     kubeconfig: str
-    emulated: bool
+    fake_pods: bool
     timeout: float  # for things real pods must do (start, become ready)
+    env: dict[str, str] = field(default_factory=dict)  # the environment of kubectl (PATH with the built kubectl first)
     namespace: str = NAMESPACE
     # KUBERL_E2E_KEEP_ON_FAILURE=1: a failing test leaves its experiment (and the namespace) for inspection.
     keep_on_failure: bool = os.environ.get("KUBERL_E2E_KEEP_ON_FAILURE", "").lower() in ("1", "true", "yes")
     operator_log: Callable[[], str] = lambda: ""
-    kill_local_operator: Callable[[], None] | None = None  # the emulator's operator subprocess: kill -9 and start again
+    kill_local_operator: Callable[[], None] | None = None  # the local operator subprocess: kill -9 and start again
 
     def restart_operator(self) -> None:
-        """kill -9 the operator and wait until a new one is up: on the emulator its subprocess; on a real
+        """kill -9 the operator and wait until a new one is up: on the local control plane its subprocess; on a real
         cluster the chart's operator pods (force-deleted, as a node loss would), replaced by their Deployment."""
         if self.kill_local_operator is not None:
             self.kill_local_operator()
@@ -95,7 +97,7 @@ class Cluster:
                 namespaced: bool = True) -> subprocess.CompletedProcess[str]:
         """`kubectl [--namespace NS] ARGS` (kubectl ignores the namespace for cluster-scoped objects)."""
         cmd = ["kubectl", *([f"--namespace={self.namespace}"] if namespaced else []), *args]
-        result = subprocess.run(cmd, env={**os.environ, "KUBECONFIG": self.kubeconfig}, capture_output=True, text=True,
+        result = subprocess.run(cmd, env={**(self.env or os.environ), "KUBECONFIG": self.kubeconfig}, capture_output=True, text=True,
                                 input=stdin, timeout=timeout, check=False)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -115,15 +117,13 @@ class Cluster:
             else:
                 if last:
                     return last
-            time.sleep(1.0 if self.emulated else 5.0)
+            time.sleep(1.0 if self.fake_pods else 5.0)
         raise AssertionError(f"timed out waiting for {what} (last: {last!r})\n{self.diagnostics()}")
 
     def diagnostics(self, experiment: str | None = None, tail: int = 40) -> str:
-        """What a failure report needs: on the emulator the operator's log; on a real cluster the
-        experiments, pods and events of the namespace, the last log lines of the experiment's pods
-        (or of every pod in the namespace) and of the operator. Never raises."""
-        if self.emulated:
-            return self.operator_log()
+        """What a failure report needs: the experiments, pods and events of the namespace; on the local control
+        plane the operator's log, on a real cluster the last log lines of the experiment's pods (or of every
+        pod in the namespace) and of the operator. Never raises."""
         parts: list[str] = []
 
         def add(title: str, *args: str, namespaced: bool = True) -> None:
@@ -137,6 +137,8 @@ class Cluster:
         add("experiments", "get", "rlexperiments", "-o", "wide")
         add("pods", "get", "pods", "-o", "wide")
         add("events", "get", "events", "--sort-by=.lastTimestamp")
+        if self.fake_pods:  # KWOK's pods have no logs
+            return "\n".join([*parts, self.operator_log()])
         try:
             pods = self.json("get", "pods", *(["-l", selector] if selector else []))["items"]
         except Exception:  # noqa: BLE001
@@ -154,29 +156,6 @@ class Cluster:
                 "--tail=60", namespaced=False)
         return "\n".join(parts)
 
-    def play_controllers(self, experiment: str) -> None:
-        """On the emulator only: report the experiment's StatefulSets and Job as the kubelet and the
-        controllers would once the pods run. A real cluster's pods become ready by themselves."""
-        if not self.emulated:
-            return
-        for sts in self.json("get", "statefulsets", "-l", f"kuberl.io/experiment={experiment}")["items"]:
-            n = sts["spec"].get("replicas", 1)
-            status = {"replicas": n, "readyReplicas": n, "availableReplicas": n, "currentReplicas": n,
-                      "updatedReplicas": n, "observedGeneration": sts["metadata"]["generation"]}
-            self.kubectl("patch", "statefulset", sts["metadata"]["name"], "--subresource=status", "--type=merge",
-                         "-p", json.dumps({"status": status}))
-        for job in self.json("get", "jobs", "-l", f"kuberl.io/experiment={experiment}")["items"]:
-            suspended = bool(job["spec"].get("suspend"))
-            n = 0 if suspended else job["spec"].get("parallelism", 1)
-            conds = [{"type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "",
-                      "lastProbeTime": _now(), "lastTransitionTime": _now()}] if suspended else None
-            self.kubectl("patch", "job", job["metadata"]["name"], "--subresource=status", "--type=merge",
-                         "-p", json.dumps({"status": {"active": n, "ready": n, "startTime": _now(), "conditions": conds}}))
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
 
 @contextmanager
 def _test_namespace(c: Cluster, session: pytest.Session) -> Iterator[None]:
@@ -190,9 +169,7 @@ def _test_namespace(c: Cluster, session: pytest.Session) -> Iterator[None]:
         c.wait(f"namespace {c.namespace} (terminating) to go", lambda: ns_phase() is None, timeout=600)
     created = ns_phase() is None
     if created:
-        # From a manifest (not `kubectl create namespace`, whose typed client speaks protobuf: the emulator reads JSON only).
-        c.kubectl("create", "-f", "-", namespaced=False,
-                  stdin=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": c.namespace}}))
+        c.kubectl("create", "namespace", c.namespace, namespaced=False)
     yield
     if not created:
         return
@@ -205,32 +182,23 @@ def _test_namespace(c: Cluster, session: pytest.Session) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if shutil.which("kubectl") is None:
-        pytest.fail("e2e tests need kubectl on PATH")
-    existing = os.environ.get("KUBECONFIG")
-    if existing:
-        c = Cluster(existing, emulated=False, timeout=float(os.environ.get("KUBERL_E2E_TIMEOUT", "900")))
-        found = c.kubectl("get", "crd", CRD_NAME, check=False, namespaced=False)
-        if found.returncode != 0:
-            pytest.fail(f"KUBECONFIG={existing}: CRD {CRD_NAME} is not installed ({found.stderr.strip()}). "
-                        "Install the operator first, e.g. `helm install kuberl charts/kuberl`.")
+def cluster(request: pytest.FixtureRequest, kuberl_installed: Any) -> Iterator[Cluster]:
+    """kubectl against `kuberl_installed` (conftest.py): the local control plane with the chart installed and the
+    operator running under the chart's ServiceAccount, or the cluster KUBECONFIG names (KubeRL installed there)."""
+    kube = kuberl_installed
+    if kube.local:
+        c = Cluster(kube.kubeconfig, fake_pods=True, timeout=120, env=kube.env)
+        op = kube.operator
+        c.operator_log = lambda: "--- operator log ---\n" + op.log_tail()
+        c.kill_local_operator = op.restart
         with _test_namespace(c, request.session):
             yield c
+        assert op.alive, f"the operator died during the e2e tests:\n{op.log_tail()}"
         return
-
-    from kuberl.testing.kmock_strict import EmulatorServer
-    from kuberl.testing.operator_process import OperatorProcess
-
-    tmp = tmp_path_factory.mktemp("e2e")
-    with EmulatorServer(crds=[]) as emu:
-        kubeconfig = str(emu.write_kubeconfig(tmp / "kubeconfig"))
-        c = Cluster(kubeconfig, emulated=True, timeout=90)
-        # As an installation would: the CRD first, then the operator.
-        c.kubectl("apply", "-f", str(ROOT / "crds"), namespaced=False)
-        with OperatorProcess(kubeconfig, tmp / "operator.log", interval=1.0, checkpoint_timeout=5.0) as op:
-            c.operator_log = lambda: "--- operator log ---\n" + op.log_tail()
-            c.kill_local_operator = op.restart
-            with _test_namespace(c, request.session):
-                yield c
-            assert op.alive, f"the operator died during the e2e tests:\n{op.log_tail()}"
+    c = Cluster(kube.kubeconfig, fake_pods=False, timeout=float(os.environ.get("KUBERL_E2E_TIMEOUT", "900")), env=kube.env)
+    found = c.kubectl("get", "crd", CRD_NAME, check=False, namespaced=False)
+    if found.returncode != 0:
+        pytest.fail(f"KUBECONFIG={kube.kubeconfig}: CRD {CRD_NAME} is not installed ({found.stderr.strip()}). "
+                    "Install the operator first, e.g. `helm install kuberl charts/kuberl`.")
+    with _test_namespace(c, request.session):
+        yield c

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-Cluster = Any  # the `cluster` fixture of e2e_tests/conftest.py (kubectl, wait, play_controllers)
+Cluster = Any  # the `cluster` fixture of e2e_tests/conftest.py (kubectl, wait)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,6 @@ def test_the_operator_creates_the_children_and_the_experiment_reaches_running(cl
     assert owners[0]["kind"] == "RLExperiment" and owners[0]["name"] == NAME
 
     def running() -> bool:
-        cluster.play_controllers(NAME)
         return phase(cluster) == "Running"
 
     cluster.wait("phase Running", running)
@@ -65,10 +64,9 @@ def test_kubectl_scale_changes_the_rollout_replicas(cluster: Cluster) -> None:
         "get", "statefulset", f"{NAME}-rollout", "-o", "jsonpath={.spec.replicas}").stdout.strip() == "2")
 
     def two_wanted() -> bool:
-        cluster.play_controllers(NAME)
         text = cluster.kubectl("get", "rlx", NAME, "-o", "jsonpath={.status.rollout.readyText}").stdout.strip()
         # A real cluster may lack room for a second CPU engine: the status must still say 2 are wanted.
-        return text == "2/2" if cluster.emulated else text.endswith("/2")
+        return text == "2/2" if cluster.fake_pods else text.endswith("/2")
 
     cluster.wait("status.rollout showing 2 replicas", two_wanted)
 
@@ -82,7 +80,6 @@ def test_kubectl_patch_suspend_suspends_the_trainer_and_scales_rollout_to_zero(c
         "get", "statefulset", f"{NAME}-rollout", "-o", "jsonpath={.spec.replicas}").stdout.strip() == "0")
 
     def all_stopped() -> bool:
-        cluster.play_controllers(NAME)
         reason = cluster.kubectl("get", "rlx", NAME, "-o", 'jsonpath={.status.conditions[?(@.type=="Suspended")].reason}').stdout.strip()
         return phase(cluster) == "Suspended" and reason == "Suspended"
 

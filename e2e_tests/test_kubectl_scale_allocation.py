@@ -2,7 +2,7 @@
 cluster with no GPU node: scale-from-zero. The operator must still create the pods (the autoscaler reacts
 to pending pods), write the resolved replica count so /scale reads it, and follow kubectl scale up and
 down without failing the spec. Only kubectl touches the cluster; no pod needs to run (real_pods not set),
-so this runs unchanged against the emulator and against kind or any real cluster.
+so this runs unchanged against the local control plane and against kind or any real cluster.
 """
 
 from __future__ import annotations

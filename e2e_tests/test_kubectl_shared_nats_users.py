@@ -2,7 +2,7 @@
 operator mints the experiment's own trainer and rollout users into `{name}-bus-users`, each pod reads its
 role's key only and never the signing key; a signing key that is not one is reported (Reconciled=False,
 ApplyFailed, naming the field) instead of crashing the reconcile. Only kubectl touches the cluster and no
-pod needs to run, so this runs unchanged against the emulator and a real cluster. The NATS side (the
+pod needs to run, so this runs unchanged against the local control plane and a real cluster. The NATS side (the
 server enforcing those users) is tests/integration/test_shared_nats_users.py.
 """
 

@@ -1,4 +1,4 @@
-"""`kuberl plot <experiment>` against the cluster under test (the emulated API server by default).
+"""`kuberl plot <experiment>` against the cluster under test (the local control plane by default).
 
 An RLExperiment whose `spec.bus.external` points at a nats-server started here (with a token, kept in
 a Secret named by `credentialsSecret`) gets every step's metrics row published on its metrics stream,
@@ -6,7 +6,7 @@ under the run its uid gives (as the trainer would publish it in a pod); `kuberl 
 --kubeconfig <k>` must read the experiment through the API, the token through the Secret, the whole
 stream through the bus, and draw every step. The errors: no such experiment, a bus nobody answers at,
 and an experiment whose trainer has not reported a step. (The embedded bus goes through kubectl
-port-forward, which the emulator cannot serve: tests/unit/test_plot_stream.py checks its command.)
+port-forward, which KWOK's fake pods cannot serve: tests/unit/test_plot_stream.py checks its command.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The operator killed mid-reconcile (issue 16, point 3): while creating an experiment's children, during a
 suspend, during a scale. When a new operator comes back it converges to the right state: one of each child,
 the same trainer Job (a re-created Job is a restarted training run), the suspend and the scale carried out,
-the status not lost. kill -9 is the emulator's operator subprocess, or the chart's operator pods on a real
+the status not lost. kill -9 is the local operator subprocess (on the local control plane), or the chart's operator pods on a real
 cluster (Cluster.restart_operator); the tests only use kubectl, so they run unchanged against either.
 """
 
@@ -45,7 +45,6 @@ def status(c: Cluster) -> dict:
 
 
 def running(c: Cluster) -> bool:
-    c.play_controllers(NAME)
     return status(c).get("phase") == "Running"
 
 
@@ -92,9 +91,8 @@ def test_killed_during_a_scale_it_applies_the_scale_and_keeps_the_trainer(cluste
         "get", "statefulset", f"{NAME}-rollout", "-o", "jsonpath={.spec.replicas}").stdout.strip() == "2")
 
     def two_ready() -> bool:
-        cluster.play_controllers(NAME)
         text = (status(cluster).get("rollout") or {}).get("readyText", "")
-        return text == "2/2" if cluster.emulated else text.endswith("/2")
+        return text == "2/2" if cluster.fake_pods else text.endswith("/2")
 
     cluster.wait("status.rollout showing 2 replicas", two_ready)
     assert trainer_uid(cluster) == uid, "the trainer Job was re-created: the training run restarted"
@@ -113,7 +111,6 @@ def test_killed_during_a_suspend_it_finishes_the_suspend_and_resume_keeps_the_tr
         "get", "job", f"{NAME}-trainer", "-o", "jsonpath={.spec.suspend}").stdout.strip() == "true")
 
     def suspended() -> bool:
-        cluster.play_controllers(NAME)
         return status(cluster).get("phase") == "Suspended"
 
     cluster.wait("phase Suspended", suspended)

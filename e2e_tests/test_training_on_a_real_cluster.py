@@ -2,7 +2,7 @@
 generates, the trainer takes steps, and the operator reports them in `.status.progress.step`.
 
 Only a cluster whose pods run can pass it (kind with the chart and the images loaded:
-scripts/e2e-kind.sh, .github/workflows/e2e-kind.yml); against the emulator it is skipped (conftest.py,
+scripts/e2e-kind.sh, .github/workflows/e2e-kind.yml); on KWOK's fake nodes it is skipped (conftest.py,
 marker `real_pods`). It runs after test_kubectl_lifecycle.py, in the same namespace."""
 
 from __future__ import annotations

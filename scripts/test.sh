@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what the tests need, then runs every tier
 # in one pytest session: tests/unit (seconds), tests/integration (real nats-server, vLLM CPU; minutes),
-# e2e_tests (kubectl against $KUBECONFIG, or against the kmock emulator when KUBECONFIG is unset), and
+# e2e_tests and the operator's integration tests (against $KUBECONFIG's cluster, or, when KUBECONFIG is unset, a real
+# control plane built by scripts/install-control-plane.sh from the upstream Go modules and started on loopback), and
 # tests/mutation (scripts/mutation-check.py's table: each planted RL bug must fail a test; ~4 min), on two
 # pytest-xdist workers.
 # Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh tests/unit`.
@@ -9,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/setup.sh
+# kube-apiserver, etcd, controller manager, scheduler, KWOK, kubectl, helm: built once (cached), found in < 1 s after.
+bash scripts/install-control-plane.sh >/dev/null
 if [ "$#" -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
 # Two workers: the engine runs on one, one after another, everything else on the other meanwhile
 # (tests/conftest.py): 47 min as one process on the 2-core dev VM. In collection order (no reorder by size), so the

@@ -4,7 +4,9 @@ Under pytest-xdist (`scripts/test.sh` runs the suite as `-n 2 --dist loadgroup`)
 `xdist_group`: every test file that starts a vLLM engine or a whole `kuberl run` joins one group, run
 by one worker one after another as it would be alone (two engines at once on 2 cores would make each
 run's timing twice as slow); every other file is a group of its own (its module fixtures start once),
-run by the other worker meanwhile: the unit tier, the bus, the operator, the trainer-only runs, e2e.
+run by the other worker meanwhile: the unit tier, the bus, the trainer-only runs. Every test that talks to
+Kubernetes (the root conftest.py's `kube` fixtures: e2e_tests and the operator's integration tests) joins the
+group KUBE, so that one worker starts the control plane and the operator once.
 """
 
 from pathlib import Path
@@ -12,6 +14,9 @@ from pathlib import Path
 import pytest
 
 ENGINES = "engines"
+KUBE = "kube"
+# The root conftest.py's fixtures that start the control plane (and the chart and the operator on it).
+KUBE_FIXTURES = frozenset({"kube", "kuberl_installed"})  # `fixturenames` is the closure: any user of these
 # tests/integration files that start vLLM CPU engines or `kuberl run`s (conftest_engines' session server
 # included), or that time roles against each other.
 ENGINE_FILES = frozenset({
@@ -34,16 +39,21 @@ def starts_kuberl_runs(path: Path) -> bool:
     return path.suffix == ".py" and KUBERL_RUN_CALL in path.read_text(encoding="utf-8")
 
 
-def xdist_group(nodeid: str) -> str:
-    """The worker group of a test: ENGINES for the engine files of tests/integration, else its file."""
+def xdist_group(nodeid: str, fixtures: frozenset[str] | set[str] = frozenset()) -> str:
+    """The worker group of a test: ENGINES for the engine files of tests/integration, KUBE for the tests that use
+    the control plane (e2e_tests, and any test with one of KUBE_FIXTURES), else its file."""
     path = Path(nodeid.split("::")[0])
-    return ENGINES if path.parent.name == "integration" and path.name in ENGINE_FILES else path.as_posix()
+    if path.parent.name == "integration" and path.name in ENGINE_FILES:
+        return ENGINES
+    if path.parts[:1] == ("e2e_tests",) or KUBE_FIXTURES & set(fixtures):
+        return KUBE
+    return path.as_posix()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the marker into the group (and is registered later)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     strays = sorted({item.nodeid.split("::")[0] for item in items
-                     if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and xdist_group(item.nodeid) != ENGINES})
+                     if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and not _in_engine_files(item.nodeid)})
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)}: start vLLM engines (fixtures {', '.join(sorted(ENGINE_FIXTURES))}) but are not "
                                 "in ENGINE_FILES (tests/conftest.py); add them there, so that one worker runs every engine file")
@@ -53,7 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"{', '.join(runs)}: start `kuberl run` ({KUBERL_RUN_CALL}) but are not in ENGINE_FILES "
                                 "(tests/conftest.py); add them there, so that one worker runs every engine file")
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid, set(getattr(item, "fixturenames", ())))))
+
+
+def _in_engine_files(nodeid: str) -> bool:
+    path = Path(nodeid.split("::")[0])
+    return path.parent.name == "integration" and path.name in ENGINE_FILES
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

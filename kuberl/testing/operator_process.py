@@ -1,4 +1,4 @@
-"""Run the real operator (`kuberl operator --standalone`) as a subprocess against a kubeconfig.
+"""Run the real operator (`kuberl operator`, standalone unless asked to peer) as a subprocess against a kubeconfig.
 
 Used by tests/integration/test_operator*.py and e2e_tests/conftest.py: starts it, waits for kopf's
 liveness endpoint, and stops it by PID (SIGTERM, then SIGKILL), keeping its log for failure reports.
@@ -22,8 +22,9 @@ class OperatorProcess:
     """`with OperatorProcess(kubeconfig, log_path) as op:` ... `op.metrics()` ... `op.log_tail()`."""
 
     def __init__(self, kubeconfig: str | Path, log_path: str | Path, *, interval: float = 1.0,
-                 checkpoint_timeout: float = 10.0, retry: float = 2.0, extra_env: dict[str, str] | None = None):
-        self.kubeconfig, self.log_path = str(kubeconfig), Path(log_path)
+                 checkpoint_timeout: float = 10.0, retry: float = 2.0, extra_env: dict[str, str] | None = None,
+                 standalone: bool = True):
+        self.kubeconfig, self.log_path, self.standalone = str(kubeconfig), Path(log_path), standalone
         self.metrics_port, self.health_port = free_port(), free_port()
         self.env = {**os.environ, "KUBECONFIG": self.kubeconfig, "KUBERL_OPERATOR_INTERVAL": str(interval),
                     "KUBERL_CHECKPOINT_TIMEOUT": str(checkpoint_timeout), "KUBERL_OPERATOR_RETRY": str(retry),
@@ -47,7 +48,7 @@ class OperatorProcess:
     def _start(self) -> None:
         # $KUBERL_TEST_OPERATOR_CMD runs another entry point (e.g. an installed `kuberl`) instead.
         prefix = os.environ.get("KUBERL_TEST_OPERATOR_CMD", "").split() or [sys.executable, "-m", "kuberl.cli"]
-        cmd = [*prefix, "operator", "--standalone",
+        cmd = [*prefix, "operator", *(["--standalone"] if self.standalone else []),
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

@@ -175,7 +175,8 @@ class TestTrainerDisruption:
     def test_a_pdb_forbids_evicting_a_trainer_pod(self) -> None:
         [pdb] = by_kind(self.exp, "PodDisruptionBudget").values()
         job = next(iter(by_kind(self.exp, "Job").values()))
-        assert pdb["spec"]["maxUnavailable"] == 0
+        # every pod of the Job must stay: a count (a Job has no scale subresource for maxUnavailable to read)
+        assert "maxUnavailable" not in pdb["spec"] and pdb["spec"]["minAvailable"] == job["spec"]["parallelism"]
         assert selects(pdb["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
 
     def test_the_trainer_gets_time_to_checkpoint_on_sigterm(self) -> None:

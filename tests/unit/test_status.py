@@ -329,12 +329,15 @@ class TestUnrunnable:
         assert "created anyway" in notes[1].message
         assert capacity_advisories(exp, pods, [node(8)]) == []
         taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
-        assert len(capacity_advisories(exp, pods, [node(8, taints=taint)])) == 2, "an untolerated taint keeps the pods off"
+        # GKE's GPU taint: ExtendedResourceToleration gives every pod that requests nvidia.com/gpu its toleration.
+        assert capacity_advisories(exp, pods, [node(8, taints=taint)]) == [], "the taint of the requested resource is tolerated"
+        other = [{"key": "dedicated", "value": "infra", "effect": "NoSchedule"}]
+        assert len(capacity_advisories(exp, pods, [node(8, taints=other)])) == 2, "an untolerated taint keeps the pods off"
         tolerant = make_experiment(rollout={"replicas": 2, "accelerator": {"type": "nvidia", "count": 1},
-                                            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+                                            "tolerations": [{"key": "dedicated", "operator": "Exists"}]},
                                    trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}, "nodeSelector": {"pool": "gpu"}})
         tpods = {"rollout": build_rollout_statefulset(tolerant)["spec"]["template"]["spec"], "trainer": build_trainer_job(tolerant)["spec"]["template"]["spec"]}
-        notes = capacity_advisories(tolerant, tpods, [node(8, taints=taint)])
+        notes = capacity_advisories(tolerant, tpods, [node(8, taints=taint + other)])
         assert [n.message.split(":")[0] for n in notes] == ["spec.trainer.accelerator.count"], "the trainer's nodeSelector does not match"
         # Advisory: explain_unrunnable (which blocks nothing but sets Pending) does not list it, and
         # the status stays on its normal path with the note in the message.
@@ -361,6 +364,28 @@ class TestUnrunnable:
         problems = pod_problems(pod)
         assert problems[0].reason == "Unschedulable"
         assert explain_unrunnable(make_experiment(), ObservedChildren(pod_problems=tuple(problems)))[0].reason == Reason.UNSCHEDULABLE
+
+    def test_unschedulable_pods_are_progress_with_the_capacity_note_not_degraded(self) -> None:
+        """A scale-from-zero pool gets its node only for pending pods: Progressing stays True, Degraded False, and the
+        message carries the scheduler's words and the capacity note (seen on a real scheduler: it used to say
+        Progressing=False, and a running experiment scaling up went Degraded)."""
+        from kuberl.operator.capacity import capacity_advisories
+
+        exp = make_experiment(trainer={"nodes": 1, "accelerator": {"type": "nvidia", "count": 8}})
+        pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"], "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
+        stuck = PodProblem("exp-trainer-0-abc", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+        obs = ObservedChildren(**{**children(exp, rollout_ready=0).__dict__, "pod_problems": (stuck,),
+                                  "advisories": tuple(capacity_advisories(exp, pods, []))})
+        s = compute_status(exp, obs, None, NOW)
+        assert s["phase"] == "Pending" and cond(s, "Ready") == ("False", "Unschedulable") and cond(s, "Progressing")[0] == "True"
+        assert "Insufficient nvidia.com/gpu" in conditions(s)["Ready"]["message"] and "cluster autoscaler" in conditions(s)["Ready"]["message"]
+        running = with_status(exp, compute_status(exp, children(exp), PROGRESS, NOW))
+        s = compute_status(running, obs, PROGRESS, NOW)
+        assert s["phase"] == "Running" and cond(s, "Degraded")[0] == "False"
+        # A problem only the user can fix still stops progress.
+        pull = PodProblem("exp-rollout-0", "ImagePullBackOff", "Back-off", "engine", "nope:1")
+        s = compute_status(exp, ObservedChildren(**{**obs.__dict__, "pod_problems": (stuck, pull)}), None, NOW)
+        assert cond(s, "Ready") == ("False", "ImagePullFailed") and cond(s, "Progressing")[0] == "False"
 
     def test_a_crash_loop_degrades_a_running_experiment(self) -> None:
         exp = make_experiment()

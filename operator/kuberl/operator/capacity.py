@@ -5,6 +5,11 @@ GPUs until a pod is pending: only the scheduler and the cluster autoscaler can d
 always creates the pods and, when no current Node that matches a role's nodeSelector and tolerates its
 taints offers enough of the accelerator, says so in an InsufficientAccelerators event and in the
 conditions' message. Pure functions over the rendered pod templates and the Nodes as read.
+
+A pod that requests an extended resource counts as tolerating NoSchedule taints keyed on it (`nvidia.com/gpu`,
+GKE's GPU taint): the ExtendedResourceToleration admission plugin (on in GKE) adds exactly that toleration to such
+pods, and where it is off the taint is the user's to tolerate (spec.*.tolerations), which the scheduler's own
+Unschedulable message then names.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def capacity_advisories(exp: RLExperiment, pod_specs: Mapping[str, Mapping[str, 
         pod_spec = pod_specs.get(role)
         if resource is None or pod_spec is None:
             continue
-        eligible = [n for n in nodes if node_accepts(n, pod_spec)]
+        admitted = {**pod_spec, "tolerations": [*(pod_spec.get("tolerations") or []),
+                                                {"key": resource, "operator": "Exists", "effect": "NoSchedule"}]}
+        eligible = [n for n in nodes if node_accepts(n, admitted)]
         largest = max((allocatable(n, resource) for n in eligible), default=0)
         if accel.count <= largest:
             continue

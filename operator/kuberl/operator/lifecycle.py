@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kuberl.api.v1alpha1 import Phase, RLExperiment
@@ -137,7 +137,11 @@ async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
     if act and not blocking:
         extra, changed = await lifecycle(body, exp, status, memo, observed, progress, url, token, t)
         if changed:  # what we just did (restart, suspend, scale) must show in this status
-            observed = await observe(exp, int(extra.get("restarts", restarts)), memo, recheck=False)
+            again = await observe(exp, int(extra.get("restarts", restarts)), memo, recheck=False)
+            # A configuration error stopped the roles: the pods that showed it may already be gone (the StatefulSet
+            # controller deletes them at once), and this status must still say Failed (it stays terminal after).
+            observed = again if again.configuration_error or not observed.configuration_error else replace(
+                again, configuration_error=observed.configuration_error)
     new = st.compute_status(exp, observed, progress, t, applied) | extra
     await write_status(exp, status, new, memo, force=applied is not None)
     transition = phase_event(status.get("phase"), new["phase"])

@@ -316,10 +316,16 @@ def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Ma
     crash = next((p for p in observed.pod_problems if p.reason == "CrashLoopBackOff"), None)
     degraded = (Reason.CRASH_LOOP, f"pod {crash.pod} container {crash.container} keeps crashing: {crash.message}".rstrip(": ")) if crash else None
     # 6. Something only the user can fix.
-    if problems:
-        first = problems[0]
+    fixes = [p for p in problems if p.reason != Reason.UNSCHEDULABLE]
+    if fixes:
+        first = fixes[0]
         msg = "; ".join(p.message for p in problems)
         return _Verdict(Phase.RUNNING if started else Phase.PENDING, first.reason, msg, False, degraded=(first.reason, msg) if started else degraded)
+    # 6b. Pods the scheduler cannot place yet: a cluster autoscaler may add the node (a pool that scales from zero
+    #     starts only for pending pods), so this is progress, not Degraded; the scheduler's words and the capacity note.
+    if problems:
+        msg = "; ".join([*(p.message for p in problems), *(p.message for p in observed.advisories)])
+        return _Verdict(Phase.RUNNING if started else Phase.PENDING, Reason.UNSCHEDULABLE, msg, True, degraded=degraded)
     # 7. Children not created yet.
     missing = [k for k, v in (("bus", observed.bus if exp.spec.bus.embedded else True), ("rollout", observed.rollout), ("trainer", job)) if v is None]
     if missing and not started:

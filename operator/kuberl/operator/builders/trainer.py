@@ -155,12 +155,16 @@ def build_trainer_job(exp: RLExperiment) -> Obj:
 def build_trainer_pdb(exp: RLExperiment) -> Obj:
     """PodDisruptionBudget `{exp}-trainer`: no voluntary eviction of a trainer pod (a node drain or the
     cluster autoscaler's scale-down waits). One lost rank fails the whole Job and costs a restart from
-    the last checkpoint (failurePolicy.maxRestarts); `spec.suspend` is the way to move a trainer."""
+    the last checkpoint (failurePolicy.maxRestarts); `spec.suspend` is the way to move a trainer.
+
+    minAvailable as a count of all the Job's pods, not maxUnavailable 0: the disruption controller works out a
+    maxUnavailable budget from the owner's scale subresource, which a Job lacks, and then reports
+    CalculateExpectedPodCountFailed on every sync (seen on a real controller manager)."""
     return with_spec_hash({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(exp, naming.trainer_network_policy_name(exp), L.Component.TRAINER),
-        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}},
+        "spec": {"minAvailable": exp.spec.trainer.nodes, "selector": {"matchLabels": L.selector_labels(exp, L.Role.TRAINER)}},
     })
 
 

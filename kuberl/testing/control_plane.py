@@ -1,0 +1,501 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
+KWOK (fake nodes whose pods go Running, Succeeded or Failed without containers), built by
+scripts/install-control-plane.sh from the upstream Go modules.
+
+    with ControlPlane(workdir) as cp:      # starts every component, waits until each answers, makes the nodes
+        cp.kubeconfig                      # admin (system:masters) kubeconfig
+        cp.kubectl("get", "nodes")
+
+The API server serves TLS with a CA of its own (in the kubeconfig), authenticates a static admin token and
+ServiceAccount tokens, authorizes with Node,RBAC and runs the default admission plugins (DefaultStorageClass,
+ServiceAccount, PodSecurity, ResourceQuota...) and, as GKE does, ExtendedResourceToleration. The controller manager runs every controller but the ones that need
+a cloud (node IPAM, cloud node lifecycle, load balancers), each with its own ServiceAccount; KWOK renews the nodes'
+leases, so the node lifecycle controller keeps them Ready (and lifts the not-ready taint new nodes get).
+
+Nodes are shaped like real pools (`NODE_POOLS`): CPU nodes, GPU nodes with `nvidia.com/gpu` allocatable and GKE's
+taint, an Ascend pool; a default StorageClass and pre-made PersistentVolumes of both access modes. A pod goes
+Running and Ready once scheduled. Annotations play its containers (`exit` below): `kwok.kuberl.io/exit-code=N`
+makes them exit with N (a pod that restarts, as a StatefulSet's, then waits in CrashLoopBackOff; one that does not
+ends Succeeded for 0, else Failed), `kwok.kuberl.io/waiting-reason=R` (on the pod template) keeps a new pod Pending
+with its containers waiting for R (ImagePullBackOff...), and `kwok.kuberl.io/message` is the termination or waiting
+message. Every process is started with a parent-death signal and stopped by PID.
+
+`python -m kuberl.testing.control_plane` starts one and prints its KUBECONFIG until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from kuberl.net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = ROOT / "scripts" / "install-control-plane.sh"
+EXIT_CODE_ANNOTATION = "kwok.kuberl.io/exit-code"
+WAITING_REASON_ANNOTATION = "kwok.kuberl.io/waiting-reason"
+MESSAGE_ANNOTATION = "kwok.kuberl.io/message"
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+NPU_TAINT = {"key": "huawei.com/Ascend910", "value": "present", "effect": "NoSchedule"}
+
+# name prefix -> (count, labels, taints, allocatable); sized like a small mixed cluster.
+NODE_POOLS: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str, str]]] = {
+    "cpu": (3, {"kuberl.test/pool": "cpu"}, [], {"cpu": "32", "memory": "128Gi", "ephemeral-storage": "500Gi", "pods": "110"}),
+    "gpu": (4, {"kuberl.test/pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.present": "true"},
+            [GPU_TAINT], {"cpu": "208", "memory": "1872Gi", "ephemeral-storage": "6Ti", "pods": "110", "nvidia.com/gpu": "8"}),
+    "npu": (2, {"kuberl.test/pool": "npu", "accelerator": "huawei-Ascend910"},
+            [NPU_TAINT], {"cpu": "192", "memory": "1536Gi", "ephemeral-storage": "2Ti", "pods": "110", "huawei.com/Ascend910": "8"}),
+}
+STORAGE_CLASS = "standard"
+VOLUMES_PER_MODE = 48  # pre-made PVs per access mode (no provisioner runs; Retain: a released PV is not reused)
+
+# KWOK's lifecycle of a pod (kwok's "fast" stages, with completion under the test's control instead of at once).
+_STAGES = r"""
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: node-initialize}
+spec:
+  resourceRef: {apiGroup: v1, kind: Node}
+  selector:
+    matchExpressions:
+    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: NotIn, values: ['True']}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      {{ range NodeConditions }}
+      - lastHeartbeatTime: {{ $now | Quote }}
+        lastTransitionTime: {{ $now | Quote }}
+        message: {{ .message | Quote }}
+        reason: {{ .reason | Quote }}
+        status: {{ .status | Quote }}
+        type: {{ .type | Quote }}
+      {{ end }}
+      addresses:
+      - {address: {{ NodeIP | Quote }}, type: InternalIP}
+      - {address: {{ NodeName | Quote }}, type: Hostname}
+      allocatable:
+      {{ YAML .status.allocatable 1 }}
+      capacity:
+      {{ YAML .status.allocatable 1 }}
+      nodeInfo:
+        architecture: amd64
+        kubeletVersion: fake
+        operatingSystem: linux
+      phase: Running
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: pod-ready}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
+    - {key: .status.phase, operator: In, values: [Pending]}
+    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: NotIn, values: ['True']}
+    - {key: '.metadata.annotations["kwok.kuberl.io/waiting-reason"]', operator: DoesNotExist}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Initialized}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Ready}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: ContainersReady}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: PodScheduled}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: true
+        started: true
+        restartCount: 0
+        state: {running: {startedAt: {{ $now | Quote }}}}
+      {{ end }}
+      initContainerStatuses:
+      {{ range .spec.initContainers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: true
+        restartCount: 0
+        state: {terminated: {exitCode: 0, reason: Completed, startedAt: {{ $now | Quote }}, finishedAt: {{ $now | Quote }}}}
+      {{ end }}
+      {{ with NodeIPsWith .spec.nodeName }}
+      hostIP: {{ index . 0 | Quote }}
+      {{ end }}
+      {{ with PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) }}
+      podIP: {{ index . 0 | Quote }}
+      podIPs:
+      {{ range . }}
+      - ip: {{ . | Quote }}
+      {{ end }}
+      {{ end }}
+      phase: Running
+      startTime: {{ $now | Quote }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: pod-waiting}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
+    - {key: .status.phase, operator: In, values: [Pending]}
+    - {key: .spec.nodeName, operator: Exists}
+    - {key: .status.containerStatuses, operator: DoesNotExist}
+    - {key: '.metadata.annotations["kwok.kuberl.io/waiting-reason"]', operator: Exists}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      {{ $reason := index .metadata.annotations "kwok.kuberl.io/waiting-reason" }}
+      {{ $message := or (index .metadata.annotations "kwok.kuberl.io/message") "" }}
+      conditions:
+      - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: Ready, reason: ContainersNotReady}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: PodScheduled}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        started: false
+        restartCount: 0
+        state: {waiting: {reason: {{ $reason | Quote }}, message: {{ $message | Quote }}}}
+      {{ end }}
+      phase: Pending
+      startTime: {{ $now | Quote }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: pod-exit}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
+    - {key: .status.phase, operator: In, values: [Running]}
+    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: In, values: ['True']}
+    - {key: '.metadata.annotations["kwok.kuberl.io/exit-code"]', operator: Exists}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      {{ $code := index .metadata.annotations "kwok.kuberl.io/exit-code" }}
+      {{ $message := or (index .metadata.annotations "kwok.kuberl.io/message") "" }}
+      {{ $restarts := eq (or .spec.restartPolicy "Always") "Always" }}
+      {{ $why := "PodCompleted" }}{{ if $restarts }}{{ $why = "ContainersNotReady" }}{{ end }}
+      conditions:
+      - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: Ready, reason: {{ $why }}}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: ContainersReady, reason: {{ $why }}}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        started: false
+        {{ if $restarts }}
+        restartCount: 4
+        state: {waiting: {reason: CrashLoopBackOff, message: "back-off 1m20s restarting failed container"}}
+        lastState:
+        {{ else }}
+        restartCount: 0
+        state:
+        {{ end }}
+          terminated:
+            exitCode: {{ $code }}
+            reason: {{ if eq $code "0" }}Completed{{ else }}Error{{ end }}
+            message: {{ $message | Quote }}
+            startedAt: {{ $now | Quote }}
+            finishedAt: {{ $now | Quote }}
+      {{ end }}
+      phase: {{ if $restarts }}Running{{ else if eq $code "0" }}Succeeded{{ else }}Failed{{ end }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: pod-delete}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: .metadata.deletionTimestamp, operator: Exists}
+  next:
+    finalizers: {empty: true}
+    delete: true
+"""
+
+
+def install(check_only: bool = False) -> Path:
+    """The folder of the built binaries: scripts/install-control-plane.sh builds what is missing (cached)."""
+    args = ["bash", str(INSTALL_SCRIPT), *(["--bin-dir"] if check_only else [])]
+    out = subprocess.run(args, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _die_with_parent() -> None:  # preexec_fn: SIGKILL when the process that started us dies (Linux prctl)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _pki(folder: Path) -> dict[str, Path]:
+    """A CA, the API server's serving certificate (127.0.0.1, localhost) and the ServiceAccount signing key."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.x509.oid import NameOID
+
+    def pem_key(key: Any) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kuberl-test-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+          .not_valid_after(now + dt.timedelta(days=7)).add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans = [x509.DNSName("localhost"), x509.DNSName("kubernetes.default.svc"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=7))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False).sign(ca_key, hashes.SHA256()))
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    paths = {n: folder / f for n, f in (("ca", "ca.crt"), ("cert", "apiserver.crt"), ("key", "apiserver.key"),
+                                         ("sa_key", "sa.key"), ("sa_pub", "sa.pub"))}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(pem_key(key))
+    paths["sa_key"].write_bytes(pem_key(sa_key))
+    paths["sa_pub"].write_bytes(sa_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                 serialization.PublicFormat.SubjectPublicKeyInfo))
+    for p in paths.values():
+        p.chmod(0o600)
+    return paths
+
+
+def kubeconfig_text(server: str, ca: Path, user: str, token: str) -> str:
+    import base64
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": user,
+        "clusters": [{"name": "kuberl-test", "cluster": {"server": server,
+                                                        "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "kuberl-test", "user": user}}],
+    }, indent=1)
+
+
+class ControlPlane:
+    """Start with `with ControlPlane(workdir) as cp:`; see the module docstring."""
+
+    def __init__(self, workdir: str | Path, bin_dir: Path | None = None, *, nodes: bool = True):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bin = bin_dir or install()
+        self.make_nodes = nodes
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.etcd_port, self.etcd_peer_port, self.port = free_port(), free_port(), free_port()
+        self.server = f"https://127.0.0.1:{self.port}"
+        self.kubeconfig = str(self.dir / "admin.kubeconfig")
+        self.admin_token = os.urandom(16).hex()
+
+    # -- processes ------------------------------------------------------------------------------------
+    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        log = (self.dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen([str(self.bin / args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, cwd=self.dir)
+        log.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _wait(self, what: str, check: Any, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}:\n{self.log_tail(name)}")
+            if check():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}\n" +
+                           "\n".join(f"--- {n} ---\n{self.log_tail(n, 15)}" for n, _ in self.procs))
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run([str(self.bin / "kubectl"), "--kubeconfig", self.kubeconfig, *args], input=stdin,
+                             capture_output=True, text=True, timeout=timeout, check=False)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out
+
+    def apply(self, *objects: dict[str, Any]) -> None:
+        self.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        started = time.monotonic()
+        pki = _pki(self.dir)
+        (self.dir / "tokens.csv").write_text(f"{self.admin_token},kuberl-admin,kuberl-admin,system:masters\n")
+        (self.dir / "tokens.csv").chmod(0o600)
+        self._spawn("etcd", ["etcd", "--data-dir", str(self.dir / "etcd"), "--name", "default",
+                             "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                             "--initial-cluster", f"default=http://127.0.0.1:{self.etcd_peer_port}",
+                             "--unsafe-no-fsync", "--quota-backend-bytes", str(2 << 30)])
+        self._spawn("kube-apiserver", [
+            "kube-apiserver", f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--secure-port={self.port}", f"--tls-cert-file={pki['cert']}",
+            f"--tls-private-key-file={pki['key']}", f"--token-auth-file={self.dir / 'tokens.csv'}",
+            "--authorization-mode=Node,RBAC", "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={pki['sa_pub']}", f"--service-account-signing-key-file={pki['sa_key']}",
+            "--service-cluster-ip-range=10.96.0.0/16", "--endpoint-reconciler-type=none", "--allow-privileged=true",
+            f"--cert-dir={self.dir / 'pki'}", "--enable-priority-and-fairness=true", "--profiling=false",
+            # GKE's: a pod that requests nvidia.com/gpu tolerates the GPU nodes' taint of that name.
+            "--enable-admission-plugins=ExtendedResourceToleration",
+        ])
+        (Path(self.kubeconfig)).write_text(kubeconfig_text(self.server, pki["ca"], "kuberl-admin", self.admin_token))
+        Path(self.kubeconfig).chmod(0o600)
+        self._wait("kube-apiserver /readyz", lambda: self.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0)
+        self._spawn("kube-controller-manager", [
+            "kube-controller-manager", f"--kubeconfig={self.kubeconfig}", f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}", f"--service-account-private-key-file={pki['sa_key']}", f"--root-ca-file={pki['ca']}",
+            "--use-service-account-credentials=true", "--controllers=*,-node-ipam-controller,-cloud-node-lifecycle-controller,-service-lb-controller",
+            "--concurrent-statefulset-syncs=5", "--concurrent-job-syncs=5",
+        ])
+        self._spawn("kube-scheduler", [
+            "kube-scheduler", f"--kubeconfig={self.kubeconfig}", f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+        ])
+        (self.dir / "kwok.yaml").write_text(_STAGES)
+        self._spawn("kwok", ["kwok", f"--kubeconfig={self.kubeconfig}", f"--config={self.dir / 'kwok.yaml'}",
+                             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
+                             f"--server-address=127.0.0.1:{free_port()}", "--node-ip=10.0.0.1", "--cidr=10.0.0.1/16",
+                             "--node-lease-duration-seconds=40"])  # renewed every 10 s, as a kubelet does
+        # The namespace controller and the ServiceAccount controller answer: `default` has its ServiceAccount.
+        self._wait("the default ServiceAccount", lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0)
+        if self.make_nodes:
+            self.add_nodes()
+            self.add_storage()
+        self.start_seconds = time.monotonic() - started
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs.clear()
+
+    # -- cluster contents -----------------------------------------------------------------------------
+    def add_nodes(self, pools: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str, str]]] = NODE_POOLS) -> list[str]:
+        """Fake nodes, `<pool>-<i>`, with their allocatable set as a kubelet would report it; waits until all are Ready."""
+        names, nodes, statuses = [], [], []
+        for pool, (count, labels, taints, allocatable) in pools.items():
+            for i in range(count):
+                name = f"{pool}-{i}"
+                names.append(name)
+                nodes.append({"apiVersion": "v1", "kind": "Node",
+                              "metadata": {"name": name, "annotations": {FAKE_NODE_ANNOTATION: "fake"},
+                                           "labels": {**labels, "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                                      "kubernetes.io/arch": "amd64", "type": "kwok"}},
+                              "spec": {"taints": taints}})
+                statuses.append((name, {"status": {"allocatable": allocatable, "capacity": allocatable}}))
+        self.apply(*nodes)
+        for name, status in statuses:  # what a kubelet reports (the status subresource: not part of the create)
+            self.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+
+        def all_ready() -> bool:
+            got = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+            ready = {n["metadata"]["name"] for n in got
+                     if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))}
+            return set(names) <= ready
+        self._wait("the fake nodes Ready", all_ready)
+        return names
+
+    def add_storage(self, per_mode: int = VOLUMES_PER_MODE) -> None:
+        """A default StorageClass (no provisioner, binding at once) and pre-made volumes for RWO and RWX claims."""
+        objs: list[dict[str, Any]] = [{
+            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+            "metadata": {"name": STORAGE_CLASS, "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
+            "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate", "allowVolumeExpansion": True,
+        }]
+        for mode in ("ReadWriteOnce", "ReadWriteMany"):
+            for i in range(per_mode):
+                name = f"pv-{mode.lower()}-{i}"
+                objs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+                             "spec": {"capacity": {"storage": "16Ti"}, "accessModes": [mode], "storageClassName": STORAGE_CLASS,
+                                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/kuberl-fake-volumes/{name}"}}})
+        self.apply(*objs)
+
+    def exit(self, namespace: str, pods: Sequence[str], code: int, message: str = "") -> None:
+        """Make the pods' containers exit with `code` (and `message` as their termination message), as a kubelet
+        would report it: KWOK's pod-exit stage reads these annotations."""
+        for pod in pods:
+            self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", f"{MESSAGE_ANNOTATION}={message}",
+                         f"{EXIT_CODE_ANNOTATION}={code}")
+
+    def token_for(self, service_account: str, namespace: str, duration: str = "24h") -> str:
+        """A bound token of a ServiceAccount (`kubectl create token`), to act with its RBAC."""
+        return self.kubectl("create", "token", service_account, "-n", namespace, f"--duration={duration}").stdout.strip()
+
+    def kubeconfig_for(self, service_account: str, namespace: str, path: Path) -> str:
+        path.write_text(kubeconfig_text(self.server, self.dir / "ca.crt", f"{namespace}-{service_account}",
+                                        self.token_for(service_account, namespace)))
+        path.chmod(0o600)
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import tempfile
+    p = argparse.ArgumentParser(prog="python -m kuberl.testing.control_plane", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="Working folder (default: a new temporary one)")
+    args = p.parse_args(argv)
+    workdir = args.dir or tempfile.mkdtemp(prefix="kuberl-control-plane-")
+    with ControlPlane(workdir) as cp:
+        print(f"control plane up in {cp.start_seconds:.1f} s; binaries in {cp.bin}", flush=True)
+        print(f"export KUBECONFIG={cp.kubeconfig}\nexport PATH={cp.bin}:$PATH", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Builds the real Kubernetes control plane the operator's tests run against, from the upstream Go modules:
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (k8s.io/kubernetes), etcd (go.etcd.io/etcd),
+# KWOK (sigs.k8s.io/kwok: fake nodes and pod lifecycles), helm (helm.sh/helm) and Kueue's manager
+# (sigs.k8s.io/kueue). Each is built once into a cache keyed by its version and reused (a re-run takes
+# well under a second); the Go module and build caches are Go's own (go env GOMODCACHE GOCACHE).
+#   bash scripts/install-control-plane.sh             # build what is missing, print the bin folder
+#   bash scripts/install-control-plane.sh --bin-dir   # print the bin folder only
+# KUBERL_CONTROL_PLANE_CACHE moves the cache (default ~/.cache/kuberl/control-plane).
+set -euo pipefail
+
+K8S_VERSION=v1.35.4     # Kueue v0.17 is built against k8s.io v0.35; its go line (1.25) fits Go 1.26
+ETCD_VERSION=v3.6.16
+KWOK_VERSION=v0.8.0
+HELM_VERSION=v3.22.0
+KUEUE_VERSION=v0.17.0
+
+RECIPE=2               # bump when the way the binaries are built changes (flags), so that cached ones are rebuilt
+CACHE="${KUBERL_CONTROL_PLANE_CACHE:-$HOME/.cache/kuberl/control-plane}"
+BIN="$CACHE/bin-k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION-kueue-$KUEUE_VERSION-r$RECIPE"
+if [ "${1:-}" = "--bin-dir" ]; then echo "$BIN"; exit 0; fi
+
+K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+ALL_BINS=("${K8S_BINS[@]}" etcd kwok helm kueue-manager)
+missing=()
+for b in "${ALL_BINS[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done
+if [ "${#missing[@]}" -eq 0 ]; then echo "$BIN"; exit 0; fi
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "install-control-plane: Go >= 1.25 is needed to build the Kubernetes control plane; install it (https://go.dev/dl) and re-run" >&2
+  exit 1
+fi
+mkdir -p "$BIN" "$CACHE/src"
+export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+log() { echo "==> control plane: $*" >&2; }
+build_flags=(-trimpath -ldflags=-s\ -w)
+
+# A module of our own that requires the component, so that the component's go.mod replaces (which Go ignores
+# in a dependency) can be restated here. $1: folder, $2: module@version, then replace pairs "old=new".
+wrapper_module() {
+  local dir="$1" req="$2"; shift 2
+  rm -rf "$dir"; mkdir -p "$dir"
+  ( cd "$dir"
+    printf 'module kuberl.local/controlplane\n\ngo 1.25\n' > go.mod
+    go mod edit -require="$req"
+    for r in "$@"; do go mod edit -replace="$r"; done )
+}
+
+need() { for b in "$@"; do [ -x "$BIN/$b" ] || return 0; done; return 1; }
+
+if need "${K8S_BINS[@]}"; then
+  log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (cold: see README)"
+  dir="$CACHE/src/kubernetes-$K8S_VERSION"
+  staging="v0.${K8S_VERSION#v1.}"
+  # k8s.io/kubernetes requires each staging module at v0.0.0 and replaces it with ./staging/src/...; map each one
+  # to its published tag, the list read from that release's own go.mod (it changes between releases).
+  gomod="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  replaces=()
+  while read -r m; do
+    replaces+=("$m=$m@$staging")
+  done < <(grep -oE 'k8s\.io/[a-z0-9-]+ => \./staging/' "$gomod" | awk '{print $1}' | sort -u)
+  wrapper_module "$dir" "k8s.io/kubernetes@$K8S_VERSION" "${replaces[@]}"
+  ( cd "$dir"
+    cat > tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+EOF
+    go mod tidy >/dev/null 2>&1 || go mod tidy
+    # The version the binaries report (kubectl version, /version; Helm's kubeVersion checks read it), as the
+    # release build stamps it; without it they say v0.0.0-master.
+    minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
+    x=""
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+      x+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+      x+=" -X $pkg.buildDate=1970-01-01T00:00:00Z"
+    done
+    go build -trimpath "-ldflags=-s -w$x" -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl )
+fi
+
+if need etcd; then
+  log "etcd $ETCD_VERSION"
+  dir="$CACHE/src/etcd-$ETCD_VERSION"
+  wrapper_module "$dir" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  ( cd "$dir"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' > tools.go
+    go mod tidy >/dev/null 2>&1 || go mod tidy
+    go build "${build_flags[@]}" -o "$BIN/etcd" go.etcd.io/etcd/server/v3 )
+fi
+
+if need kwok; then
+  log "kwok $KWOK_VERSION"
+  GOBIN="$BIN" go install "${build_flags[@]}" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+fi
+
+if need helm; then
+  log "helm $HELM_VERSION"
+  GOBIN="$BIN" go install "${build_flags[@]}" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+
+if need kueue-manager; then
+  log "kueue $KUEUE_VERSION"
+  dir="$CACHE/src/kueue-$KUEUE_VERSION"
+  # Kueue's own replaces, restated (none today; read them so a release that adds one still builds).
+  gomod="$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  mapfile -t replaces < <(python3 - "$gomod" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+block = re.findall(r"^replace\s*\((.*?)^\)", text, re.S | re.M)
+lines = [l for b in block for l in b.splitlines()] + re.findall(r"^replace\s+([^(].*)$", text, re.M)
+for l in lines:
+    m = re.match(r"\s*(\S+)(?:\s+\S+)?\s*=>\s*(\S+)(?:\s+(\S+))?", l)
+    if m and not m.group(2).startswith("."):
+        print(f"{m.group(1)}={m.group(2)}" + (f"@{m.group(3)}" if m.group(3) else ""))
+EOF
+  )
+  wrapper_module "$dir" "sigs.k8s.io/kueue@$KUEUE_VERSION" "${replaces[@]}"
+  ( cd "$dir"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > tools.go
+    go mod tidy >/dev/null 2>&1 || go mod tidy
+    go build "${build_flags[@]}" -o "$BIN/kueue-manager" sigs.k8s.io/kueue/cmd/kueue )
+fi
+
+for b in "${ALL_BINS[@]}"; do [ -x "$BIN/$b" ] || { echo "install-control-plane: $b was not built" >&2; exit 1; }; done
+echo "$BIN"
