@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the real Kubernetes control plane the operator's tests run against, from the upstream Go modules:
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (k8s.io/kubernetes), etcd (go.etcd.io/etcd),
-# KWOK (sigs.k8s.io/kwok: fake nodes and pod lifecycles), helm (helm.sh/helm) and Kueue's manager
+# KWOK (sigs.k8s.io/kwok: fake nodes and pod lifecycles), helm (helm.sh/helm) and, asked for, Kueue's manager
 # (sigs.k8s.io/kueue). Each is built once into a cache keyed by its version and reused (a re-run takes
 # well under a second); the Go module and build caches are Go's own (go env GOMODCACHE GOCACHE).
 #   bash scripts/install-control-plane.sh             # build what is missing, print the bin folder
 #   bash scripts/install-control-plane.sh --bin-dir   # print the bin folder only
+#   bash scripts/install-control-plane.sh --with-kueue  # also Kueue's manager (no test runs it yet: not built by default)
 # KUBERL_CONTROL_PLANE_CACHE moves the cache (default ~/.cache/kuberl/control-plane).
 set -euo pipefail
 
@@ -21,7 +22,8 @@ BIN="$CACHE/bin-k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HEL
 if [ "${1:-}" = "--bin-dir" ]; then echo "$BIN"; exit 0; fi
 
 K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
-ALL_BINS=("${K8S_BINS[@]}" etcd kwok helm kueue-manager)
+ALL_BINS=("${K8S_BINS[@]}" etcd kwok helm)
+if [ "${1:-}" = "--with-kueue" ]; then ALL_BINS+=(kueue-manager); fi
 missing=()
 for b in "${ALL_BINS[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done
 if [ "${#missing[@]}" -eq 0 ]; then echo "$BIN"; exit 0; fi
@@ -46,7 +48,7 @@ wrapper_module() {
     for r in "$@"; do go mod edit -replace="$r"; done )
 }
 
-need() { for b in "$@"; do [ -x "$BIN/$b" ] || return 0; done; return 1; }
+need() { for b in "$@"; do [[ " ${ALL_BINS[*]} " == *" $b "* && ! -x "$BIN/$b" ]] && return 0; done; return 1; }
 
 if need "${K8S_BINS[@]}"; then
   log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (cold: see README)"
