@@ -57,6 +57,11 @@ NODE_POOLS: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str,
     "npu": (2, {"kuberl.test/pool": "npu", "accelerator": "huawei-Ascend910"},
             [NPU_TAINT], {"cpu": "192", "memory": "1536Gi", "ephemeral-storage": "2Ti", "pods": "110", "huawei.com/Ascend910": "8"}),
 }
+# The API server's audit log (`audit_events`): every request on KubeRL's and Kueue's resources, so a test can count
+# what a client (the operator) asked of the API; nothing else (the controllers' traffic would fill it).
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": [
+    {"level": "Metadata", "resources": [{"group": "kuberl.io"}, {"group": "kueue.x-k8s.io"}]},
+    {"level": "None"}]}
 STORAGE_CLASS = "standard"
 VOLUMES_PER_MODE = 48  # pre-made PVs per access mode (no provisioner runs; Retain: a released PV is not reused)
 
@@ -310,6 +315,7 @@ class ControlPlane:
         self.server = f"https://127.0.0.1:{self.port}"
         self.kubeconfig = str(self.dir / "admin.kubeconfig")
         self.admin_token = os.urandom(16).hex()
+        self.audit_log = self.dir / "audit.log"
 
     # -- processes ------------------------------------------------------------------------------------
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -364,6 +370,7 @@ class ControlPlane:
         pki = _pki(self.dir)
         (self.dir / "tokens.csv").write_text(f"{self.admin_token},kuberl-admin,kuberl-admin,system:masters\n")
         (self.dir / "tokens.csv").chmod(0o600)
+        (self.dir / "audit-policy.yaml").write_text(json.dumps(AUDIT_POLICY))
         self._spawn("etcd", ["etcd", "--data-dir", str(self.dir / "etcd"), "--name", "default",
                              "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
                              "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
@@ -381,6 +388,7 @@ class ControlPlane:
             f"--cert-dir={self.dir / 'pki'}", "--enable-priority-and-fairness=true", "--profiling=false",
             # GKE's: a pod that requests nvidia.com/gpu tolerates the GPU nodes' taint of that name.
             "--enable-admission-plugins=ExtendedResourceToleration",
+            f"--audit-policy-file={self.dir / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
         ])
         (Path(self.kubeconfig)).write_text(kubeconfig_text(self.server, pki["ca"], "kuberl-admin", self.admin_token))
         Path(self.kubeconfig).chmod(0o600)
@@ -468,6 +476,21 @@ class ControlPlane:
         for pod in pods:
             self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", f"{MESSAGE_ANNOTATION}={message}",
                          f"{EXIT_CODE_ANNOTATION}={code}")
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The audit log's events so far (AUDIT_POLICY: requests on kuberl.io and kueue.x-k8s.io resources), oldest first:
+        each has verb, user.username, objectRef (resource, namespace, name, subresource), responseStatus.code."""
+        try:
+            lines = self.audit_log.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        events = []
+        for line in lines:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written
+                break
+        return events
 
     def token_for(self, service_account: str, namespace: str, duration: str = "24h") -> str:
         """A bound token of a ServiceAccount (`kubectl create token`), to act with its RBAC."""

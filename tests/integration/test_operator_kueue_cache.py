@@ -1,11 +1,12 @@
-"""The operator's Kueue Workload cache with the real operator (kopf) against the strict API emulator.
+"""The operator's Kueue Workload cache with the real operator (kopf) on the real control plane (the root conftest.py's
+`kuberl_installed`: the chart's RBAC applies; the API server's audit log tells what the operator asked of it).
 
 Without Kueue's CRD (`workloads.kueue.x-k8s.io` absent from discovery) kopf must start, serve every
 experiment (its Workload index must not hold the handlers back) and stay up; a queued experiment waits.
 Once the CRD is installed kopf starts the Workload watch by itself: the queued experiment's Workload is
-created, Kueue's admission (written here, as Kueue's controllers do) reaches the operator through the
-watch, and the experiment runs, all without the operator ever GETting the Workload (it used to read
-it on every monitor tick, 0.2 requests/s per queued experiment).
+created, Kueue's admission (written here, as Kueue's controllers do: no Kueue controller runs here) reaches the
+operator through the watch, and the experiment runs, all without the operator ever GETting the Workload (it used to
+read it on every monitor tick, 0.2 requests/s per queued experiment).
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from kuberl.testing.emulator_server import EmulatorServer, default_crds
+from kuberl.testing.control_plane import ControlPlane
 from kuberl.testing.operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-NS = "default"
+NS = "kueue-cache"
 RLX = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}/rlexperiments"
 WORKLOADS = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
 WORKLOAD_CRD = {
@@ -39,16 +39,18 @@ WORKLOAD_CRD = {
 
 
 class Api:
-    def __init__(self, emu: EmulatorServer, op: OperatorProcess):
-        self.emu, self.op, self.http = emu, op, requests.Session()
+    def __init__(self, cp: ControlPlane, op: OperatorProcess):
+        self.cp, self.op, self.http = cp, op, requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {cp.admin_token}"
+        self.http.verify, self.http.trust_env = str(cp.dir / "ca.crt"), False
 
     def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
-        r = self.http.request(method, self.emu.url + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})
+        r = self.http.request(method, self.cp.server + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})
         assert r.status_code in (200, 201), f"{method} {path}: {r.status_code} {r.text[:500]}"
         return r.json()
 
     def get(self, path: str) -> Any:
-        r = self.http.get(self.emu.url + path)
+        r = self.http.get(self.cp.server + path)
         return r.json() if r.status_code == 200 else None
 
     def until(self, what: str, fn: Any, timeout: float) -> Any:
@@ -61,20 +63,23 @@ class Api:
             time.sleep(0.5)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n--- operator log ---\n{self.op.log_tail()}")
 
-    def operator_requests(self) -> list[tuple[str, str]]:
-        """(method, path) of every request the operator made (this test's own carry python-requests' User-Agent)."""
-        return self.emu.call(lambda e: [(str(getattr(r.method, "value", r.method)).upper(), r.url.path) for r in e._requests
-                                        if not (r.headers.get("User-Agent") or "").startswith("python-requests")])
+    def operator_requests(self, resource: str) -> list[str]:
+        """The verbs of the operator's requests on Workloads (the API server's audit log; the operator is the chart's
+        ServiceAccount in kuberl-system)."""
+        return [e["verb"] for e in self.cp.audit_events()
+                if (e.get("objectRef") or {}).get("resource") == resource and (e.get("objectRef") or {}).get("namespace") in (NS, None)
+                and e["user"]["username"].startswith("system:serviceaccount:kuberl-system:")]
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    tmp: Path = tmp_path_factory.mktemp("kueue")
-    with EmulatorServer(default_crds()) as emu:  # no Kueue CRD
-        kubeconfig = emu.write_kubeconfig(tmp / "kubeconfig")
-        with OperatorProcess(kubeconfig, tmp / "operator.log", interval=1.0) as op:
-            yield Api(emu, op)
-            assert op.alive, f"the operator died during the tests:\n{op.log_tail()}"
+def api(kuberl_installed: Any) -> Iterator[Api]:
+    if not kuberl_installed.local:
+        pytest.skip("installs a Workload CRD and reads the API server's audit log: runs on the local control plane (KUBECONFIG unset)")
+    cp = kuberl_installed.control_plane
+    if cp.kubectl("get", "crd", WORKLOAD_CRD["metadata"]["name"], check=False).returncode == 0:
+        pytest.fail("the Workload CRD is installed already: this test must see the operator start without it")
+    cp.kubectl("create", "namespace", NS)
+    yield Api(cp, kuberl_installed.operator)
 
 
 def manifest(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -96,6 +101,7 @@ def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_thr
     assert api.op.alive
 
     api.call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WORKLOAD_CRD)
+    api.cp.kubectl("wait", "--for=condition=Established", f"crd/{WORKLOAD_CRD['metadata']['name']}", "--timeout=60s")
     # kopf's CRD watch starts the Workload watch; the operator applies the missing Workload (at most 30 s after its failed try)
     api.until("the queued experiment's Workload", lambda: api.get(f"{WORKLOADS}/queued-workload"), 90)
     assert api.get(f"{WORKLOADS}/plain-workload") is None
@@ -105,7 +111,7 @@ def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_thr
     api.until("the admitted experiment's trainer Job running",
               lambda: api.get(f"/apis/batch/v1/namespaces/{NS}/jobs/queued-trainer")["spec"].get("suspend") is False, 60)
     time.sleep(3)
-    reads = [p for m, p in api.operator_requests() if m == "GET" and p.startswith(f"{WORKLOADS}/")]
-    assert reads == [], f"the operator read Workloads from the API instead of its watch cache: {reads[:5]} ({len(reads)})"
-    watches = [p for m, p in api.operator_requests() if m == "GET" and p.endswith("/workloads")]
-    assert watches, f"kopf never watched the Workloads: {[r for r in api.operator_requests() if 'workloads' in r[1]]}"
+    verbs = api.operator_requests("workloads")
+    assert "get" not in verbs, f"the operator read Workloads from the API instead of its watch cache: {verbs}"
+    assert "watch" in verbs and "list" in verbs, f"kopf never listed and watched the Workloads: {verbs}"
+    assert "create" in verbs or "patch" in verbs, f"the operator never applied the Workload: {verbs}"
