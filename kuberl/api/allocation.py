@@ -3,7 +3,8 @@
 Called by RLExperimentSpec's validator: the shorthand expands into rollout.{engine, replicas,
 tensorParallelSize, pipelineParallelSize, accelerator.count} and trainer.{backend, nodes,
 accelerator.count, parallelism}. A field the manifest sets explicitly must agree with it, else the
-spec is rejected with both values named; the one exception is rollout.replicas: the shorthand's d is
+spec is rejected naming the field (the FieldError carries its value; the CRD's CEL rules say the same
+words); the one exception is rollout.replicas: the shorthand's d is
 only its default (an explicit count, e.g. from `kubectl scale`, wins). megatron takes d, t, p and e (issue #13):
 e (expert parallel) is not a factor of the world size (d x t x p x c) but cuts the experts over the d
 data-parallel ranks, so it must divide d, as in AReaL. c (context parallel) is a factor of the world size with fsdp
@@ -19,10 +20,16 @@ from typing import TYPE_CHECKING
 
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_EXPERT,
+    ALLOCATION_DIM_TWICE,
+    ALLOCATION_DIM_ZERO,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
+    ALLOCATION_FSDP_ONLY_D,
+    ALLOCATION_NODE_SPLIT,
+    ALLOCATION_REPLICAS_RANGE,
     FieldError,
+    allocation_disagrees,
 )
 
 if TYPE_CHECKING:
@@ -57,9 +64,9 @@ def _dims(text: str, allowed: str) -> dict[str, int]:
         if key not in allowed:
             raise ValueError(f"allocation: dimension {key!r} is not allowed in {text!r} (allowed: {', '.join(allowed)})")
         if key in seen:
-            raise ValueError(f"allocation: dimension {key!r} appears twice in {text!r}")
+            raise ValueError(ALLOCATION_DIM_TWICE)  # the CRD's CEL rule says the same
         if int(value) < 1:
-            raise ValueError(f"allocation: {key}{value} must be at least 1")
+            raise ValueError(ALLOCATION_DIM_ZERO)
         seen.add(key)
         dims[key] = int(value)
     return dims
@@ -73,7 +80,7 @@ def parse_allocation(text: str) -> Allocation:
     engine, rdims, backend, tdims = m.groups()
     alloc = Allocation(engine, _dims(rdims, "dtp"), backend, _dims(tdims, "dtpce"))
     if backend == "fsdp" and (alloc.trainer["t"], alloc.trainer["p"]) != (1, 1):
-        raise ValueError(f"allocation {text!r}: fsdp takes only d (data parallel); t and p need the megatron backend (e.g. vllm:d2+megatron:d2t2)")
+        raise ValueError(ALLOCATION_FSDP_ONLY_D)
     return alloc
 
 
@@ -97,7 +104,7 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     per_node = t.accelerator.count if "count" in t.accelerator.model_fields_set else min(world, GPUS_PER_NODE)
     if per_node == 0 or world % per_node:
         raise FieldError("spec.trainer.accelerator.count", per_node,
-                         f"allocation {spec.allocation!r}: {world} trainer accelerators do not split into nodes of trainer.accelerator.count={per_node}")
+                         ALLOCATION_NODE_SPLIT)
     # The shorthand's rollout d is only the default replica count: an explicit spec.rollout.replicas
     # wins, so `kubectl scale`, an HPA and the autoscaler (all through the /scale subresource, which
     # writes spec.rollout.replicas) can move it; the operator writes the resolved count there once.
@@ -119,9 +126,8 @@ def apply_allocation(spec: RLExperimentSpec) -> None:
     ]
     for obj, attr, path, value in wanted:
         if attr in obj.model_fields_set and getattr(obj, attr) != value:
-            raise FieldError(f"spec.{path}", getattr(obj, attr), f"allocation {spec.allocation!r} sets {path}={value}, but the spec says {getattr(obj, attr)}")
+            raise FieldError(f"spec.{path}", getattr(obj, attr), allocation_disagrees(path))
     for obj, attr, _, value in wanted:
         object.__setattr__(obj, attr, value)
     if r.autoscaling.enabled and not explicit_replicas and not (r.autoscaling.min_replicas <= r.replicas <= r.autoscaling.max_replicas):
-        raise FieldError("spec.rollout.replicas", r.replicas,
-                         f"rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (allocation {spec.allocation!r} sets {r.replicas})")
+        raise FieldError("spec.rollout.replicas", r.replicas, ALLOCATION_REPLICAS_RANGE)

@@ -96,6 +96,18 @@ ALLOCATION_CONTEXT_EXPERT = ("allocation: context parallel (c > 1) with expert p
                              "does not run a mixture-of-experts model context parallel), e.g. vllm:d1+megatron:d1c2 or vllm:d2+megatron:d2e2")
 ALLOCATION_EXPERT_NEED_MEGATRON = "allocation: expert parallel (e > 1) needs the megatron backend (e.g. vllm:d2+megatron:d2e2)"
 ALLOCATION_EXPERT_DIVIDE = "allocation: e (expert parallel) must divide d (data parallel), e.g. vllm:d2+megatron:d4e2"
+def allocation_disagrees(path: str) -> str:
+    """A field the allocation shorthand fills, set in the manifest to something else (CEL rule and apply_allocation)."""
+    return f"allocation sets {path}, but the spec says otherwise (leave {path} unset or make the two agree)"
+
+
+ALLOCATION_DIM_ZERO = "allocation: every dimension must be at least 1 (d0, t0, p0, c0 and e0 are refused)"
+ALLOCATION_DIM_TWICE = "allocation: a dimension appears twice in the rollout or the trainer dims (e.g. d2d4)"
+ALLOCATION_FSDP_ONLY_D = "allocation: fsdp takes only d (data parallel); t and p need the megatron backend (e.g. vllm:d2+megatron:d2t2)"
+ALLOCATION_NODE_SPLIT = ("allocation: the trainer's d*t*p*c accelerators do not split into nodes of trainer.accelerator.count "
+                         "(unset: one node of up to 8, else nodes of 8)")
+ALLOCATION_REPLICAS_RANGE = ("rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas (the allocation's rollout d "
+                             "sets it where rollout.replicas is unset)")
 MEGATRON_EXPERT_TENSOR = ("trainer.parallelism.expert > 1 needs trainer.parallelism.tensor 1: megatron-core trains MoE layers under tensor "
                           "parallelism only with sequence parallelism, which trainer.backend megatron does not implement (use pipeline, expert "
                           "and data parallel)")

@@ -80,9 +80,14 @@ from kuberl.api.pods import (
 )
 from kuberl.api.roles import (
     ALLOCATION_CONTEXT_EXPERT,
+    ALLOCATION_DIM_TWICE,
+    ALLOCATION_DIM_ZERO,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
+    ALLOCATION_FSDP_ONLY_D,
+    ALLOCATION_NODE_SPLIT,
+    ALLOCATION_REPLICAS_RANGE,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
     CONTEXT_DIVIDE,
@@ -100,6 +105,7 @@ from kuberl.api.roles import (
     ParallelismSpec,
     RolloutSpec,
     TrainerSpec,
+    allocation_disagrees,
 )
 from kuberl.api.status import CheckpointStatus, Condition, ConditionType, Phase, RLExperimentStatus, RoleStatus, TrainingProgress
 from kuberl.api.tracking import TrackingSpec
@@ -111,6 +117,12 @@ __all__ = [
     "ALLOCATION_EXPERT_DIVIDE",
     "ALLOCATION_EXPERT_NEED_MEGATRON",
     "ALLOCATION_EXPERT_TENSOR",
+    "ALLOCATION_DIM_TWICE",
+    "ALLOCATION_DIM_ZERO",
+    "ALLOCATION_FSDP_ONLY_D",
+    "ALLOCATION_NODE_SPLIT",
+    "ALLOCATION_REPLICAS_RANGE",
+    "allocation_disagrees",
     "ALLOCATION_PATTERN",
     "API_VERSION",
     "ASCEND_IMAGE_MESSAGE",
@@ -199,13 +211,32 @@ _WORLD = ("(has(self.trainer.nodes) ? self.trainer.nodes : 1) * "
           "(has(self.trainer.accelerator.count) && self.trainer.accelerator.count > 0 ? self.trainer.accelerator.count : 1)")
 
 
+# The allocation shorthand read in CEL (issue #36): a dimension's number is found with the regex library's find() (the
+# rollout half is anchored at the start, the trainer half after the '+'; digits never follow a letter of an engine or
+# backend name), then int(); an absent dimension is 1. allocation has a maxLength, so the estimated cost stays small.
+def _dim(half: str, key: str) -> str:
+    pattern = ("^[a-z]+:" if half == "rollout" else "[+][a-z]+:") + f"[a-z0-9]*{key}[0-9]+"
+    return f"(self.allocation.find('{pattern}') == '' ? 1 : int(self.allocation.find('{pattern}').find('[0-9]+$')))"
+
+
+_AW = "(" + " * ".join(_dim("trainer", k) for k in "dtpc") + ")"  # the trainer's world size d*t*p*c
+_TC = "self.trainer.accelerator.count"
+
+
+def _agrees(path: str, value: str) -> tuple[str, str, str]:
+    """A field the shorthand fills, set in the manifest too: the two must agree (the model's check in apply_allocation)."""
+    field = f"self.{path}"
+    return (f"!has(self.allocation) || !has({field}) || {field} == {value}",
+            allocation_disagrees(path), f".{path}")
+
+
 
 class RLExperimentSpec(KubeModel):
     """What to train, on what, with which algorithm, and where: one manifest for `kubectl apply` and `kuberl run`."""
 
-    # Rules over fields that `allocation` may fill: with `allocation` set, the model checks them
-    # after expansion (admission cannot parse the shorthand); without it, unset fields take the
-    # models' defaults, exactly as the pydantic side does.
+    # Rules over fields that `allocation` may fill: without `allocation`, unset fields take the models'
+    # defaults, exactly as the pydantic side does; with it, the shorthand's own rules below read its numbers
+    # (find() and int()) and refuse a field that contradicts it, as apply_allocation does after expansion.
     model_config = _cel(
         ((f"has(self.allocation) || {_RP}.accelerator.type == 'cpu' || !has({_RP}.accelerator.count) || "
           f"{_RP}.accelerator.count == {_or(_RP + '.tensorParallelSize', 1)} * {_or(_RP + '.pipelineParallelSize', 1)}"),
@@ -237,10 +268,37 @@ class RLExperimentSpec(KubeModel):
          f"{_or('self.trainer.backend', 'fsdp')} != 'megatron'", MEGATRON_CONTEXT_EXPERT, ".trainer.parallelism.context"),
         (f"has(self.allocation) || has({_TP}.data) || {_or('self.trainer.backend', 'fsdp')} == 'megatron' || "
          f"{_WORLD} % {_or(_TP + '.context', 1)} == 0", CONTEXT_DIVIDE, ".trainer.parallelism.context"),
-        # The shorthand itself: CEL cannot expand it, but can see a context or expert dim above 1.
+        # The shorthand itself, read with find() and int() (see _dim): the checks of parse_allocation and apply_allocation.
+        ("!has(self.allocation) || !self.allocation.matches('[a-z]0+([^0-9]|$)')", ALLOCATION_DIM_ZERO, ".allocation"),
+        ("!has(self.allocation) || (!self.allocation.matches('^[a-z]+:[a-z0-9]*(d[a-z0-9]*d|t[a-z0-9]*t|p[a-z0-9]*p)') && "
+         "!self.allocation.matches('[+][a-z]+:[a-z0-9]*(d[a-z0-9]*d|t[a-z0-9]*t|p[a-z0-9]*p|c[a-z0-9]*c|e[a-z0-9]*e)'))",
+         ALLOCATION_DIM_TWICE, ".allocation"),
+        ("!has(self.allocation) || !self.allocation.matches('[+]fsdp:[a-z0-9]*[tp]0*([2-9]|[1-9][0-9]+)')",
+         ALLOCATION_FSDP_ONLY_D, ".allocation"),
+        ("!has(self.allocation) || !has(self.rollout.engine) || self.allocation.startsWith(self.rollout.engine + ':')",
+         allocation_disagrees("rollout.engine"), ".rollout.engine"),
+        ("!has(self.allocation) || !has(self.trainer.backend) || self.allocation.contains('+' + self.trainer.backend + ':')",
+         allocation_disagrees("trainer.backend"), ".trainer.backend"),
+        _agrees("rollout.tensorParallelSize", _dim("rollout", "t")),
+        _agrees("rollout.pipelineParallelSize", _dim("rollout", "p")),
+        _agrees("rollout.accelerator.count", f"{_dim('rollout', 't')} * {_dim('rollout', 'p')}"),
+        *(_agrees(f"trainer.parallelism.{name}", _dim("trainer", key))
+          for name, key in (("data", "d"), ("tensor", "t"), ("pipeline", "p"), ("context", "c"), ("expert", "e"))),
+        # The trainer's d*t*p*c accelerators in nodes of trainer.accelerator.count (unset: one node up to 8, else nodes of 8).
+        (f"!has(self.allocation) || (has({_TC}) ? {_TC} != 0 && {_AW} % {_TC} == 0 : {_AW} <= 8 || {_AW} % 8 == 0)",
+         ALLOCATION_NODE_SPLIT, ".trainer.accelerator.count"),
+        (f"!has(self.allocation) || !has(self.trainer.nodes) || (has({_TC}) ? {_TC} == 0 || {_AW} % {_TC} != 0 || "
+         f"self.trainer.nodes * {_TC} == {_AW} : ({_AW} <= 8 ? self.trainer.nodes == 1 : {_AW} % 8 != 0 || self.trainer.nodes * 8 == {_AW}))",
+         allocation_disagrees("trainer.nodes"), ".trainer.nodes"),
+        # rollout d is the replica count only where rollout.replicas is unset (the RolloutSpec rule checks an explicit one)
+        ("!has(self.allocation) || has(self.rollout.replicas) || !self.rollout.autoscaling.enabled || "
+         f"({_or('self.rollout.autoscaling.minReplicas', 1)} <= {_dim('rollout', 'd')} && "
+         f"{_dim('rollout', 'd')} <= {_or('self.rollout.autoscaling.maxReplicas', 1)})",
+         ALLOCATION_REPLICAS_RANGE, ".rollout.replicas"),
         ("!has(self.allocation) || !self.allocation.matches('c0*([2-9]|[1-9][0-9]+)') || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)')",
          ALLOCATION_CONTEXT_EXPERT, ".allocation"),
-        # (whether e divides d is the model's check after expansion: CEL cannot read the numbers)
+        (f"!has(self.allocation) || {_dim('trainer', 'e')} == 0 || {_dim('trainer', 'd')} % {_dim('trainer', 'e')} == 0",
+         ALLOCATION_EXPERT_DIVIDE, ".allocation"),
         ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || self.allocation.contains('+megatron:')",
          ALLOCATION_EXPERT_NEED_MEGATRON, ".allocation"),
         ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || "

@@ -433,6 +433,12 @@ def _cel_matches(text: Any, pattern: Any) -> celtypes.BoolType:
     return celtypes.BoolType(go_regex(str(pattern)).search(str(text)) is not None)
 
 
+def _cel_find(text: Any, pattern: Any) -> celtypes.StringType:
+    """Kubernetes CEL's string.find(re) (its regex library): the first match, '' where none (celpy has no find)."""
+    m = go_regex(str(pattern)).search(str(text))
+    return celtypes.StringType(m.group(0) if m else "")
+
+
 class _KubeEvaluator(celpy.evaluation.Evaluator):
     """celpy's evaluator, but has() of a float64 in an integer field is an error, as the API server's lazy conversion makes it
     (`has(self.epochs)` with epochs 3.0 fails to evaluate there; celpy would say true)."""
@@ -455,7 +461,7 @@ _CEL_ENV = celpy.Environment(runner_class=_KubeRunner)
 @functools.cache
 def compile_rule(rule: str) -> celpy.Runner:
     """A compiled CEL program (cached: every manifest checks the same few rules)."""
-    return _CEL_ENV.program(_CEL_ENV.compile(rule), functions={"matches": _cel_matches})
+    return _CEL_ENV.program(_CEL_ENV.compile(rule), functions={"matches": _cel_matches, "find": _cel_find})
 
 
 def iter_rules(schema: dict[str, Any], path: str = ""):

@@ -15,9 +15,14 @@ from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_EXPERT,
+    ALLOCATION_DIM_TWICE,
+    ALLOCATION_DIM_ZERO,
     ALLOCATION_EXPERT_DIVIDE,
     ALLOCATION_EXPERT_NEED_MEGATRON,
     ALLOCATION_EXPERT_TENSOR,
+    ALLOCATION_FSDP_ONLY_D,
+    ALLOCATION_NODE_SPLIT,
+    ALLOCATION_REPLICAS_RANGE,
     ASCEND_IMAGE_MESSAGE,
     CONTEXT_DIVIDE,
     EXPERT_NEED_MEGATRON,
@@ -35,6 +40,7 @@ from kuberl.api.v1alpha1 import (
     TOP_P_UNSUPPORTED,
     TPE_NEED_MEGATRON,
     FieldError,
+    allocation_disagrees,
 )
 from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
 
@@ -188,12 +194,12 @@ class TestAllocation:
         ({"trainer": {"nodes": 2}}, "trainer.nodes", "1", "2"),
         ({"trainer": {"parallelism": {"data": 2}}}, "trainer.parallelism.data", "4", "2"),
     ])
-    def test_contradictions_are_rejected_naming_both_values(self, overrides, path, ours, theirs):
+    def test_contradictions_are_rejected_naming_the_field_and_its_value(self, overrides, path, ours, theirs):
         with pytest.raises(pydantic.ValidationError) as info:
             RLExperimentSpec.model_validate(make_spec(allocation="sglang:d4+fsdp:d4", **overrides))
         cause = info.value.errors()[0]["ctx"]["error"]
         assert isinstance(cause, FieldError) and cause.path == f"spec.{path}"
-        assert f"sets {path}={ours}, but the spec says {theirs}" in str(cause)
+        assert str(cause) == allocation_disagrees(path) and str(cause.value) == theirs  # the CRD's CEL rule says the same words
 
     @pytest.mark.parametrize("text, fragment", [
         ("sglang:d4", "is not of the form"),
@@ -320,7 +326,7 @@ AGREEMENT_CASES = [
     ("allocation with expert and tensor parallel", {"allocation": "vllm:d2+megatron:d2t2e2"}, ALLOCATION_EXPERT_TENSOR),
     ("allocation with rollout tensor parallel and experts", {"allocation": "vllm:d1t2+megatron:d2e2"}, None),
     ("allocation fsdp with expert parallel", {"allocation": "vllm:d2+fsdp:d2e2"}, ALLOCATION_EXPERT_NEED_MEGATRON),
-    ("allocation fsdp with e10", {"allocation": "vllm:d1+fsdp:d10e10"}, ALLOCATION_EXPERT_NEED_MEGATRON),
+    ("allocation fsdp with e10", {"allocation": "vllm:d1+fsdp:d40e10"}, ALLOCATION_EXPERT_NEED_MEGATRON),
     ("allocation with e1", {"allocation": "vllm:d2+megatron:d2t2e1"}, None),
     ("allocation with context parallel", {"allocation": "vllm:d2+fsdp:d2c2"}, None),
     ("allocation with context 8", {"allocation": "vllm:d1+fsdp:d1c8"}, None),
@@ -330,6 +336,54 @@ AGREEMENT_CASES = [
     ("allocation megatron with c12 and e10", {"allocation": "vllm:d1+megatron:d10c12e10"}, ALLOCATION_CONTEXT_EXPERT),
     ("allocation with c1 and d16", {"allocation": "vllm:d1+fsdp:d16c1"}, None),
     ("allocation with c01", {"allocation": "vllm:d1+fsdp:d2c01"}, None),
+    # the shorthand read at admission (issue #36): every field it fills must agree with it
+    ("allocation engine agrees", {"allocation": "sglang:d4+fsdp:d4", "rollout": {"engine": "sglang"}}, None),
+    ("allocation engine disagrees", {"allocation": "sglang:d4+fsdp:d4", "rollout": {"engine": "vllm"}}, allocation_disagrees("rollout.engine")),
+    ("allocation backend agrees", {"allocation": "vllm:d2+megatron:d2t2", "trainer": {"backend": "megatron"}}, None),
+    ("allocation backend disagrees", {"allocation": "sglang:d4+fsdp:d4", "trainer": {"backend": "megatron"}}, allocation_disagrees("trainer.backend")),
+    ("allocation rollout tensor agrees", {"allocation": "vllm:d2t2+fsdp:d4", "rollout": {"tensorParallelSize": 2}}, None),
+    ("allocation rollout tensor disagrees", {"allocation": "vllm:d2t2+fsdp:d4", "rollout": {"tensorParallelSize": 4}},
+     allocation_disagrees("rollout.tensorParallelSize")),
+    ("allocation rollout pipeline disagrees", {"allocation": "vllm:d2p12+fsdp:d4", "rollout": {"pipelineParallelSize": 1}},
+     allocation_disagrees("rollout.pipelineParallelSize")),
+    ("allocation rollout accelerators agree", {"allocation": "vllm:d2t2p2+fsdp:d4", "rollout": {"accelerator": {"count": 4}}}, None),
+    ("allocation rollout accelerators disagree", {"allocation": "vllm:d2t2+fsdp:d4", "rollout": {"accelerator": {"count": 4}}},
+     allocation_disagrees("rollout.accelerator.count")),
+    ("allocation trainer data agrees", {"allocation": "vllm:d1+megatron:t2d4", "trainer": {"parallelism": {"data": 4, "tensor": 2}}}, None),
+    ("allocation trainer data disagrees", {"allocation": "vllm:d1+fsdp:d04", "trainer": {"parallelism": {"data": 2}}},
+     allocation_disagrees("trainer.parallelism.data")),
+    ("allocation trainer tensor disagrees", {"allocation": "vllm:d1+megatron:d2t2", "trainer": {"parallelism": {"tensor": 1}}},
+     allocation_disagrees("trainer.parallelism.tensor")),
+    ("allocation trainer pipeline disagrees", {"allocation": "vllm:d1+megatron:d2p2", "trainer": {"parallelism": {"pipeline": 4}}},
+     allocation_disagrees("trainer.parallelism.pipeline")),
+    ("allocation trainer context disagrees", {"allocation": "vllm:d1+fsdp:d2c2", "trainer": {"parallelism": {"context": 1}}},
+     allocation_disagrees("trainer.parallelism.context")),
+    ("allocation trainer expert disagrees", {"allocation": "vllm:d1+megatron:d4e2", "trainer": {"parallelism": {"expert": 4}}},
+     allocation_disagrees("trainer.parallelism.expert")),
+    ("allocation trainer of 16 in two nodes", {"allocation": "vllm:d1+fsdp:d16", "trainer": {"nodes": 2}}, None),
+    ("allocation trainer of 16 in four nodes of 4", {"allocation": "vllm:d1+fsdp:d16", "trainer": {"nodes": 4, "accelerator": {"count": 4}}}, None),
+    ("allocation trainer of 4 in two nodes", {"allocation": "vllm:d1+fsdp:d4", "trainer": {"nodes": 2}}, allocation_disagrees("trainer.nodes")),
+    ("allocation trainer of 16 in three nodes of 4", {"allocation": "vllm:d1+fsdp:d16", "trainer": {"nodes": 3, "accelerator": {"count": 4}}},
+     allocation_disagrees("trainer.nodes")),
+    ("allocation trainer of 12, nodes of 8", {"allocation": "vllm:d1+fsdp:d12"}, ALLOCATION_NODE_SPLIT),
+    ("allocation trainer of 8, nodes of 3", {"allocation": "vllm:d1+megatron:d4t2", "trainer": {"accelerator": {"count": 3}}}, ALLOCATION_NODE_SPLIT),
+    ("allocation trainer, nodes of 0", {"allocation": "vllm:d1+fsdp:d4", "trainer": {"accelerator": {"count": 0}}}, ALLOCATION_NODE_SPLIT),
+    ("allocation rollout d twice", {"allocation": "vllm:d2d2+fsdp:d4"}, ALLOCATION_DIM_TWICE),
+    ("allocation trainer e twice", {"allocation": "vllm:d2+megatron:e2d4e2"}, ALLOCATION_DIM_TWICE),
+    ("allocation rollout d and trainer d", {"allocation": "vllm:t2d2+fsdp:d2"}, None),
+    ("allocation d0", {"allocation": "vllm:d0+fsdp:d1"}, ALLOCATION_DIM_ZERO),
+    ("allocation e00", {"allocation": "vllm:d1+megatron:d2e00"}, ALLOCATION_DIM_ZERO),
+    ("allocation d10 is not d0", {"allocation": "vllm:d10+fsdp:d1"}, None),
+    ("allocation fsdp with t", {"allocation": "vllm:d2+fsdp:d2t2"}, ALLOCATION_FSDP_ONLY_D),
+    ("allocation fsdp with p", {"allocation": "vllm:d2+fsdp:p2d2"}, ALLOCATION_FSDP_ONLY_D),
+    ("allocation fsdp with t1", {"allocation": "vllm:d2t2+fsdp:d2t1"}, None),
+    ("allocation e not dividing d", {"allocation": "vllm:d2+megatron:d3e2"}, ALLOCATION_EXPERT_DIVIDE),
+    ("allocation replicas within autoscaling", {"allocation": "sglang:d2+fsdp:d4", "rollout": {"autoscaling": {"enabled": True, "maxReplicas": 2}}},
+     None),
+    ("allocation replicas above autoscaling", {"allocation": "sglang:d4+fsdp:d4", "rollout": {"autoscaling": {"enabled": True, "maxReplicas": 2}}},
+     ALLOCATION_REPLICAS_RANGE),
+    ("allocation replicas below autoscaling",
+     {"allocation": "sglang:d1+fsdp:d4", "rollout": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}}, ALLOCATION_REPLICAS_RANGE),
     ("both buses", {"bus": {"embedded": {}, "external": {"url": "nats://n:4222"}}}, "set bus.embedded or bus.external, not both"),
     ("external bus", {"bus": {"external": {"url": "nats://n:4222"}}}, None),
     ("external bus, minted users", {"bus": {"external": {"url": "nats://n:4222", "accountSigningKeySecret": {"name": "nats-sk", "key": "seed"},
@@ -397,11 +451,10 @@ def test_every_cel_rule_has_a_failing_agreement_case():
     assert messages - covered == set(), "add an AGREEMENT_CASES row for each new rule"
 
 
-def test_with_allocation_set_admission_defers_the_cross_checks_to_the_model():
-    # CEL cannot expand the shorthand, so it lets these through and the model decides after expansion.
+def test_with_allocation_set_admission_reads_the_shorthands_numbers():
+    # CEL reads the shorthand (find() and int()): what the model refuses after expansion, admission refuses too (issue #36).
     doc = make_manifest(allocation="vllm:d2t2+fsdp:d4", rollout={"accelerator": {"count": 2}})
     assert cel_messages(doc) == []
     assert pydantic_messages(doc) == []
-    doc = make_manifest(allocation="vllm:d2+megatron:d3e2")  # e must divide d: only the model reads the numbers
-    assert cel_messages(doc) == []
-    assert pydantic_messages(doc) == [ALLOCATION_EXPERT_DIVIDE]
+    doc = make_manifest(allocation="vllm:d2+megatron:d3e2")
+    assert cel_messages(doc) == pydantic_messages(doc) == [ALLOCATION_EXPERT_DIVIDE]

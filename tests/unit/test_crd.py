@@ -451,6 +451,9 @@ def test_a_syntax_error_in_a_rule_is_caught():
         compile_rule("self.a ==")
 
 
+_SOURCES = {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "add-small"}}
+
+
 @pytest.mark.parametrize("where, value, ok", [
     ("spec.model", {"id": "Qwen/Qwen2.5-1.5B-Instruct"}, True),
     ("spec.model", {"id": "a", "builtin": "tiny-qwen2"}, False),
@@ -461,6 +464,30 @@ def test_a_syntax_error_in_a_rule_is_caught():
     ("spec.algorithm", {"name": "reinforce++", "samplesPerPrompt": 1, "epsClip": 0.2}, True),
     ("spec.rollout.autoscaling", {"enabled": True, "minReplicas": 4, "maxReplicas": 2, "cooldownSeconds": 1}, False),
     ("spec.bus", {"embedded": {}, "external": {"url": "nats://x:4222"}}, False),
+    # the allocation shorthand read at admission (issue #36): fields it fills must agree, its dims must make sense
+    ("spec", {**_SOURCES, "allocation": "vllm:d2t2+megatron:d2p2t2"}, True),
+    ("spec", {**_SOURCES, "allocation": "sglang:d4+fsdp:d4", "rollout": {"engine": "sglang", "tensorParallelSize": 1},
+              "trainer": {"backend": "fsdp", "nodes": 1}}, True),
+    ("spec", {**_SOURCES, "allocation": "sglang:d4+fsdp:d4", "rollout": {"engine": "vllm"}}, False),
+    ("spec", {**_SOURCES, "allocation": "sglang:d4+fsdp:d4", "trainer": {"backend": "megatron"}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d2t2+fsdp:d4", "rollout": {"tensorParallelSize": 1}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d2p2+fsdp:d4", "rollout": {"pipelineParallelSize": 1}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d2t2+fsdp:d4", "rollout": {"accelerator": {"count": 1}}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+megatron:d2t2p2", "trainer": {"parallelism": {"data": 2, "tensor": 2, "pipeline": 2}}}, True),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+megatron:d2t2p2", "trainer": {"parallelism": {"data": 4}}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+megatron:d2t2p2", "trainer": {"parallelism": {"pipeline": 1}}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d16", "trainer": {"nodes": 2}}, True),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d16", "trainer": {"nodes": 1}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d12"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d8", "trainer": {"accelerator": {"count": 3}}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1d2+fsdp:d4"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+megatron:p2d2p2"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d2t2"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+fsdp:d0"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d1+megatron:d6e4"}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d4+fsdp:d4", "rollout": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}}}, False),
+    ("spec", {**_SOURCES, "allocation": "vllm:d4+fsdp:d4",
+              "rollout": {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}}}, True),
 ])
 def test_cel_rules_evaluate_on_valid_and_invalid_objects(schema, where, value, ok):
     node = schema

@@ -137,7 +137,8 @@ def test_numbers_are_integers_as_the_api_server_decides(spec, ok):
     ({"rollout": {"autoscaling": {"minReplicas": 1.0}}}, False),  # CEL: "invalid data, expected int, got float64"
     ({"trainer": {"parallelism": {"tensor": 1.0}}}, False),
     ({"trainer": {"nodes": 2.0}}, False),
-    ({"allocation": "vllm:d1+fsdp:d1", "trainer": {"nodes": 2.0}}, True),  # the rules that read it short-circuit first
+    ({"allocation": "vllm:d1+fsdp:d1", "trainer": {"nodes": 2.0}}, False),  # the allocation rule for trainer.nodes reads it (has() fails)
+    ({"trainer": {"nodes": 2.0, "parallelism": {"data": 2}}, "allocation": "vllm:d1+fsdp:d2"}, False),
     ({"training": {"totalSteps": 5.0}}, False),  # has() of it fails too
     ({"training": {"epochs": 3.0, "totalSteps": 5}}, True),  # true || error is true
     ({"algorithm": {"samplesPerPrompt": 4.0}}, False),
