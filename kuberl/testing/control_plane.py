@@ -12,8 +12,9 @@ ServiceAccount, PodSecurity, ResourceQuota...) and, as GKE does, ExtendedResourc
 a cloud (node IPAM, cloud node lifecycle, load balancers), each with its own ServiceAccount; KWOK renews the nodes'
 leases, so the node lifecycle controller keeps them Ready (and lifts the not-ready taint new nodes get).
 
-Nodes are shaped like real pools (`NODE_POOLS`): CPU nodes, GPU nodes with `nvidia.com/gpu` allocatable and GKE's
-taint, an Ascend pool; a default StorageClass and pre-made PersistentVolumes of both access modes. A pod goes
+Nodes are shaped like real pools (`NODE_POOLS`): CPU nodes, H100 and L4 GPU pools with `nvidia.com/gpu` allocatable and
+GKE's taint, an Ascend pool; a default StorageClass and pre-made PersistentVolumes of both access modes, and the
+ReadWriteMany classes the examples name. A pod goes
 Running and Ready once scheduled. Annotations play its containers (`exit` below): `kwok.kuberl.io/exit-code=N`
 makes them exit with N (a pod that restarts, as a StatefulSet's, then waits in CrashLoopBackOff; one that does not
 ends Succeeded for 0, else Failed), `kwok.kuberl.io/waiting-reason=R` (on the pod template) keeps a new pod Pending
@@ -48,23 +49,31 @@ FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 NPU_TAINT = {"key": "huawei.com/Ascend910", "value": "present", "effect": "NoSchedule"}
 
-# name prefix -> (count, labels, taints, allocatable); sized like a small mixed cluster.
+# name prefix -> (count, labels, taints, allocatable); sized like a small mixed cluster. The GPU pools carry both
+# GKE's accelerator label and the `kuberl.io/pool` label the EKS guide puts on its node groups, so that the GKE and
+# the EKS examples both find their nodes.
 NODE_POOLS: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str, str]]] = {
     "cpu": (3, {"kuberl.test/pool": "cpu"}, [], {"cpu": "32", "memory": "128Gi", "ephemeral-storage": "500Gi", "pods": "110"}),
-    "gpu": (4, {"kuberl.test/pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.present": "true"},
-            [GPU_TAINT], {"cpu": "208", "memory": "1872Gi", "ephemeral-storage": "6Ti", "pods": "110", "nvidia.com/gpu": "8"}),
+    "h100": (6, {"kuberl.test/pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-h100-80gb", "kuberl.io/pool": "h100",
+                 "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.present": "true"},
+             [GPU_TAINT], {"cpu": "208", "memory": "1872Gi", "ephemeral-storage": "6Ti", "pods": "110", "nvidia.com/gpu": "8"}),
+    "l4": (2, {"kuberl.test/pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-l4", "kuberl.io/pool": "l4",
+               "nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.present": "true"},
+           [GPU_TAINT], {"cpu": "96", "memory": "384Gi", "ephemeral-storage": "3Ti", "pods": "110", "nvidia.com/gpu": "8"}),
     "npu": (2, {"kuberl.test/pool": "npu", "accelerator": "huawei-Ascend910"},
             [NPU_TAINT], {"cpu": "192", "memory": "1536Gi", "ephemeral-storage": "2Ti", "pods": "110", "huawei.com/Ascend910": "8"}),
 }
+STORAGE_CLASS = "standard"
+# Classes the examples name for ReadWriteMany checkpoints (GKE Filestore, EKS EFS, CephFS), each with volumes of its own.
+RWX_STORAGE_CLASSES = ("standard-rwx", "efs-kuberl", "cephfs")
+VOLUMES_PER_MODE = 64  # pre-made PVs per access mode of the default class (no provisioner runs; Retain: a released PV is not reused)
+VOLUMES_PER_RWX_CLASS = 12
+
 # The API server's audit log (`audit_events`): every request on KubeRL's and Kueue's resources, so a test can count
 # what a client (the operator) asked of the API; nothing else (the controllers' traffic would fill it).
 AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": [
     {"level": "Metadata", "resources": [{"group": "kuberl.io"}, {"group": "kueue.x-k8s.io"}]},
     {"level": "None"}]}
-STORAGE_CLASS = "standard"
-VOLUMES_PER_MODE = 48  # pre-made PVs per access mode (no provisioner runs; Retain: a released PV is not reused)
-
 # KWOK's lifecycle of a pod (kwok's "fast" stages, with completion under the test's control instead of at once).
 _STAGES = r"""
 apiVersion: kwok.x-k8s.io/v1alpha1
@@ -456,18 +465,21 @@ class ControlPlane:
         return names
 
     def add_storage(self, per_mode: int = VOLUMES_PER_MODE) -> None:
-        """A default StorageClass (no provisioner, binding at once) and pre-made volumes for RWO and RWX claims."""
-        objs: list[dict[str, Any]] = [{
-            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-            "metadata": {"name": STORAGE_CLASS, "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
-            "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate", "allowVolumeExpansion": True,
-        }]
-        for mode in ("ReadWriteOnce", "ReadWriteMany"):
-            for i in range(per_mode):
-                name = f"pv-{mode.lower()}-{i}"
-                objs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
-                             "spec": {"capacity": {"storage": "16Ti"}, "accessModes": [mode], "storageClassName": STORAGE_CLASS,
-                                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/kuberl-fake-volumes/{name}"}}})
+        """A default StorageClass (no provisioner, binding at once) with pre-made volumes for RWO and RWX claims, and
+        the RWX classes the examples name, each with volumes of its own."""
+        def storage_class(name: str, default: bool) -> dict[str, Any]:
+            return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+                    "metadata": {"name": name, "annotations": {"storageclass.kubernetes.io/is-default-class": str(default).lower()}},
+                    "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate", "allowVolumeExpansion": True}
+
+        def volume(name: str, mode: str, cls: str) -> dict[str, Any]:
+            return {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+                    "spec": {"capacity": {"storage": "16Ti"}, "accessModes": [mode], "storageClassName": cls,
+                             "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/kuberl-fake-volumes/{name}"}}}
+
+        objs = [storage_class(STORAGE_CLASS, True), *(storage_class(c, False) for c in RWX_STORAGE_CLASSES)]
+        objs += [volume(f"pv-{mode.lower()}-{i}", mode, STORAGE_CLASS) for mode in ("ReadWriteOnce", "ReadWriteMany") for i in range(per_mode)]
+        objs += [volume(f"pv-{c}-{i}", "ReadWriteMany", c) for c in RWX_STORAGE_CLASSES for i in range(VOLUMES_PER_RWX_CLASS)]
         self.apply(*objs)
 
     def exit(self, namespace: str, pods: Sequence[str], code: int, message: str = "") -> None:
