@@ -1,9 +1,11 @@
-"""Chaos: a `kuberl run` during which a seeded schedule kill -9s random roles (bus, engine, agent, trainer).
+"""Chaos: a `kuberl run` during which a seeded schedule kill -9s random roles (bus, engine, agent, trainer), then a
+second run whose launcher itself is killed with -9 mid-training.
 
 At least --faults kills at random moments, some overlapping (a second role killed within 3 s of the
 first). Then it checks and prints: all steps completed; every group trained exactly once and no trained
 group lost (trainer history); tickets published once (bus); the final checkpoint loads; no process or
-port left behind; the reward curve against a fault-free run of the same manifest. Usage:
+port left behind; the reward curve against a fault-free run of the same manifest; and that every process of the run
+whose launcher was killed is gone within LAUNCHER_GRACE_S (runtime/kuberl/runtime/lifetime.py). Usage:
     python bench/bench_chaos.py [--seed 16] [--faults 10] [--steps 60] [--baseline metrics.jsonl | --no-baseline]
 Wrap it in the heavy-job lock on a shared machine: flock /tmp/kuberl-heavy.lock python bench/bench_chaos.py
 """
@@ -117,6 +119,43 @@ def run(path: Path, workdir: Path, faults: int, rng: random.Random, deadline_s: 
             "terminal": (workdir.parent / f"{workdir.name}.terminal.log").read_text()}
 
 
+LAUNCHER_GRACE_S = 5.0  # a killed launcher's roles are gone within this (measured: 0.01-1.2 s on the 2-core VM)
+
+
+def kill_the_launcher(path: Path, workdir: Path, deadline_s: float) -> dict:
+    """`kuberl run` killed with -9 once it trains: every process it had started must be gone within LAUNCHER_GRACE_S."""
+    out = open(workdir.parent / f"{workdir.name}.terminal.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kuberl.cli", "run", str(path), "--workdir", str(workdir)],
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    launcher = psutil.Process(proc.pid)
+    started = time.monotonic()
+    while proc.poll() is None and len(metrics(workdir)) < 2 and time.monotonic() - started < deadline_s:
+        time.sleep(0.5)
+    family = launcher.children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = time.monotonic()
+    alive = family
+    while alive and time.monotonic() - killed_at < 30:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if alive:
+            time.sleep(0.05)
+    gone_after = time.monotonic() - killed_at
+    names = [" ".join(p.cmdline()[:3]) for p in alive if p.is_running()]
+    for p in alive:  # leave nothing behind either way
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return {"processes": len(family), "left": names, "seconds": gone_after, "trained": len(metrics(workdir))}
+
+
+def launcher_report(lk: dict) -> bool:
+    """Print what the launcher-kill run left; whether it passes (it trained, and nothing outlived the grace)."""
+    print(f"  {lk['processes']} processes of the run after {lk['trained']} steps; left after {lk['seconds']:.2f}s: {lk['left'] or 'none'}")
+    return lk["trained"] >= 2 and lk["processes"] >= 4 and not lk["left"] and lk["seconds"] <= LAUNCHER_GRACE_S
+
+
 def bus_tickets(workdir: Path, name: str) -> tuple[int, int]:
     """(tickets ever published, tickets the trainer's book issued), read from the run's JetStream store."""
     from kuberl.runtime.bus import Bus
@@ -169,9 +208,13 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the fault-free run and the curve comparison")
     ap.add_argument("--keep", type=Path, default=None, help="keep the work folders here")
     ap.add_argument("--timeout", type=float, default=1500)
+    ap.add_argument("--launcher-only", action="store_true", help="only the run whose launcher is killed")
     args = ap.parse_args()
     workroot = args.keep or Path(tempfile.mkdtemp(prefix="kuberl-chaos-"))
     workroot.mkdir(parents=True, exist_ok=True)
+    if args.launcher_only:
+        return 0 if launcher_report(kill_the_launcher(manifest(workroot, "chaos-launcher", args.steps), workroot / "launcher",
+                                                      args.timeout)) else 1
     rng = random.Random(args.seed)
     base_rows = None
     if args.baseline:
@@ -227,6 +270,9 @@ def main() -> int:
         mean_gap = sum(abs(x - y) for x, y in zip(a[:n], b[:n])) / max(n, 1)
         print(f"mean gap between the smoothed curves {mean_gap:.3f}")
         checks["reward curve same shape (rise within 0.15, mean gap <= 0.1)"] = abs(rise_a - rise_b) <= 0.15 and mean_gap <= 0.1
+    print("kill -9 of the launcher itself, mid-training...", flush=True)
+    lk = kill_the_launcher(manifest(workroot, "chaos-launcher", args.steps), workroot / "launcher", args.timeout)
+    checks[f"launcher killed: every process gone within {LAUNCHER_GRACE_S:.0f}s"] = launcher_report(lk)
     print()
     for what, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {what}")

@@ -230,7 +230,6 @@ class CrdAdmission:
     def __init__(self, schema: Obj):
         self.schema = schema
         self.validator = jsonschema.Draft202012Validator(_to_jsonschema(schema))
-        self._cel_cache: dict[str, Any] = {}
         # (schema node, rule, JSON of the value it checks) -> error message or None: a CEL rule is a pure function
         # of its (schema-typed) value, and a status write re-validates the same spec every time.
         self._cel_results: dict[tuple[int, str, str], str | None] = {}
@@ -252,9 +251,7 @@ class CrdAdmission:
         return result, errors, unknown
 
     def _cel(self, value: Any, schema: Obj, path: str) -> list[tuple[str, str]]:
-        import celpy
-
-        from kuberl.api.validation import to_cel
+        from kuberl.api.validation import compile_rule, to_cel
 
         errors: list[tuple[str, str]] = []
         if not isinstance(schema, dict) or value is None:
@@ -266,10 +263,8 @@ class CrdAdmission:
             if memo_key in self._cel_results:
                 failure = self._cel_results[memo_key]
             else:
-                prog = self._cel_cache.get(rule["rule"])
-                if prog is None:
-                    env = celpy.Environment()
-                    prog = self._cel_cache[rule["rule"]] = env.program(env.compile(rule["rule"]))
+                # kuberl validate's CEL: Kubernetes' functions (find, matches with Go's regex), as the API server has them
+                prog = compile_rule(rule["rule"])
                 try:
                     # Typed by the schema, as the API server does (`type: number` is a double even when
                     # the JSON says 1): json_to_cel would make 1 an int and `self.topP == 1.0` fail to evaluate.

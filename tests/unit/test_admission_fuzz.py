@@ -72,7 +72,7 @@ def test_cel_combos_reach_both_sides_of_the_cel_rules(ten_thousand):
 
     combos = [c for c in ten_thousand if c.kinds == ("cel_combo",)][:300]
     admitted = sum(check_admission(c.doc)[1] is not None for c in combos)
-    assert 30 <= admitted <= 270, admitted
+    assert 20 <= admitted <= 280, admitted  # the allocation rules refuse more combos since they moved into CEL
 
 
 def test_metadata_namespace_is_only_the_runner_namespace_or_a_wrong_type():
