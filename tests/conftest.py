@@ -42,9 +42,9 @@ def starts_kuberl_runs(path: Path) -> bool:
 def xdist_group(nodeid: str, fixtures: frozenset[str] | set[str] = frozenset()) -> str:
     """The worker group of a test: ENGINES for the engine files of tests/integration, KUBE for the tests that use
     the control plane (e2e_tests, and any test with one of KUBE_FIXTURES), else its file."""
-    path = Path(nodeid.split("::")[0])
-    if path.parent.name == "integration" and path.name in ENGINE_FILES:
+    if _in_engine_files(nodeid):
         return ENGINES
+    path = Path(nodeid.split("::")[0])
     if path.parts[:1] == ("e2e_tests",) or KUBE_FIXTURES & set(fixtures):
         return KUBE
     return path.as_posix()

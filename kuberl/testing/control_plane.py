@@ -318,6 +318,16 @@ class ControlPlane:
             self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", f"{MESSAGE_ANNOTATION}={message}",
                          f"{EXIT_CODE_ANNOTATION}={code}")
 
+    def session(self) -> Any:
+        """A requests.Session acting as the admin: the bearer token, TLS checked against this cluster's CA."""
+        import requests
+
+        http = requests.Session()
+        http.headers["Authorization"] = f"Bearer {self.admin_token}"
+        http.verify = str(self.dir / "ca.crt")
+        http.trust_env = False  # $REQUESTS_CA_BUNDLE would otherwise win over `verify` (and no proxy for loopback)
+        return http
+
     def audit_events(self) -> list[dict[str, Any]]:
         """The audit log's events so far (AUDIT_POLICY: requests on kuberl.io and kueue.x-k8s.io resources), oldest first:
         each has verb, user.username, objectRef (resource, namespace, name, subresource), responseStatus.code."""

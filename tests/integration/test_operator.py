@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import requests
 
 from kuberl.testing.control_plane import ControlPlane
 from kuberl.testing.operator_process import OperatorProcess
@@ -30,10 +29,7 @@ class Api:
     """Plain HTTP to the API server as its admin (a bearer token, TLS checked against the cluster's CA)."""
 
     def __init__(self, cp: ControlPlane, operator: OperatorProcess):
-        self.cp, self.url, self.operator, self.http = cp, cp.server, operator, requests.Session()
-        self.http.headers["Authorization"] = f"Bearer {cp.admin_token}"
-        self.http.verify = str(cp.dir / "ca.crt")
-        self.http.trust_env = False  # $REQUESTS_CA_BUNDLE would otherwise win over `verify` (and no proxy for loopback)
+        self.cp, self.url, self.operator, self.http = cp, cp.server, operator, cp.session()
 
     def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json", ok: tuple[int, ...] = (200, 201)) -> Any:
         r = self.http.request(method, self.url + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import requests
 
 from kuberl.testing.control_plane import ControlPlane
 from kuberl.testing.operator_process import OperatorProcess
@@ -40,9 +39,7 @@ WORKLOAD_CRD = {
 
 class Api:
     def __init__(self, cp: ControlPlane, op: OperatorProcess):
-        self.cp, self.op, self.http = cp, op, requests.Session()
-        self.http.headers["Authorization"] = f"Bearer {cp.admin_token}"
-        self.http.verify, self.http.trust_env = str(cp.dir / "ca.crt"), False
+        self.cp, self.op, self.http = cp, op, cp.session()
 
     def call(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
         r = self.http.request(method, self.cp.server + path, data=None if body is None else json.dumps(body), headers={"Content-Type": ctype})
