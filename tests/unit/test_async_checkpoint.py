@@ -218,7 +218,9 @@ async def test_a_checkpoint_whose_write_ends_while_the_trainer_waits_for_groups_
     train_a_step(t)
     t.held = ["lease-a"]
     t.book.bound.consumed = t.book.bound.issued = 0
-    arrive_at = time.monotonic() + 1.5  # the groups come after the write (0.3 s) is done
+    # The groups come 0.5 s after the write (0.3 s, longer on a busy machine) is done: the trainer must commit it in
+    # that wait, not after the groups arrive.
+    written_at: list[float] = []
 
     class WaitingBus(AckBus):
         tickets: list = []
@@ -234,7 +236,10 @@ async def test_a_checkpoint_whose_write_ends_while_the_trainer_waits_for_groups_
             return {}
 
         async def fetch_groups(self, max_n, timeout):
-            if time.monotonic() < arrive_at:
+            pending = t.pending_checkpoint
+            if not written_at and (pending is None or pending.future.done()):
+                written_at.append(time.monotonic())
+            if not written_at or time.monotonic() < written_at[0] + 0.5:
                 await asyncio.sleep(0.05)
                 return []
             out, self.tickets = self.tickets[:max_n], self.tickets[max_n:]

@@ -89,3 +89,13 @@ def test_the_outcome_prints_the_evaluation_and_the_plot(tmp_path, capsys):
     assert "policy version 5, last reward 0.5" in out
     assert (tmp_path / "reward.png").exists() and f"reward curve in {tmp_path / 'reward.png'}" in out
     assert "kuberl run: eval (step 5, v5, 8 items): reward 0.5 greedy 0.625 pass@1 greedy 0.5 pass@2 0.75" in out
+
+
+def test_an_interrupted_run_is_not_plotted_but_names_the_command_that_plots_it(tmp_path, capsys):
+    """Drawing takes seconds on a busy machine; a stop has to end within its bound."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.1}\n')
+    report = {"step": 1, "total_steps": 5, "policy_version": 1, "reward_mean": 0.1}
+    assert launcher._finish(types.SimpleNamespace(config_error=None), tmp_path, report, None, True) == 130
+    out = capsys.readouterr().out
+    assert not (tmp_path / "reward.png").exists()
+    assert f"draw them with `kuberl plot {tmp_path}`" in out

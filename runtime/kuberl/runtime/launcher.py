@@ -554,8 +554,9 @@ def _cancel_pending(loop: asyncio.AbstractEventLoop, timeout: float = 2.0) -> No
 
 
 def _finish(run: LocalRun, workdir: Path, report: dict | None, failure: str | None, interrupted: bool) -> int:
-    """Plot the reward curve, print the last report and the outcome; the exit code."""
-    png = plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
+    """Plot the reward curve, print the last report and the outcome; the exit code. An interrupted run is not plotted:
+    drawing takes seconds on a busy machine, and a stop must end within its bound (`kuberl plot` draws it later)."""
+    png = None if interrupted else plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
     if report:
         print(f"kuberl run: step {report.get('step')}/{report.get('total_steps')}, policy version {report.get('policy_version')}, "
               f"last reward {_fmt(report.get('reward_mean'))}")
@@ -567,6 +568,8 @@ def _finish(run: LocalRun, workdir: Path, report: dict | None, failure: str | No
         print(f"kuberl run: failed: {failure}", file=sys.stderr)
         return CONFIG_ERROR_EXIT if run.config_error else 1
     if interrupted:
+        if (workdir / "metrics.jsonl").exists():
+            print(f"kuberl run: metrics in {workdir / 'metrics.jsonl'}; draw them with `kuberl plot {workdir}`")
         return 130
     if report and report.get("failed"):
         print(f"kuberl run: trainer failed: {report['failed']}", file=sys.stderr)
