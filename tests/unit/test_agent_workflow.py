@@ -407,3 +407,58 @@ def test_the_proxy_listens_on_loopback_only_and_checks_each_sessions_key(tokeniz
     assert addrs == ["127.0.0.1"]
     assert text == "ok" and comp.choices[0].text == "ok"
     assert [c.kind for c in b.calls] == ["chat", "completion"]
+
+
+class TestTheEpisodeBudget:
+    """exportStyle concat trains an episode as one sample, and the overlong penalty and Dr.GRPO's normaliser read its
+    generated tokens against maxNewTokens: the episode's calls share that budget (as a multi-turn episode's turns do).
+    exportStyle individual trains each call as its own sample: each call gets the whole budget."""
+
+    MAX_NEW = 40
+
+    def run(self, tok, export_style):
+        engine = ScriptedEngine(tok, lambda ids: " ".join(["step"] * 6))  # ~24 tokens + eos a call (the tiny tokenizer is byte-level)
+        finishes: list[str] = []
+
+        async def looping_agent(client, item):
+            messages = [{"role": "user", "content": item.prompt}]
+            for _ in range(4):  # an agent that keeps calling until the model runs out of room
+                out = await client.chat.completions.create(model="policy", messages=messages)
+                finishes.append(out.choices[0].finish_reason)
+                messages += [out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+            return 1.0
+
+        wf = AgentWorkflow(looping_agent, tok, sampling(tok, max_new=self.MAX_NEW), exact_match_reward, reward_name="exact-match",
+                           timeout_seconds=30.0, name="looping", export_style=export_style)
+
+        async def go():
+            try:
+                return await wf.arun_episode(engine, Item(0, "start", ""), EpisodeContext(ticket_id="t"))
+            finally:
+                await wf.aclose()
+
+        return engine, finishes, asyncio.run(go())
+
+    def test_concat_episodes_share_max_new_tokens_and_the_shaping_reads_what_was_generated(self, tokenizer):
+        import types
+
+        import torch
+
+        from kuberl.runtime.algorithms.advantages import overlong_penalty
+
+        engine, finishes, samples = self.run(tokenizer, "concat")
+        (s,) = samples
+        generated = sum(s.loss_mask)
+        asked = [req.max_new_tokens for req, _ in engine.calls]
+        assert generated == sum(len(res.output_ids) for _, res in engine.calls) == self.MAX_NEW
+        assert asked[0] == self.MAX_NEW and asked[1] == self.MAX_NEW - len(engine.calls[0][1].output_ids)
+        assert len(engine.calls) == 2  # the spent budget answers later calls without the engine
+        assert finishes == ["stop", "length", "length", "length"]
+        cfg = types.SimpleNamespace(max_new_tokens=self.MAX_NEW, overlong_buffer=10, overlong_penalty_factor=1.0)
+        assert float(overlong_penalty(torch.tensor([generated]), cfg)) == -1.0  # at L_max, as a single call that hit it
+
+    def test_individual_episodes_give_each_call_the_whole_budget(self, tokenizer):
+        engine, finishes, samples = self.run(tokenizer, "individual")
+        assert [req.max_new_tokens for req, _ in engine.calls] == [self.MAX_NEW] * 4
+        assert len(samples) == 4 and all(sum(s.loss_mask) <= self.MAX_NEW for s in samples)
+        assert finishes == ["stop"] * 4

@@ -185,7 +185,7 @@ class AgentWorkflow:
     async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
         async with self._proxy_lock:
             if self.proxy is None:
-                proxy = OpenAIProxy(engine, self.tokenizer, self.sampling)
+                proxy = OpenAIProxy(engine, self.tokenizer, self.sampling, episode_budget=self.export_style == "concat")
                 await proxy.start()
                 self.proxy = proxy
             elif self.proxy.engine is not engine:

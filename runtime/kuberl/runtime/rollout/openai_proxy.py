@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, InferenceEngine
-from kuberl.runtime.rollout.workflows import SamplingConfig, generate_continuing
+from kuberl.runtime.rollout.workflows import PartialGeneration, SamplingConfig, generate_continuing
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Session:
     closed: bool = False
     engine_error: EngineError | None = None  # the engine failed under a call: the episode is retried, not failed
     warned: set[str] = field(default_factory=set)
+    spent: int = 0  # tokens generated (or reserved by calls in flight) against the episode budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,8 +219,13 @@ class ChatRenderer:
 class OpenAIProxy:
     """The aiohttp app serving every session of one rollout agent, in front of one engine."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingConfig, *, port: int = 0) -> None:
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingConfig, *, port: int = 0,
+                 episode_budget: bool = False) -> None:
+        """`episode_budget`: the episode's calls share maxNewTokens (exportStyle concat: the episode is one sample,
+        and the overlong penalty and Dr.GRPO's normaliser measure its generated tokens against maxNewTokens, as for
+        a multi-turn episode); else each call may use maxNewTokens (exportStyle individual: a sample per call)."""
         self.engine = engine
+        self.episode_budget = episode_budget
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
         self.sampling = sampling
@@ -278,9 +284,15 @@ class OpenAIProxy:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _max_new(self, body: dict[str, Any], prompt_len: int) -> int:
+    def _max_new(self, s: Session, body: dict[str, Any], prompt_len: int) -> int:
+        """The call's max_new_tokens: what the agent asked, at most maxNewTokens (what the episode has left of it
+        under an episode budget; 0 once it is spent) and the engine's context."""
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         cap = self.sampling.max_new_tokens
+        if self.episode_budget:
+            cap -= s.spent
+            if cap < 1:
+                return 0
         if asked is not None:
             if not isinstance(asked, int) or asked < 1:
                 raise ProxyError(f"max_tokens must be a positive integer, got {asked!r}")
@@ -324,14 +336,26 @@ class OpenAIProxy:
         return self.renderer.encode(self.renderer.render(messages, tools))
 
     async def _generate(self, s: Session, prompt_ids: list[int], body: dict[str, Any]):
+        """The engine's answer; under an episode budget that is spent, an empty one that stopped at its length
+        (no engine call, nothing recorded: the agent sees finish_reason length and ends its loop)."""
         sp = self.sampling
-        req = GenerateRequest(input_ids=prompt_ids, max_new_tokens=self._max_new(body, len(prompt_ids)), temperature=sp.temperature,
+        max_new = self._max_new(s, body, len(prompt_ids))
+        if max_new == 0:
+            spent = PartialGeneration(prompt_ids, GenerateRequest(input_ids=prompt_ids, max_new_tokens=0))
+            spent.finish_reason = "length"
+            return spent
+        req = GenerateRequest(input_ids=prompt_ids, max_new_tokens=max_new, temperature=sp.temperature,
                               top_p=sp.top_p, stop_token_ids=list(sp.stop_token_ids), seed=body.get("seed"))
+        s.spent += max_new  # reserved: calls of one episode may run at once
+        gen = None
         try:
-            return await generate_continuing(self.engine, prompt_ids, req)
+            gen = await generate_continuing(self.engine, prompt_ids, req)
+            return gen
         except EngineError as exc:
             s.engine_error = exc
             raise ProxyError(f"engine error: {exc}", status=exc.status if exc.permanent else 503, code="engine_error") from exc
+        finally:
+            s.spent -= max_new - (len(gen.output_ids) if gen is not None else 0)
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
@@ -362,6 +386,8 @@ class OpenAIProxy:
 
     def _record(self, s: Session, rec: CallRecord) -> None:
         if s.closed:  # the episode ended (timeout) while this call ran: nothing of it is trained
+            return
+        if not rec.output_ids and rec.finish_reason == "length":  # the episode budget was spent: nothing to train
             return
         rec.parent = self._parent(s, rec.prompt_ids)
         s.calls.append(rec)
