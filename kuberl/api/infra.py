@@ -30,8 +30,8 @@ class WeightSyncSpec(KubeModel):
         "later ones get the weights at the next step or as soon as the trainer waits for groups.")
     timeout_seconds: int = Field(
         300, ge=5, le=86400, description="broadcast: limit on each collective; a receiver that dies fails that update (it asks again); the trainer goes on.")
-    in_flight: Literal["abort", "keep"] = Field(
-        "abort", alias="inFlight",
+    in_flight: Literal["abort", "keep"] | None = Field(
+        None, alias="inFlight",
         description="What a weight update does to generations in flight. abort (AReaL's interruptible rollout): the engine pauses, "
         "aborts them, loads, and each continues from its tokens so far on the new weights, its KV recomputed; every token "
         "carries the version that produced it. keep (PipelineRL's in-flight update): the engine loads between two decoding "
@@ -39,7 +39,8 @@ class WeightSyncSpec(KubeModel):
         "each token carries the version that sampled it (vLLM's weight-version spans; the label follows each load by "
         "one call, so a token sampled just after it may carry the previous version: staleness is over-counted, never "
         "under). Either way each token's behaviour logprob is the probability it was sampled with. "
-        "keep: vLLM, weightSync.mode disk or bus, no LoRA.")
+        "keep: vLLM, weightSync.mode disk or bus, no LoRA. Unset: keep where it is implemented (the faster: no pause, no "
+        "KV recomputation), else abort.")
 
 
 class EmbeddedBusSpec(KubeModel):

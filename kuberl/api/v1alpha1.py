@@ -391,6 +391,15 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.weightSync.inFlight", "keep", KEEP_NEEDS_VLLM_FILES)
         return self
 
+    @property
+    def in_flight(self) -> Literal["abort", "keep"]:
+        """What a weight update does to generations in flight: weightSync.inFlight, or when unset the faster of the two
+        where the engine implements it (keep: vLLM with full weights through disk or the bus), else abort."""
+        if self.weight_sync.in_flight is not None:
+            return self.weight_sync.in_flight
+        keep = self.rollout.engine == "vllm" and self.weight_sync.mode != "broadcast" and self.algorithm.lora is None
+        return "keep" if keep else "abort"
+
 
 # ---------------------------------------------------------------------------------------------
 # Status

@@ -134,7 +134,7 @@ class RolloutAgent:
                 from kuberl.runtime.weight_sync.agent_side import receive_broadcast
 
                 version = await receive_broadcast(self, w)
-            elif self.exp.spec.weight_sync.in_flight == "keep":
+            elif self.exp.spec.in_flight == "keep":
                 # PipelineRL's in-flight update: vLLM runs the reload between two decoding steps; nothing is paused
                 # or aborted, and responses in flight keep the version they started on (generate stamps it).
                 await self.engine.update_weights_from_disk(await self._weights_dir(w), version)

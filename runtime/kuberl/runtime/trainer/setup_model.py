@@ -15,6 +15,7 @@ from kuberl.runtime.evaluation import EvalSchedule
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.context_parallel import enable as enable_context_parallel
 from kuberl.runtime.trainer.context_parallel import setup_context_parallel
+from kuberl.runtime.trainer.memory import choose_gradient_checkpointing
 from kuberl.runtime.trainer.optim import build_optimizer, build_scheduler
 from kuberl.runtime.trainer.tickets import TicketBook
 
@@ -87,7 +88,11 @@ class SetUpMixin:
             self.setup_megatron_model()
         else:
             self.model = load(adapters=lora is not None)
-            if self.spec.trainer.gradient_checkpointing:
+            self.gradient_checkpointing, why = choose_gradient_checkpointing(self.spec.trainer, self.model, self.info.device,
+                                                                             self.info.world_size)
+            if self.info.is_main:
+                log.info("trainer.gradientCheckpointing %s (%s)", "on" if self.gradient_checkpointing else "off", why)
+            if self.gradient_checkpointing:
                 # transformers' default is non-reentrant checkpointing: adapters get gradients behind frozen embeddings
                 self.model.gradient_checkpointing_enable()
             self.ref_model = None

@@ -148,7 +148,8 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
             return 143  # _on_sigterm: the step could not finish; the last checkpoint stands
         except Exception as exc:
             info = getattr(self, "info", None)  # None when the process group itself failed to start
-            if info is not None and (oom := out_of_memory_error(exc, self.spec.trainer, info.device, info.world_size)) is not None:
+            if info is not None and (oom := out_of_memory_error(exc, self.spec.trainer, info.device, info.world_size,
+                                                                      getattr(self, "gradient_checkpointing", None))) is not None:
                 log.error("out of accelerator memory", exc_info=exc)  # where in the step, and torch's account of the allocator
                 exc = oom
             config = isinstance(exc, ConfigError)
