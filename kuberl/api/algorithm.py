@@ -157,9 +157,22 @@ class AlgorithmSpec(KubeModel):
 
 
 class StalenessSpec(KubeModel):
-    """Bounded staleness (AReaL): at policy version v at most (maxHeadOffpolicyness + v + 1) * batchSize groups start."""
+    """Bounded staleness (AReaL): at policy version v at most (maxHeadOffpolicyness + v + 1) * batchSize groups start.
+
+    The bound is enforced at admission (tickets); every group that comes back is trained, as in AReaL. A straggler
+    older than v - eta is counted (status.progress.overStale) and left to the decoupled loss's behaviour-weight cap;
+    dropStaleGroups drops it instead, at the price of a bias toward short answers.
+    """
 
     max_head_offpolicyness: int = Field(2, ge=0, le=1000, description="eta: how many versions a trained sample may lag; 0 = synchronous RL.")
+    drop_stale_groups: bool = Field(
+        False,
+        description="Drop (and re-issue) a group whose oldest token is older than v - maxHeadOffpolicyness instead of training on "
+        "it. Off (the default, as AReaL): the ticket gate bounds staleness when a group starts, every group that comes back is "
+        "trained, the decoupled loss's behaviour weight (algorithm.behaviorWeightCap) corrects for the old policy, and such "
+        "groups are counted in status.progress.overStale. On: the groups overtaken are those still generating their longest "
+        "answers, so training is biased toward shorter, easier answers than were sampled (the trainer warns at start).",
+    )
     max_concurrent_rollouts: int | None = Field(
         None, ge=1, le=1_000_000,
         description="Groups being generated at once, all agents together (a group frees its slot when it arrives on the bus, as AReaL's "

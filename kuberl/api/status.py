@@ -53,7 +53,10 @@ class TrainingProgress(KubeModel):
     samples_per_second: float | None = Field(None, ge=0, description="Trained samples per second (recent).")
     staleness_mean: float | None = Field(None, ge=0, description="Mean of v - (head version) over the last batch.")
     staleness_max: int | None = Field(None, ge=0, description="Largest staleness in the last batch.")
-    dropped_stale: int = Field(0, ge=0, description="Groups dropped for exceeding maxHeadOffpolicyness, all time.")
+    dropped_stale: int = Field(0, ge=0, description="Groups dropped for exceeding maxHeadOffpolicyness (staleness.dropStaleGroups), all time.")
+    over_stale: int | None = Field(
+        None, ge=0, description="Groups trained although their oldest token was older than v - maxHeadOffpolicyness (stragglers; "
+        "the behaviour-weight cap corrects them), all time. Always 0 with staleness.dropStaleGroups, which drops them.")
     failed_groups: int | None = Field(None, ge=0, description="Tickets that failed on every delivery (rollout.maxTicketAttempts), all time.")
     entropy: float | None = Field(None, ge=0, description="Policy entropy of the last step (token mean over trained tokens, at the sampling temperature).")
     eval: EvalProgress | None = Field(None, description="The last finished held-out evaluation (spec.evaluation).")

@@ -51,7 +51,7 @@ def tiny_model(vllm_server) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int = 1, every: int = 1, world: int = 1, mode: str = "disk",
-                   temperature: float = 1.0, bucket_mb: int | None = None, async_save: str = "auto") -> Path:
+                   temperature: float = 1.0, bucket_mb: int | None = None, async_save: str = "auto", drop_stale: bool = False) -> Path:
     doc = {
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name},
         "spec": {
@@ -60,7 +60,7 @@ def write_manifest(path: Path, name: str, model: Path, *, steps: int, eta: int =
             "workflow": {"reward": "repeat-digit"},
             "algorithm": {"name": "grpo", "samplesPerPrompt": N, "batchSize": B, "maxNewTokens": 6, "learningRate": 1e-2,
                           "ppoMinibatches": 2, "temperature": temperature},
-            "staleness": {"maxHeadOffpolicyness": eta},
+            "staleness": {"maxHeadOffpolicyness": eta, "dropStaleGroups": drop_stale},
             "rollout": {"engine": "vllm", "concurrency": 4, "accelerator": {"type": "cpu", "count": 0}},
             "trainer": {"accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64},
             "weightSync": {"mode": mode, **({"bucketMB": bucket_mb} if bucket_mb else {})},
@@ -262,32 +262,22 @@ async def test_the_trainer_trains_on_the_agents_groups_publishes_new_weights_and
 
 
 async def test_a_group_older_than_the_staleness_bound_is_dropped_counted_and_replaced(tmp_path, bus_url, tiny_model, vllm_server):
-    """eta = 1, three steps of B groups. One agent generates a group for the first v0 ticket on the real engine
-    and its delivery stalls until the trainer reached version 2: its head version 0 is then older than 2 - 1,
-    so the trainer drops it, counts it, and issues a ticket to replace it; the run still trains three steps."""
+    """staleness.dropStaleGroups on, eta = 1, three steps of B groups. One agent generates a group for the first v0
+    ticket on the real engine and its delivery stalls until the trainer reached version 2: its head version 0 is then
+    older than 2 - 1, so the trainer drops it, counts it, and issues a ticket to replace it; the run still trains
+    three steps."""
     name = "tr-stale"
-    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=3, eta=1, every=3)
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=3, eta=1, every=3, drop_stale=True)
     workdir, log = tmp_path / "work", tmp_path / "trainer.log"
     bus = await Bus.connect(bus_url, name)
     proc = start_trainer(manifest, bus_url, workdir, log)
     try:
-        await wait_for(lambda: bus.get_state("tickets"), 90, "the ticket book", proc, log)
-        async with rollout_agent(manifest, bus, vllm_server, tmp_path, "slow-agent") as (slow, stalled):
-            stalled.hold = 1
-            await asyncio.wait_for(slow.run(max_tickets=1), 120)
-        [late] = stalled.held
-        assert late.head_version == 0 and {v for s in late.samples for v in s.versions} == {0}
-        async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, recorder):
-            task = asyncio.create_task(agent.run())
-            await wait_for(lambda: _at_step(bus, 2), 120, "step 2", proc, log)
-            await stalled.release()
-            code = await asyncio.to_thread(finish, proc, log)
-            await stop(task)
-        assert code == 0, log.read_text()[-4000:]
+        late, recorder = await deliver_a_v0_group_after_step_2(manifest, bus, proc, log, vllm_server, tmp_path)
         text = log.read_text()
         assert f"dropped group {late.group_id}: head version 0 < " in text, text[-3000:]
+        assert "staleness.dropStaleGroups is on" in text, "the trainer warns at start that the drop biases training"
         progress = await bus.get_state("progress")
-        assert progress["done"] and progress["step"] == 3 and progress["dropped_stale"] >= 1
+        assert progress["done"] and progress["step"] == 3 and progress["dropped_stale"] >= 1 and progress["over_stale"] == 0
         book = await bus.get_state("tickets")
         # Every dropped group gave its slot back: a ticket was issued in its place (3 B trained in the end).
         assert book["dropped"] == progress["dropped_stale"] and book["consumed"] == 3 * B
@@ -306,6 +296,54 @@ async def test_a_group_older_than_the_staleness_bound_is_dropped_counted_and_rep
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         await bus.close()
+
+
+async def test_by_default_a_group_older_than_the_staleness_bound_is_trained_and_counted(tmp_path, bus_url, tiny_model, vllm_server):
+    """The same late v0 group with the default (staleness.dropStaleGroups off, as AReaL): the trainer trains it at
+    version 2, counts it in over_stale and issues no replacement; its staleness (2 > eta = 1) shows in the step."""
+    name = "tr-over-stale"
+    manifest = write_manifest(tmp_path / "exp.yaml", name, tiny_model, steps=3, eta=1, every=3)
+    workdir, log = tmp_path / "work", tmp_path / "trainer.log"
+    bus = await Bus.connect(bus_url, name)
+    proc = start_trainer(manifest, bus_url, workdir, log)
+    try:
+        late, _ = await deliver_a_v0_group_after_step_2(manifest, bus, proc, log, vllm_server, tmp_path)
+        text = log.read_text()
+        assert f"training group {late.group_id} over the staleness bound: head version 0 < 2 - 1" in text, text[-3000:]
+        assert "dropStaleGroups is on" not in text and "dropped group" not in text
+        progress = await bus.get_state("progress")
+        assert progress["done"] and progress["step"] == 3 and progress["dropped_stale"] == 0 and progress["over_stale"] == 1
+        book = await bus.get_state("tickets")
+        assert book["dropped"] == 0 and book["consumed"] == 3 * B and book["issued"] == 3 * B + book["rejected"]
+        rows = metrics(workdir)
+        assert late.group_id in rows[-1]["group_ids"] and rows[-1]["staleness_max"] == 2
+        assert [r["over_stale"] for r in rows] == [0, 0, 1]
+        assert (await bus.stream_info())["groups_pending"] == 0, "the late group is acknowledged with the checkpoint"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        await bus.close()
+
+
+async def deliver_a_v0_group_after_step_2(manifest: Path, bus: Bus, proc: subprocess.Popen, log: Path, vllm_server,
+                                          tmp_path: Path) -> tuple[TrajectoryGroup, RecordingBus]:
+    """One agent generates a group for the first v0 ticket on the real engine; its delivery stalls until the trainer
+    reached step 2 (version 2) while a second agent answers the rest. Returns (the late group, the second agent's
+    recorder) once the trainer has exited 0."""
+    await wait_for(lambda: bus.get_state("tickets"), 90, "the ticket book", proc, log)
+    async with rollout_agent(manifest, bus, vllm_server, tmp_path, "slow-agent") as (slow, stalled):
+        stalled.hold = 1
+        await asyncio.wait_for(slow.run(max_tickets=1), 120)
+    [late] = stalled.held
+    assert late.head_version == 0 and {v for s in late.samples for v in s.versions} == {0}
+    async with rollout_agent(manifest, bus, vllm_server, tmp_path) as (agent, recorder):
+        task = asyncio.create_task(agent.run())
+        await wait_for(lambda: _at_step(bus, 2), 120, "step 2", proc, log)
+        await stalled.release()
+        code = await asyncio.to_thread(finish, proc, log)
+        await stop(task)
+    assert code == 0, log.read_text()[-4000:]
+    return late, recorder
 
 
 async def _true(value: bool) -> bool:

@@ -52,12 +52,12 @@ class MemoryBus:
         return [(g, f"lease-{g.group_id}") for g in got]
 
 
-def make_trainer(tmp_path, *, eta=0, dynamic=False) -> Trainer:
+def make_trainer(tmp_path, *, eta=0, dynamic=False, drop_stale=False) -> Trainer:
     exp = RLExperiment.model_validate({
         "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "unit"},
         "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit", "size": 20},
                  "algorithm": {"name": "dapo" if dynamic else "grpo", "samplesPerPrompt": N, "batchSize": B, "dynamicSampling": dynamic},
-                 "staleness": {"maxHeadOffpolicyness": eta}, "training": {"totalSteps": 5}},
+                 "staleness": {"maxHeadOffpolicyness": eta, "dropStaleGroups": drop_stale}, "training": {"totalSteps": 5}},
     })
     t = Trainer(exp, bus_url="nats://unused:4222", workdir=tmp_path)
     t.info = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -116,7 +116,8 @@ async def test_a_rejected_group_is_replaced_by_a_new_ticket(tmp_path):
 
 
 async def test_a_group_older_than_v_minus_eta_is_dropped_and_counted(tmp_path):
-    t = make_trainer(tmp_path, eta=1)
+    """With staleness.dropStaleGroups (opt-in): the stale group gives its slot back and is not trained."""
+    t = make_trainer(tmp_path, eta=1, drop_stale=True)
     t.version = 3
     t.book.bound.issued = 6  # as if three batches were issued at versions 0..2
     t.book.bound.consumed = 6
@@ -126,6 +127,26 @@ async def test_a_group_older_than_v_minus_eta_is_dropped_and_counted(tmp_path):
     plan = await t.stage_collect()
     assert [g["group_id"] for g in plan["groups"]] == [tickets[1].ticket_id, tickets[2].ticket_id]
     assert t.dropped_stale == 1 and t.book.dropped == 1
+    assert t.over_stale == 0, "a dropped group is not trained, so not counted as trained over the bound"
+
+
+async def test_by_default_a_group_older_than_v_minus_eta_is_trained_and_counted_as_over_stale(tmp_path):
+    t = make_trainer(tmp_path, eta=1)
+    t.version = 3
+    t.book.bound.issued = 6
+    t.book.bound.consumed = 6
+    await t.stage_issue_tickets()
+    tickets = list(t.bus.tickets)
+    t.bus.stream = [group(tickets[0], version=1), group(tickets[1], version=2), group(tickets[2], version=3),
+                    group(tickets[3], version=3)]
+    plan = await t.stage_collect()
+    assert [g["group_id"] for g in plan["groups"]] == [tickets[0].ticket_id, tickets[1].ticket_id]
+    assert t.dropped_stale == 0 and t.book.dropped == 0
+    assert t.over_stale == 1, "the group at head version 1 < 3 - 1 is trained and counted"
+    assert t.book.issued == 6 + 2 * B, "no replacement ticket: nothing was given back"
+    plan = await t.stage_collect()  # the next batch, both at version 3: nothing over the bound
+    assert [g["group_id"] for g in plan["groups"]] == [tickets[2].ticket_id, tickets[3].ticket_id]
+    assert t.over_stale == 1
 
 
 async def test_dynamic_sampling_rejects_groups_whose_rewards_are_all_equal(tmp_path):
@@ -216,7 +237,7 @@ async def test_a_usable_group_frees_its_concurrency_slot_when_it_arrives_not_whe
 
 
 async def test_a_kept_group_judged_stale_later_leaves_the_accepted_count(tmp_path):
-    t = make_trainer(tmp_path, eta=0)
+    t = make_trainer(tmp_path, eta=0, drop_stale=True)
     await t.stage_issue_tickets()
     t.bus.stream = [group(tk) for tk in t.bus.tickets[:1]]
     t.bus.control = {}
@@ -232,3 +253,35 @@ async def test_a_kept_group_judged_stale_later_leaves_the_accepted_count(tmp_pat
     assert t.dropped_stale == 1 and t.book.dropped == 1
     assert t.book.accepted == B and t.book.running == t.book.started - B
 
+
+
+async def test_by_default_a_kept_group_that_went_stale_is_trained_once_and_counted_once(tmp_path):
+    t = make_trainer(tmp_path, eta=0)
+    await t.stage_issue_tickets()
+    first = t.bus.tickets[0]
+    t.bus.stream = [group(first)]
+    got = await t.bus.fetch_groups(B, timeout=0)
+    t.bus._answered = 1
+    for g, h in got:  # as an interrupted collect leaves them: accepted, in the buffer
+        assert t._first_time(g, h) and t._usable(g)
+        t.book.on_accepted()
+        t.buffer.append((g, h))
+    t.version = 1  # the kept group (version 0) is older than 1 - 0 now
+    t.bus.control = {"checkpoint_request": "suspend-1"}
+    assert await t.stage_collect() == {"checkpoint_request": "suspend-1"}  # judged again: kept, not counted yet
+    assert t.over_stale == 0 and len(t.buffer) == 1
+    t.answered_request = "suspend-1"
+    t.bus.answer = lambda tk: group(tk, version=1)
+    plan = await t.stage_collect()
+    assert first.ticket_id in [g["group_id"] for g in plan["groups"]]
+    assert t.over_stale == 1 and t.dropped_stale == 0 and t.book.dropped == 0
+    assert t.book.accepted == B and t.book.running == t.book.started - B
+
+
+def test_the_drop_warns_once_at_start_and_the_default_says_nothing(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="kuberl.trainer"):
+        make_trainer(tmp_path / "a").warn_stale_drop()
+        assert caplog.records == []
+        make_trainer(tmp_path / "b", drop_stale=True).warn_stale_drop()
+    [record] = caplog.records
+    assert "dropStaleGroups" in record.getMessage() and "shorter" in record.getMessage()

@@ -198,6 +198,7 @@ def _progress(exp: RLExperiment, progress: Mapping[str, Any] | None, old: Mappin
         "stalenessMean": _float(progress.get("staleness_mean")),
         "stalenessMax": _int(progress["staleness_max"]) if progress.get("staleness_max") is not None else None,
         "failedGroups": _int(progress["failed_groups"]) if progress.get("failed_groups") is not None else None,
+        "overStale": _int(progress["over_stale"]) if progress.get("over_stale") is not None else None,
         "entropy": _float(progress.get("entropy")),
         "updatedAt": _time_text(progress.get("time")),
         "eval": eval_status(progress.get("eval"), _time_text),  # spec.evaluation's last round

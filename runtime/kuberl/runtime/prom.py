@@ -42,7 +42,8 @@ TRAINER_GAUGES: dict[str, tuple[str, str]] = {
     "samples_per_second": ("kuberl_trainer_samples_per_second", "Samples trained per second (mean over recent steps)"),
     "staleness_mean": ("kuberl_trainer_staleness_mean", "Mean policy-version lag of the last batch"),
     "staleness_max": ("kuberl_trainer_staleness_max", "Largest policy-version lag of the last batch"),
-    "dropped_stale": ("kuberl_trainer_dropped_stale_groups", "Groups dropped as too stale, this run"),
+    "dropped_stale": ("kuberl_trainer_dropped_stale_groups", "Groups dropped as too stale (staleness.dropStaleGroups), this run"),
+    "over_stale": ("kuberl_trainer_over_stale_groups", "Groups trained although older than v - maxHeadOffpolicyness, this run"),
     "failed_groups": ("kuberl_trainer_failed_groups", "Groups given up by the agents, this run"),
     "step_seconds": ("kuberl_trainer_step_seconds", "Wall time of the last step"),
 }

@@ -34,8 +34,10 @@ class StalenessManager:
     (arrives on the bus, usable), not when it is trained, so the engines keep generating while the
     trainer trains (AReaL's `running`, decremented on accept). No cap when C is None.
     Rejected groups (e.g. dynamic sampling) and groups dropped as stale give both slots back.
-    The trainer still drops groups whose head version < v - eta (`is_stale`): the safety net for
-    groups that started under an older bound, e.g. before a restart.
+    A group whose head version < v - eta (`is_stale`: a straggler, or one started under an older
+    bound, e.g. before a restart) is trained and counted like any other (consumed) by default, as
+    AReaL does; with staleness.dropStaleGroups the trainer drops it (`on_dropped`) and re-issues its
+    slot, which biases training toward short answers (the stragglers are the longest).
 
     `accepted` is not saved: a checkpoint acknowledges exactly the groups it trained (consumed) and
     the rejected/dropped ones, so accepted-but-untrained groups come back after a restart and are

@@ -1,7 +1,10 @@
 """Trainer stages on rank 0's bus side: issue tickets, catch up on resume, collect B usable groups.
 
-Every group pulled is accounted here: duplicates, rejected, failed (poison tickets), stale (older than
-v - eta) and malformed groups give their ticket slot back and are held for the next checkpoint's ack.
+Every group pulled is accounted here: duplicates, rejected, failed (poison tickets) and malformed groups
+give their ticket slot back and are held for the next checkpoint's ack. A group older than v - eta (a
+straggler the ticket gate let start in time) is trained and counted in `over_stale`, as AReaL does: the
+decoupled loss's behaviour weight corrects it. Dropping it instead (staleness.dropStaleGroups) biases
+training toward short answers, since the groups overtaken are those still generating their longest ones.
 A mixin of `Trainer` (runtime/kuberl/runtime/trainer/trainer.py), which owns the state these methods read and set.
 """
 
@@ -45,9 +48,17 @@ class CollectMixin:
         log.warning("group %s arrived twice (the same ticket rolled out again): the copy is ignored", group.group_id)
         return False
 
+    def warn_stale_drop(self) -> None:
+        """At start (rank 0): staleness.dropStaleGroups trains on a sample of the data biased toward short answers."""
+        if self.drop_stale:
+            log.warning("staleness.dropStaleGroups is on: groups older than v - %d are dropped and re-issued. The groups "
+                        "overtaken are those still generating their longest answers, so training is biased toward shorter, "
+                        "easier answers than were sampled; leave it off to train every group (the behaviour-weight cap "
+                        "corrects the stragglers)", self.eta)
+
     def _usable(self, group: Any, accepted: bool = False) -> bool:
-        """Account for a group that cannot be trained on (rejected, stale, malformed); True if usable.
-        `accepted`: the group was accepted before (kept from an interrupted collect) and is judged again."""
+        """Account for a group that cannot be trained on (rejected, malformed; stale with staleness.dropStaleGroups);
+        True if usable. `accepted`: the group was accepted before (kept from an interrupted collect) and is judged again."""
         if group.rejected or (self.cfg.dynamic_sampling and not dynamic_sampling_keep([s.reward for s in group.samples])):
             self.book.on_rejected()
             if getattr(group, "failure", None) is not None:  # a poison ticket: accounted like a rejected group
@@ -56,11 +67,11 @@ class CollectMixin:
                             group.group_id, group.ticket.index, group.failure)
             return False
         if self.book.bound.is_stale(group.head_version, self.version):
-            # The safety net: the ticket gate makes this rare (slow agents, restarts).
-            self.book.on_dropped(accepted=accepted)
-            self.dropped_stale += 1
-            log.info("dropped group %s: head version %d < %d - %d", group.group_id, group.head_version, self.version, self.eta)
-            return False
+            if self.drop_stale:  # opt-in; the ticket gate makes stale groups rare (slow agents, restarts)
+                self.book.on_dropped(accepted=accepted)
+                self.dropped_stale += 1
+                log.info("dropped group %s: head version %d < %d - %d", group.group_id, group.head_version, self.version, self.eta)
+                return False
         if (why := group_size_error(len(group.samples), self.n, self.ragged)) is not None:
             log.warning("group %s %s: treated as rejected", group.group_id, why)
             self.book.on_rejected()
@@ -68,7 +79,8 @@ class CollectMixin:
         return True
 
     async def stage_collect(self) -> dict[str, Any]:
-        """train.collect: pull until B usable groups; rejected and stale ones give their slot back (a new ticket).
+        """train.collect: pull until B usable groups; rejected ones (and stale ones, with staleness.dropStaleGroups) give
+        their slot back (a new ticket).
 
         Returns the plan every rank follows: {"groups", "wait_seconds"}, or {"checkpoint_request"} (answer an
         operator's request between steps), {"weights_resync"} (weightSync.mode broadcast: send the current weights to
@@ -76,7 +88,7 @@ class CollectMixin:
         """
         t0 = time.monotonic()
         last_seen = t0
-        # Groups kept from an interrupted collect may have gone stale meanwhile: judge them again.
+        # Groups kept from an interrupted collect may have gone stale meanwhile: judge them again (dropStaleGroups).
         kept, self.buffer = self.buffer, []
         for group, handle in kept:
             if self._usable(group, accepted=True):
@@ -112,4 +124,14 @@ class CollectMixin:
             await self.stage_issue_tickets()  # replacements for rejected/dropped groups
         taken, self.buffer = self.buffer[: self.B], self.buffer[self.B :]
         self.held.extend(h for _, h in taken)
+        self._count_over_stale(g for g, _ in taken)
         return {"groups": [g.model_dump(mode="json") for g, _ in taken], "wait_seconds": time.monotonic() - t0}
+
+    def _count_over_stale(self, groups: Any) -> None:
+        """Count the groups about to be trained whose head version is older than v - eta (counted once: when trained).
+        Always none with staleness.dropStaleGroups, whose _usable dropped them at this version."""
+        late = [g for g in groups if self.book.bound.is_stale(g.head_version, self.version)]
+        self.over_stale += len(late)
+        for g in late:
+            log.info("training group %s over the staleness bound: head version %d < %d - %d (the behaviour-weight cap "
+                     "corrects it)", g.group_id, g.head_version, self.version, self.eta)

@@ -103,6 +103,7 @@ class PersistMixin:
             ck.restore_rng_state(ck.read_torch(path, rng.name))
         self.step, self.version = int(state["step"]), int(state["version"])
         self.dropped_stale = int(state.get("dropped_stale", 0))
+        self.over_stale = int(state.get("over_stale", 0))  # absent in checkpoints from before the count
         self.failed_groups = int(state.get("failed_groups", 0))  # absent in checkpoints from before the count
         self.answered_request = state.get("answered_request")
         self.book.load_state(state["tickets"])
@@ -204,7 +205,8 @@ class PersistMixin:
     def _checkpoint_state(self, row: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0: trainer_state.json of a checkpoint of this step (the ticket book, counters, this step's metrics row)."""
         info = {"step": self.step, "policy_version": self.version, "path": str(self.ckpt_root / ck.checkpoint_name(self.step)), "time": time.time()}
-        return {"version": self.version, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "tickets": self.book.state(),
+        return {"version": self.version, "dropped_stale": self.dropped_stale, "over_stale": self.over_stale, "failed_groups": self.failed_groups,
+                "tickets": self.book.state(),
                 "answered_request": self.answered_request, "total_steps": self.total_steps, "checkpoint": info,
                 "world_size": self.info.world_size, "experiment": self.exp.name, "metrics_row": row}
 

@@ -25,7 +25,7 @@ class ReportMixin:
         """This step's metrics.jsonl row (rank 0), made before train.checkpoint: the checkpoint keeps a copy, so that a
         trainer killed between its checkpoint and its report still gets the row written, on resume (restore_row)."""
         row = {"step": self.step, "time": time.time(), "policy_version": self.version, "samples_per_second": self._sps(stats),
-               "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, **stats}
+               "dropped_stale": self.dropped_stale, "over_stale": self.over_stale, "failed_groups": self.failed_groups, **stats}
         if self.evals is not None:  # held-out evaluation: issue a due round, merge the finished ones (never waits)
             row.update(await self.evals.poll(self.bus.bus, self.step, self.version))
         return row
@@ -59,10 +59,10 @@ class ReportMixin:
             self._write_row(row)
             secs = sum(s for _, s in self.recent)
             eta_s = (self.total_steps - self.step) * secs / len(self.recent)
-            log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d failed %d "
+            log.info("step %d/%d v%d reward %.3f loss %.4f entropy %.3f samples/s %.1f staleness %.2f (max %d) dropped %d over-stale %d failed %d "
                      "wait %.0f%% ETA %s", self.step, self.total_steps, self.version, row["reward_mean"], row["loss"],
                      row.get("entropy", float("nan")), row["samples_per_second"], row["staleness_mean"], row["staleness_max"],
-                     self.dropped_stale, self.failed_groups, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
+                     self.dropped_stale, self.over_stale, self.failed_groups, 100 * progress["trainer_wait_fraction"], _fmt_eta(eta_s))
         await self.bus.put_progress(progress)
 
     def _ensure_tracking(self) -> None:
@@ -102,7 +102,8 @@ class ReportMixin:
         return {"step": self.step, "total_steps": getattr(self, "total_steps", None),
                 "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
-                "staleness_max": None, "dropped_stale": self.dropped_stale, "failed_groups": self.failed_groups, "trainer_wait_fraction": None,
+                "staleness_max": None, "dropped_stale": self.dropped_stale, "over_stale": self.over_stale, "failed_groups": self.failed_groups,
+                "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
                 "checkpoint": self.last_checkpoint, "time": time.time(), "eval": getattr(getattr(self, "evals", None), "last", None),
                 **self.last_numbers}

@@ -64,6 +64,7 @@ class SetUpMixin:
         if self.info.is_main:
             for note in self.cfg.notes:
                 log.info("algorithm: %s", note)
+            self.warn_stale_drop()  # collect.py: staleness.dropStaleGroups biases training toward short answers
         with spec_errors():  # model.path not on the volume, no config.json, an unknown builtin...
             self.model_dir = resolve_model(self.spec.model, self.workdir)
         on_gpu = self.info.device.type != "cpu"  # cuda, or npu on Ascend (dist.choose_device)

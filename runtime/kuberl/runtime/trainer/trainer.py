@@ -71,6 +71,8 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.B, self.n = self.spec.algorithm.batch_size, self.cfg.group_size
         self.ragged = self.spec.workflow.export_style == "individual"  # one sample per agent call: groups of >= n samples
         self.eta = self.spec.staleness.max_head_offpolicyness
+        # staleness.dropStaleGroups: drop groups older than v - eta (opt-in, biased toward short answers) or train them.
+        self.drop_stale = self.spec.staleness.drop_stale_groups
         self.max_steps = max_steps
         # Give up (failed) when no trajectory arrives for this long; None = wait forever.
         self.collect_timeout = collect_timeout
@@ -81,6 +83,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.step = 0
         self.version = 0
         self.dropped_stale = 0
+        self.over_stale = 0  # groups trained although older than v - eta (the default keeps them), this run
         self.failed_groups = 0  # tickets the agents gave up on (rollout.maxTicketAttempts failed deliveries)
         self.answered_request: str | None = None
         self.held: list[Any] = []  # bus handles of groups trained or accounted, not yet covered by a checkpoint
