@@ -46,6 +46,7 @@ INSTALL_SCRIPT = ROOT / "scripts" / "install-control-plane.sh"
 EXIT_CODE_ANNOTATION = "kwok.kuberl.io/exit-code"
 WAITING_REASON_ANNOTATION = "kwok.kuberl.io/waiting-reason"
 MESSAGE_ANNOTATION = "kwok.kuberl.io/message"
+HOLD_TERMINATION_ANNOTATION = "kwok.kuberl.io/hold-termination"
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 NPU_TAINT = {"key": "huawei.com/Ascend910", "value": "present", "effect": "NoSchedule"}
@@ -317,6 +318,13 @@ class ControlPlane:
         for pod in pods:
             self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", f"{MESSAGE_ANNOTATION}={message}",
                          f"{EXIT_CODE_ANNOTATION}={code}")
+
+    def hold_termination(self, namespace: str, pods: Sequence[str], hold: bool = True) -> None:
+        """A deleted pod stays terminating while held (a long grace period, a node that stopped answering); released
+        (hold=False), KWOK finishes its deletion."""
+        value = f"{HOLD_TERMINATION_ANNOTATION}=true" if hold else f"{HOLD_TERMINATION_ANNOTATION}-"
+        for pod in pods:
+            self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", value)
 
     def session(self) -> Any:
         """A requests.Session acting as the admin: the bearer token, TLS checked against this cluster's CA."""

@@ -454,3 +454,55 @@ def test_an_immutable_child_field_is_reported_and_the_rest_applied(api: Api, exp
              and s.get("observedGeneration") == api.experiment(e)["metadata"]["generation"]
              and any(c["type"] == "Reconciled" and c["status"] == "True" for c in s.get("conditions", [])),
              timeout=180)
+
+
+def test_an_edit_the_api_server_refuses_for_the_job_keeps_the_running_trainer(api: Api, experiment_name: str) -> None:
+    """A trainer pod template the Job's validation refuses (here a hostPath volume without a path, which the CRD's
+    open volume schema admits) is reported; the healthy trainer is neither deleted nor re-created. A valid template
+    change, immutable in a Job, still re-creates it."""
+    e = experiment_name
+    api.call("POST", RLX, manifest(e))
+    uid = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))["metadata"]["uid"]
+    api.trainer_pods(e)
+    api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"podTemplate": {"volumes": [{"name": "scratch", "hostPath": {}}]}}}})
+    cond = api.wait("Reconciled=False", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
+                                                        if c["type"] == "Reconciled" and c["status"] == "False"), None))
+    assert cond["reason"] == "ApplyFailed" and "hostPath.path" in cond["message"], cond
+    ev = api.wait("an ApplyFailed event", lambda: [x for x in api.events(e) if x["reason"] == "ApplyFailed"])
+    assert "hostPath.path" in ev[0]["message"], ev[0]
+    time.sleep(3)  # several reconciles: the Job stays
+    assert api.job(f"{e}-trainer")["metadata"]["uid"] == uid and "Recreated" not in api.event_reasons(e)
+    api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"podTemplate": {"volumes": [{"name": "scratch", "emptyDir": {}}]}}}})
+    new = api.wait("the Job re-created for the valid change", lambda: (j := api.job(f"{e}-trainer")) and j["metadata"]["uid"] != uid and j)
+    assert any(v["name"] == "scratch" for v in new["spec"]["template"]["spec"]["volumes"])
+    assert "Recreated" in api.event_reasons(e)
+
+
+def test_a_job_judged_failed_restarts_before_its_last_pod_is_gone_and_no_old_pod_meets_the_new_job(api: Api, experiment_name: str) -> None:
+    """Rank 0 fails; the Job controller sets FailureTarget and deletes rank 1, whose pod stays terminating (a long grace
+    period, a node that stopped answering). The operator reacts to FailureTarget at once, and creates the new Job only
+    once that pod is gone: a terminating old rank must never answer the new rank 0's name."""
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, trainer={"nodes": 2}, failurePolicy={"maxRestarts": 2, "backoffSeconds": 1}))
+    first = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))["metadata"]["uid"]
+    pods = sorted(api.trainer_pods(e))
+    rank0 = next(p for p in pods if p.startswith(f"{e}-trainer-0-"))
+    rank1 = next(p for p in pods if p != rank0)
+    api.cp.hold_termination(NS, [rank1])
+    api.cp.exit(NS, [rank0], 1)
+    api.wait("FailureTarget while rank 1 terminates", lambda: any(
+        c["type"] == "FailureTarget" and c["status"] == "True" for c in ((api.job(f"{e}-trainer") or {}).get("status") or {}).get("conditions", [])))
+    assert not any(c["type"] == "Failed" for c in api.job(f"{e}-trainer")["status"].get("conditions", []))
+    api.wait("status.restarts 1 (the operator reacted to FailureTarget)", lambda: (api.experiment(e).get("status") or {}).get("restarts") == 1)
+    assert "TrainerRestarted" in api.event_reasons(e)
+    held = api.get(f"/api/v1/namespaces/{NS}/pods/{rank1}")
+    assert held is not None and held["metadata"].get("deletionTimestamp"), "rank 1 must still be terminating for this test"
+    time.sleep(3)
+    job = api.job(f"{e}-trainer")
+    assert job is None or job["metadata"]["uid"] == first, "a new trainer Job was created while an old rank still terminated"
+    api.cp.hold_termination(NS, [rank1], hold=False)
+    new = api.wait("the new trainer Job", lambda: (j := api.job(f"{e}-trainer")) and j["metadata"]["uid"] != first and j, timeout=90)
+    assert api.get(f"/api/v1/namespaces/{NS}/pods/{rank1}") is None
+    assert new["spec"]["parallelism"] == 2
+    api.trainer_pods(e)  # both ranks of the new Job run
+    assert (api.experiment(e)["status"].get("restarts")) == 1, "\n".join(f"{x['reason']}: {x['message']} x{x.get('count')}" for x in api.events(e))

@@ -39,15 +39,39 @@ async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True, liv
     if live is _UNREAD:
         live = await kube().get(kind, ns, name)
     child = keep_pinned(child, live)  # an operator upgrade alone rolls nothing (builders.pinning)
+    if kind == "Job" and live is not None and being_deleted(live):
+        return False  # the old trainer's pods are still terminating: the new Job is created once they are gone
     try:
         await kube().apply(child)
     except KubeError as exc:
-        if not (exc.status == 422 and kind == "Job" and live is not None):
-            raise
+        if not (exc.status == 422 and kind == "Job" and live is not None and await only_the_template_is_immutable(exc, child)):
+            raise  # a refused edit (a typo, an invalid volume) is reported; the running trainer stays
         why = "its pod template changed (immutable in a Job)"
         await checkpoint_before_recreate(body, live, why)
         await recreate_job(body, child, why)
     return live is None
+
+
+def being_deleted(obj: dict[str, Any] | None) -> bool:
+    return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+
+
+async def only_the_template_is_immutable(exc: Any, job: dict[str, Any]) -> bool:
+    """Whether a 422 on a Job apply means only "spec.template is immutable" (re-creating the Job applies the change)
+    and not an invalid Job (re-creating would delete a healthy trainer and then fail to create the new one): every
+    cause is the immutable template, and a dry-run create of the new Job passes validation and admission (409
+    AlreadyExists, its name being taken, comes after both)."""
+    from kuberl.operator.kube import KubeError
+
+    causes = list(getattr(exc, "causes", None) or [])
+    if not causes or any(not str(c.get("field", "")).startswith("spec.template") or "immutable" not in str(c.get("message", ""))
+                         for c in causes):
+        return False
+    try:
+        await kube().create(job, dry_run=True)
+    except KubeError as dry:
+        return dry.status == 409
+    return True  # the name was free after all (deleted meanwhile): the new Job is valid
 
 
 async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> tuple[bool, list[str]]:
@@ -70,16 +94,28 @@ async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> t
     return created, notes
 
 
-async def recreate_job(body: Any, job: dict[str, Any], why: str) -> None:
+RECREATE_WAIT_SECONDS = 30.0
+"""How long re-creating the trainer Job waits for the old one's pods; after that the next reconcile creates it."""
+
+
+async def recreate_job(body: Any, job: dict[str, Any], why: str) -> bool:
+    """Delete the trainer Job in the foreground (the Job object stays until each of its pods is gone) and create it
+    anew once it is: an old pod, still terminating, must never answer the new rank 0's name (the Service selects the
+    Job's pods by name). Returns False when the old pods outlive RECREATE_WAIT_SECONDS: apply_children then creates
+    the Job on a later reconcile, once they are gone (the lifecycle leaves a Job being deleted alone)."""
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    await kube().delete("Job", ns, name, propagation="Background")
-    for _ in range(120):  # the API removes it promptly; its pods go through the garbage collector
-        if await kube().get("Job", ns, name) is None:
-            break
+    await kube().delete("Job", ns, name, propagation="Foreground")
+    deadline = asyncio.get_running_loop().time() + RECREATE_WAIT_SECONDS
+    while await kube().get("Job", ns, name) is not None:
+        if asyncio.get_running_loop().time() > deadline:
+            await event(body, "Normal", EventReason.RECREATED.value,
+                        f"Job {name} deleted ({why}); it is created again once its pods have terminated")
+            return False
         await asyncio.sleep(0.5)
     own_child(job, body)
     await kube().apply(job)
     await event(body, "Normal", EventReason.RECREATED.value, f"Job {name} re-created: {why}")
+    return True
 
 
 async def bus_token_for_children(exp: RLExperiment) -> str | None:

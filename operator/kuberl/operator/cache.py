@@ -32,7 +32,7 @@ WORKLOAD_INDEX = "kuberl_kueue_workloads"
 WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL,
            ("kueue.x-k8s.io", "workloads"): EXPERIMENT_LABEL}
 _LABELLED = {EXPERIMENT_LABEL: kopf.PRESENT}
-_META_KEYS = ("name", "namespace", "uid", "labels", "generation", "resourceVersion")
+_META_KEYS = ("name", "namespace", "uid", "labels", "generation", "resourceVersion", "deletionTimestamp")  # a Job being re-created
 
 
 def _meta(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,9 +56,11 @@ def own_child(child: Obj, owner: Mapping[str, Any]) -> Obj:
 class KubeError(Exception):
     """A failed API call: HTTP status, the Status reason and message."""
 
-    def __init__(self, status: int, reason: str, message: str, method: str = "", path: str = ""):
+    def __init__(self, status: int, reason: str, message: str, method: str = "", path: str = "",
+                 causes: list[dict[str, Any]] | None = None):
         super().__init__(f"{method} {path}: {status} {reason}: {message}")
         self.status, self.reason, self.message = status, reason, message
+        self.causes = causes or []  # the Status's details.causes: {reason, message, field} per refused field
 
 
 def path_for(kind: str, namespace: str | None = None, name: str | None = None, subresource: str | None = None,
@@ -150,12 +152,14 @@ class KubeClient:
                 _, _, self._refresh = self._reload()
                 return await self.request(method, path, params=params, body=body, content_type=content_type, _retried=True)
             if resp.status >= 300:
+                causes: list[dict[str, Any]] = []
                 try:
                     status = json.loads(text)
                     reason, message = status.get("reason", ""), status.get("message", text)
-                except ValueError:
+                    causes = list((status.get("details") or {}).get("causes") or [])
+                except (ValueError, AttributeError):
                     reason, message = resp.reason or "", text[:500]
-                raise KubeError(resp.status, reason, message, method, path)
+                raise KubeError(resp.status, reason, message, method, path, causes)
             return json.loads(text) if text else None
 
     # ------------------------------------------------------------------ objects
@@ -167,6 +171,14 @@ class KubeClient:
         if force:
             params["force"] = "true"
         return await self.request("PATCH", path, params=params, body=obj, content_type="application/apply-patch+yaml")
+
+    async def create(self, obj: Obj, *, dry_run: bool = False) -> Obj:
+        """POST a new object; `dry_run`: validated and admitted by the API server, then not stored (an existing name
+        then answers 409 AlreadyExists, after validation: so a 409 says the object itself is valid)."""
+        meta = obj["metadata"]
+        path = path_for(obj["kind"], meta.get("namespace"), api_version=obj["apiVersion"])
+        params = {"fieldManager": FIELD_MANAGER, "fieldValidation": "Strict"} | ({"dryRun": "All"} if dry_run else {})
+        return await self.request("POST", path, params=params, body=obj)
 
     async def get(self, kind: str, namespace: str | None, name: str, subresource: str | None = None) -> Obj | None:
         """The object, or None when it does not exist."""

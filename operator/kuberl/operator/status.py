@@ -245,7 +245,7 @@ def _failed_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Map
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
     restarts = _restarts(observed, old)
-    job_failed = _job_condition(job, "Failed")
+    job_failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")  # FailureTarget: pods still terminating
     invalid = [p for p in problems if p.reason == Reason.VALIDATION_FAILED]
     # 1. A spec that cannot be built fails until it is edited.
     if invalid:
@@ -312,7 +312,7 @@ def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Ma
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
     restarts = _restarts(observed, old)
-    job_failed = _job_condition(job, "Failed")
+    job_failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")  # FailureTarget: pods still terminating
     started = bool(old.get("startTime"))
     crash = next((p for p in observed.pod_problems if p.reason == "CrashLoopBackOff"), None)
     degraded = (Reason.CRASH_LOOP, f"pod {crash.pod} container {crash.container} keeps crashing: {crash.message}".rstrip(": ")) if crash else None
