@@ -47,7 +47,10 @@ class EvaluationSpec(KubeModel):
         default_factory=lambda: [1], max_length=8,
         description="k values of sampled pass@k (unbiased estimator 1 - C(n-c,k)/C(n,k) over samplesPerPrompt n); each 1 <= k <= samplesPerPrompt.",
     )
-    correct_reward: float = Field(1.0, description="A response counts as correct (pass@k) when its reward is at least this.")
+    correct_reward: float = Field(
+        1.0, description="A response counts as correct (pass@k, pass_at_1_greedy) when its reward is at least this: 1.0 fits 0/1 "
+                         "and +-1 rewards; for a reward model's scores, the score that means correct.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> EvaluationSpec:

@@ -109,7 +109,7 @@ from kuberl.api.roles import (
 )
 from kuberl.api.status import CheckpointStatus, Condition, ConditionType, Phase, RLExperimentStatus, RoleStatus, TrainingProgress
 from kuberl.api.tracking import TrackingSpec
-from kuberl.api.workflow import AgentExportStyle, DatasetSpec, ModelSpec, SandboxSpec, WorkflowSpec, WorkflowType
+from kuberl.api.workflow import PROMPT_SYSTEM_CHAT, AgentExportStyle, DatasetSpec, ModelSpec, PromptSpec, SandboxSpec, WorkflowSpec, WorkflowType
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
@@ -187,6 +187,7 @@ __all__ = [
     "RolloutSpec",
     "SHORT_NAMES",
     "SINGULAR",
+    "PromptSpec",
     "SandboxSpec",
     "SchedulingSpec",
     "SecretKeyRef",
@@ -328,6 +329,10 @@ class RLExperimentSpec(KubeModel):
          f"({_or('self.weightSync.mode', 'disk')} != 'broadcast' && !has(self.algorithm.lora) && "
          f"(has(self.allocation) ? self.allocation.startsWith('vllm:') : {_or(_RP + '.engine', 'vllm')} == 'vllm'))",
          KEEP_NEEDS_VLLM_FILES, ".weightSync.inFlight"),
+        # A system message needs the chat template, which only the builtin single/multi-turn workflows apply.
+        ("!has(self.dataset.prompt) || !has(self.dataset.prompt.system) || !has(self.workflow) || "
+         "((has(self.workflow.useChatTemplate) ? self.workflow.useChatTemplate : true) && "
+         f"{_or('self.workflow.type', 'rlvr')} in ['rlvr', 'multi-turn'])", PROMPT_SYSTEM_CHAT, ".dataset.prompt.system"),
     )
 
     model: ModelSpec = Field(description="The policy model.")
@@ -389,6 +394,9 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.weightSync.mode", "broadcast", BROADCAST_NO_LORA)
         if self.weight_sync.in_flight == "keep" and (r.engine != "vllm" or self.weight_sync.mode == "broadcast" or self.algorithm.lora is not None):
             raise FieldError("spec.weightSync.inFlight", "keep", KEEP_NEEDS_VLLM_FILES)
+        prompt, w = self.dataset.prompt, self.workflow
+        if prompt is not None and prompt.system is not None and (not w.use_chat_template or w.type not in (WorkflowType.RLVR, WorkflowType.MULTI_TURN)):
+            raise FieldError("spec.dataset.prompt.system", "set", PROMPT_SYSTEM_CHAT)
         return self
 
     @property

@@ -37,6 +37,45 @@ class ModelSpec(KubeModel):
         return self
 
 
+PROMPT_ONE_FORM = "set at most one of dataset.prompt.instruction and dataset.prompt.template (a template places its instruction itself)"
+PROMPT_PLACEHOLDER = "dataset.prompt.template needs the placeholder {prompt} where the item's prompt goes"
+PROMPT_SYSTEM_CHAT = ("dataset.prompt.system needs workflow.useChatTemplate true and workflow.type rlvr or multi-turn "
+                      "(raw prompts have no system role; agent and custom workflows build their own messages)")
+
+
+class PromptSpec(KubeModel):
+    """How an item's prompt becomes the user message (AReaL's dataset recipes; TRL's system prompt), the same in training
+    and evaluation. The chat template itself is workflow.useChatTemplate."""
+
+    model_config = _cel(
+        ("!has(self.instruction) || !has(self.template)", PROMPT_ONE_FORM),
+        ("!has(self.template) || self.template.contains('{prompt}')", PROMPT_PLACEHOLDER, ".template"),
+    )
+    system: str | None = Field(
+        None, min_length=1, max_length=16384,
+        description="System message before the user message, through the tokenizer's chat template "
+                    "(needs workflow.useChatTemplate true and workflow.type rlvr or multi-turn).",
+    )
+    instruction: str | None = Field(
+        None, min_length=1, max_length=16384,
+        description="Appended to every prompt after a newline, e.g. AReaL's GSM8K recipe: "
+                    "'Please put your final answer within \\boxed{}.' (the math reward reads the last \\boxed{}).",
+    )
+    template: str | None = Field(
+        None, min_length=1, max_length=16384,
+        description="The whole user message with {prompt} where the item's prompt goes, e.g. 'Question: {prompt}\\nAnswer:' "
+                    "for a base model; every other character, braces included, is kept as written. Not with instruction.",
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> PromptSpec:
+        if self.instruction is not None and self.template is not None:
+            raise ValueError(PROMPT_ONE_FORM)
+        if self.template is not None and "{prompt}" not in self.template:
+            raise ValueError(PROMPT_PLACEHOLDER)
+        return self
+
+
 class DatasetSpec(KubeModel):
     """Prompts and reference answers: a Hugging Face data set, files on a path, or a builtin synthetic task."""
 
@@ -56,6 +95,10 @@ class DatasetSpec(KubeModel):
     prompt_field: str = Field("question", description="Field holding the prompt.", min_length=1)
     answer_field: str = Field("answer", description="Field holding the reference answer.", min_length=1)
     shuffle: bool = Field(True, description="Shuffle items each epoch (seeded by spec.seed).")
+    prompt: PromptSpec | None = Field(
+        None, description="System message, instruction or template applied to every prompt, in training and evaluation "
+                          "(and the text reward functions receive); unset: the prompt field as it is.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -113,10 +156,25 @@ class WorkflowSpec(KubeModel):
     )
     reward: str = Field(
         "math",
-        description="Reward function: a registered name (math, exact-match, repeat-digit) or an import path `package.module:function`.",
+        description="Reward function: a registered name (math, exact-match, repeat-digit, add-small) or an import path "
+                    "`package.module:function(prompt, completion, answer)` returning a finite number (any range: 0/1, +-1, a reward "
+                    "model's score); NaN or infinity rejects the item's group, its reason logged.",
         pattern=r"^([a-z0-9][-a-z0-9]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
     )
-    use_chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+    reward_timeout_seconds: float = Field(
+        15.0, gt=0.0, le=3600.0,
+        description="Limit per scored response (AReaL's default 15 s); past it the reward is 0, the response is logged with its "
+                    "item and counted (kuberl_agent_reward_timeouts_total), and the stuck worker process is replaced.",
+    )
+    reward_workers: int = Field(
+        4, ge=1, le=256,
+        description="Worker processes per rollout agent that score responses in parallel, off the agent's event loop "
+                    "(a reward that cannot be sent to a process, e.g. a lambda, runs on as many threads).",
+    )
+    use_chat_template: bool = Field(
+        True, description="Wrap prompts in the tokenizer's chat template, with dataset.prompt.system as the system message "
+                          "(refused when the tokenizer has none); false: the prompt text as it is, for base models.",
+    )
     workflow_class: str | None = Field(
         None, alias="class", pattern=_IMPORT_PATH,
         description="custom: `package.module:Class` with `async arun_episode(engine, item, ctx)` (docs/agents.md); "

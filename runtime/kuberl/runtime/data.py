@@ -2,7 +2,9 @@
 
 `load_items(spec.dataset, seed=spec.seed)` returns the same list in every role, so a Ticket only names
 an index. Sources: the builtin synthetic tasks (no download), local .jsonl/.json/.parquet files or a
-saved `datasets` folder, or a Hugging Face data set id (via the `datasets` package).
+saved `datasets` folder, or a Hugging Face data set id (via the `datasets` package). dataset.prompt's
+instruction or template is applied here (`format_prompt`), to training and held-out items alike; its
+system message and the chat template are applied where the workflows tokenize (rollout/workflows.py).
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kuberl.api.v1alpha1 import DatasetSpec
+from kuberl.api.v1alpha1 import DatasetSpec, PromptSpec
 
 # In a pod, a data set PVC is mounted read-only here (the operator mounts claim `c` at /data/c).
 DATA_VOLUME_ROOT = os.environ.get("KUBERL_DATA_VOLUME_ROOT", "/data")
@@ -37,6 +39,28 @@ class Item:
 
 class DatasetError(ValueError):
     """A data set cannot be loaded; the message names the field, file or row."""
+
+
+PROMPT_PLACEHOLDER = "{prompt}"
+
+
+def format_prompt(text: str, prompt: PromptSpec | None) -> str:
+    """The user message for an item's prompt text: `text`, text + newline + instruction, or the template with
+    {prompt} replaced. A plain replace, not str.format: LaTeX braces (\\boxed{}) in a template stay as written."""
+    if prompt is None:
+        return text
+    if prompt.template is not None:
+        return prompt.template.replace(PROMPT_PLACEHOLDER, text)
+    if prompt.instruction is not None:
+        return f"{text}\n{prompt.instruction}"
+    return text
+
+
+def formatted(items: list[Item], prompt: PromptSpec | None) -> list[Item]:
+    """Items whose prompt is the formatted user message (unchanged without dataset.prompt)."""
+    if prompt is None or (prompt.template is None and prompt.instruction is None):
+        return items
+    return [replace(it, prompt=format_prompt(it.prompt, prompt)) for it in items]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +206,7 @@ def rows_to_items(rows: list[Any], prompt_field: str, answer_field: str, source:
 def load_items(spec: DatasetSpec, seed: int = 1) -> list[Item]:
     """Every item of the data set (at most spec.size), in a fixed order; shuffling per epoch is the trainer's."""
     if spec.builtin is not None:
-        return builtin_items(spec.builtin, spec.size or DEFAULT_BUILTIN_SIZE, seed)
+        return formatted(builtin_items(spec.builtin, spec.size or DEFAULT_BUILTIN_SIZE, seed), spec.prompt)
     if spec.path is not None:
         path = resolve_data_path(spec)
         rows = _read_rows(path, spec.split)
@@ -195,7 +219,7 @@ def load_items(spec: DatasetSpec, seed: int = 1) -> list[Item]:
     items = rows_to_items(rows, spec.prompt_field, spec.answer_field, source)
     if not items:
         raise DatasetError(f"{source}: no rows")
-    return items
+    return formatted(items, spec.prompt)
 
 
 def epoch_order(num_items: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -227,7 +251,7 @@ def load_eval_items(spec: Any) -> list[Item]:
             raise DatasetError(str(exc).replace("dataset.path", "evaluation.path", 1)) from None
         source = f"evaluation.path {ev.path}"
     elif ds.builtin is not None:
-        return builtin_items(ds.builtin, ev.size or DEFAULT_EVAL_BUILTIN_SIZE, f"{spec.seed}:eval:{ev.split}")
+        return formatted(builtin_items(ds.builtin, ev.size or DEFAULT_EVAL_BUILTIN_SIZE, f"{spec.seed}:eval:{ev.split}"), ds.prompt)
     elif ds.path is not None:
         path = resolve_data_path(ds)
         if not path.is_dir():
@@ -248,4 +272,4 @@ def load_eval_items(spec: Any) -> list[Item]:
     items = rows_to_items(rows, ds.prompt_field, ds.answer_field, source)
     if not items:
         raise DatasetError(f"{source}: no rows")
-    return items
+    return formatted(items, ds.prompt)  # the training items' format: evaluation measures the prompt trained on

@@ -141,6 +141,8 @@ AGENT_COUNTERS: dict[str, tuple[str, str]] = {
     "weight_updates": ("kuberl_agent_weight_updates", "Weight updates loaded into the engine"),
     "evaluated": ("kuberl_agent_eval_tickets", "Held-out evaluation tickets done"),
     "samples": ("kuberl_agent_samples", "Samples (episodes) in published groups"),
+    "reward_timeouts": ("kuberl_agent_reward_timeouts", "Responses whose reward ran past workflow.rewardTimeoutSeconds (scored 0)"),
+    "rewards_refused": ("kuberl_agent_rewards_refused", "Rewards that were not finite numbers (their groups rejected)"),
 }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.runtime import reward_pool
 from kuberl.runtime.aio import cancel_requested, raise_if_cancelling
 from kuberl.runtime.algorithms import resolve_algorithm
 from kuberl.runtime.bus import Bus, Lease, Ticket, TrajectoryGroup
@@ -55,6 +56,16 @@ class AgentStats:
     samples: int = 0
     reward_sum: float = 0.0
     started: float = 0.0
+
+    @property
+    def reward_timeouts(self) -> int:
+        """Responses whose reward ran past workflow.rewardTimeoutSeconds (scored 0), training and evaluation."""
+        return reward_pool.COUNTS.timeouts
+
+    @property
+    def rewards_refused(self) -> int:
+        """Rewards that were not finite numbers (NaN, infinity): their groups were rejected."""
+        return reward_pool.COUNTS.refused
 
 
 class RolloutAgent:
@@ -333,8 +344,8 @@ class RolloutAgent:
             rate = (s.published + s.rejected) / max(time.monotonic() - s.started, 1e-9)
             mean = s.reward_sum / s.samples if s.samples else float("nan")
             log.info("agent %s: %d groups published, %d rejected, %d failed attempts, %d failed groups, %d started behind "
-                     "(%.2f groups/s), mean reward %.3f, v%d, %d in flight", self.agent_id, s.published, s.rejected, s.failed,
-                     s.failed_groups, s.started_behind, rate, mean, self.engine.version, len(self._episodes))
+                     "(%.2f groups/s), mean reward %.3f, %d reward timeouts, v%d, %d in flight", self.agent_id, s.published, s.rejected,
+                     s.failed, s.failed_groups, s.started_behind, rate, mean, s.reward_timeouts, self.engine.version, len(self._episodes))
 
     def _start(self, episode: Any, name: str, slots: asyncio.Semaphore) -> None:
         task = asyncio.create_task(episode, name=name)

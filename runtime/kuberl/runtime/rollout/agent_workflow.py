@@ -31,7 +31,8 @@ from kuberl.api.v1alpha1 import SandboxSpec
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import InferenceEngine
-from kuberl.runtime.rewards import RewardFn, score
+from kuberl.runtime.reward_pool import RewardPool
+from kuberl.runtime.rewards import RewardFn
 from kuberl.runtime.rollout.openai_proxy import CallRecord, OpenAIProxy
 from kuberl.runtime.rollout.registry import WorkflowError, WorkflowSetup, import_path
 from kuberl.runtime.rollout.workflows import SamplingConfig
@@ -145,7 +146,7 @@ class AgentWorkflow:
 
     def __init__(self, agent_fn: Any, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
                  timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent",
-                 export_style: str = "concat", turn_discount: float = 1.0) -> None:
+                 export_style: str = "concat", turn_discount: float = 1.0, scorer: RewardPool | None = None) -> None:
         if not callable(agent_fn):
             raise WorkflowError(f"workflow.agent: {name!r} is a {type(agent_fn).__name__}, not a function")
         self.agent_fn = agent_fn
@@ -160,6 +161,11 @@ class AgentWorkflow:
         self.sampling = sampling
         self.reward_fn = reward_fn
         self.reward_name = reward_name
+        if scorer is None:
+            from kuberl.runtime.rollout.workflows import _default_pool
+
+            scorer = _default_pool(reward_fn, reward_name)
+        self.scorer = scorer  # workflow.reward off the event loop, with workflow.rewardTimeoutSeconds
         self.timeout = timeout_seconds
         self.sandbox = sandbox or SandboxSpec()
         if export_style not in ("concat", "individual"):
@@ -180,7 +186,8 @@ class AgentWorkflow:
         w = setup.spec.workflow
         fn = import_path(w.agent or "", "workflow.agent")
         return cls(fn, setup.tokenizer, setup.sampling, setup.reward_fn, reward_name=w.reward, timeout_seconds=w.episode_timeout_seconds,
-                   sandbox=w.sandbox, name=w.agent or "agent", export_style=str(w.export_style or "concat"), turn_discount=w.turn_discount)
+                   sandbox=w.sandbox, name=w.agent or "agent", export_style=str(w.export_style or "concat"), turn_discount=w.turn_discount,
+                   scorer=setup.scorer)
 
     async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
         async with self._proxy_lock:
@@ -272,7 +279,7 @@ class AgentWorkflow:
             last = calls[-1]
             final = last.reply["content"] if last.reply is not None else last.text
             try:
-                reward = score(self.reward_fn, item.prompt, final, item.answer, name=self.reward_name)
+                reward = await self.scorer.score(item.prompt, final, item.answer, where=f"item {item.index} ({episode})")
             except Exception as exc:  # noqa: BLE001  a user reward function: same treatment as the agent
                 raise EpisodeFailed("reward", f"workflow.reward {self.reward_name} failed on the final answer: {exc}") from exc
         else:

@@ -18,6 +18,7 @@ from kuberl.api.v1alpha1 import RLExperimentSpec
 from kuberl.runtime.bus.messages import Sample
 from kuberl.runtime.data import Item
 from kuberl.runtime.inference.base import InferenceEngine
+from kuberl.runtime.reward_pool import RewardPool, pool_for
 from kuberl.runtime.rewards import RewardFn, resolve_reward
 
 
@@ -54,6 +55,8 @@ class WorkflowSetup:
     tokenizer: Any
     sampling: Any  # workflows.SamplingConfig: n, max_new_tokens, temperature, top_p, stop_token_ids, max_total_tokens
     reward_fn: RewardFn
+    # `await scorer.score(prompt, completion, answer)`: reward_fn in worker processes, workflow.rewardTimeoutSeconds each
+    scorer: RewardPool | None = None
 
 
 def import_path(path: str, what: str) -> Any:
@@ -75,16 +78,18 @@ def import_path(path: str, what: str) -> Any:
 def _rlvr(setup: WorkflowSetup) -> RolloutWorkflow:
     from kuberl.runtime.rollout.workflows import RLVRWorkflow
 
-    w = setup.spec.workflow
-    return RLVRWorkflow(setup.tokenizer, setup.reward_fn, setup.sampling, use_chat_template=w.use_chat_template, reward_name=w.reward)
+    w, prompt = setup.spec.workflow, setup.spec.dataset.prompt
+    return RLVRWorkflow(setup.tokenizer, setup.reward_fn, setup.sampling, use_chat_template=w.use_chat_template, reward_name=w.reward,
+                        system=prompt.system if prompt else None, scorer=setup.scorer)
 
 
 def _multi_turn(setup: WorkflowSetup) -> RolloutWorkflow:
     from kuberl.runtime.rollout.workflows import MultiTurnWorkflow
 
-    w = setup.spec.workflow
+    w, prompt = setup.spec.workflow, setup.spec.dataset.prompt
     return MultiTurnWorkflow(setup.tokenizer, setup.reward_fn, setup.sampling, max_turns=w.max_turns, turn_discount=w.turn_discount,
-                             use_chat_template=w.use_chat_template, reward_name=w.reward)
+                             use_chat_template=w.use_chat_template, reward_name=w.reward, system=prompt.system if prompt else None,
+                             scorer=setup.scorer)
 
 
 def _agent(setup: WorkflowSetup) -> RolloutWorkflow:
@@ -136,5 +141,8 @@ def build_workflow(spec: RLExperimentSpec, tokenizer: Any, sampling: Any) -> Rol
     kind = str(spec.workflow.type)
     if kind not in WORKFLOWS:
         raise WorkflowError(f"workflow.type: unknown workflow {kind!r} (known: {', '.join(sorted(WORKFLOWS))})")
-    setup = WorkflowSetup(spec=spec, tokenizer=tokenizer, sampling=sampling, reward_fn=resolve_reward(spec.workflow.reward))
+    w = spec.workflow
+    reward_fn = resolve_reward(w.reward)
+    scorer = pool_for(reward_fn, name=w.reward, workers=w.reward_workers, timeout_seconds=w.reward_timeout_seconds)
+    setup = WorkflowSetup(spec=spec, tokenizer=tokenizer, sampling=sampling, reward_fn=reward_fn, scorer=scorer)
     return WORKFLOWS[kind](setup)

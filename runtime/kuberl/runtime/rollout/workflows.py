@@ -9,6 +9,7 @@ version of the weights that produced it (`PartialGeneration`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,7 +21,10 @@ from kuberl.runtime.inference.base import (
     GenerateResult,
     InferenceEngine,
 )
-from kuberl.runtime.rewards import RewardFn, score
+from kuberl.runtime.reward_pool import RewardPool, pool_for
+from kuberl.runtime.rewards import RewardFn, RewardRefused
+
+log = logging.getLogger(__name__)
 
 MAX_CONTINUATIONS = 1000  # aborts one generation may survive (each is one weight update)
 DEFAULT_FEEDBACK = "Your answer is not correct. Try again."
@@ -138,26 +142,63 @@ async def continue_generation(engine: InferenceEngine, gen: PartialGeneration) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _prompt_text(tokenizer: Any, prompt: str, use_chat_template: bool) -> str:
-    if use_chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    return prompt
+class PromptError(ValueError):
+    """Prompts cannot be built as configured (no chat template, a template that refuses the system role)."""
+
+
+def prompt_text(tokenizer: Any, prompt: str, use_chat_template: bool, system: str | None = None) -> str:
+    """The text a prompt is tokenized from. `prompt` is the user message (dataset.prompt's instruction or template
+    already applied by data.load_items); with the chat template it follows `system`, else it is used as it is."""
+    if not use_chat_template:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def check_prompts(tokenizer: Any, use_chat_template: bool, system: str | None) -> None:
+    """Refuse at start-up, not per episode, prompts that cannot be built: the chat template missing or refusing."""
+    if system and not use_chat_template:
+        raise PromptError("dataset.prompt.system needs workflow.useChatTemplate true (raw prompts have no system role)")
+    if not use_chat_template:
+        return
+    if getattr(tokenizer, "chat_template", "") is None:
+        raise PromptError("workflow.useChatTemplate is true but the model's tokenizer has no chat template (a base model?): set "
+                          "workflow.useChatTemplate false and give the prompt format with dataset.prompt.template")
+    try:
+        prompt_text(tokenizer, "1 + 1?", True, system)
+    except Exception as exc:  # noqa: BLE001  the model's Jinja template: its own words say why
+        raise PromptError(f"the tokenizer's chat template cannot build a prompt{' with a system message' if system else ''}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+
+
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _default_pool(reward_fn: RewardFn, name: str) -> RewardPool:
+    """The pool of a workflow built without one: workflow.rewardWorkers and rewardTimeoutSeconds at their defaults."""
+    from kuberl.api.v1alpha1 import WorkflowSpec
+
+    fields = WorkflowSpec.model_fields
+    return pool_for(reward_fn, name=name, workers=fields["reward_workers"].default, timeout_seconds=fields["reward_timeout_seconds"].default)
+
+
 class RLVRWorkflow:
-    """Single turn: chat-templated prompt -> n sampled responses -> verifiable reward each."""
+    """Single turn: chat-templated prompt -> n sampled responses -> verifiable reward each (scored in `scorer`'s pool)."""
 
     def __init__(self, tokenizer: Any, reward_fn: RewardFn, sampling: SamplingConfig, *, use_chat_template: bool = True,
-                 reward_name: str = "reward") -> None:
+                 reward_name: str = "reward", system: str | None = None, scorer: RewardPool | None = None) -> None:
+        check_prompts(tokenizer, use_chat_template, system)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.reward_name = reward_name
         self.sampling = sampling
         self.use_chat_template = use_chat_template
+        self.system = system
+        self.scorer = scorer or _default_pool(reward_fn, reward_name)
+
 
     def _request(self, prompt_ids: list[int], max_new: int, seed: int | None) -> GenerateRequest:
         s = self.sampling
@@ -173,23 +214,42 @@ class RLVRWorkflow:
 
     async def _one(self, engine: InferenceEngine, item: Item, prompt_ids: list[int], seed: int | None) -> Sample:
         gen = await generate_continuing(engine, prompt_ids, self._request(prompt_ids, self.sampling.max_new_tokens, seed))
-        return self._sample(item, prompt_ids, gen)
+        return await self._sample(item, prompt_ids, gen)
 
-    def _sample(self, item: Item, prompt_ids: list[int], gen: PartialGeneration) -> Sample:
-        reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
+    async def _score(self, item: Item, output_ids: list[int]) -> float:
+        """The response's reward from the pool (0 on timeout, counted there); RewardRefused for NaN/inf."""
+        return await self.scorer.score(item.prompt, self._text(output_ids), item.answer, where=f"item {item.index}")
+
+    async def _sample(self, item: Item, prompt_ids: list[int], gen: PartialGeneration) -> Sample:
+        reward = await self._score(item, gen.output_ids)
         return Sample(input_ids=prompt_ids, output_ids=gen.output_ids, logprobs=gen.logprobs, versions=gen.versions,
                       loss_mask=[1] * len(gen.output_ids), reward=reward, num_turns=1, finish_reason=gen.finish_reason or "stop")
 
     # One n-sample request per episode (generate_group) rather than n: single-turn, unseeded episodes only.
     group_requests = True
 
+    def prompt_ids(self, item: Item) -> list[int]:
+        """The prompt's tokens: the item's user message, the system message and the chat template as configured."""
+        return _encode(self.tokenizer, prompt_text(self.tokenizer, item.prompt, self.use_chat_template, self.system))
+
     async def arun_episode(self, engine: InferenceEngine, item: Item, ctx: EpisodeContext) -> list[Sample] | None:
-        prompt_ids = _encode(self.tokenizer, _prompt_text(self.tokenizer, item.prompt, self.use_chat_template))
+        """The group's samples; None (the group rejected, the reason logged) when a reward is not a finite number."""
+        try:
+            return await self._episode(engine, item, ctx)
+        except RewardRefused as exc:
+            log.warning("ticket %s, item %d: group rejected: %s", ctx.ticket_id or "-", item.index, exc)
+            return None
+
+    async def _episode(self, engine: InferenceEngine, item: Item, ctx: EpisodeContext) -> list[Sample]:
+        prompt_ids = self.prompt_ids(item)
         if ctx.seed is None and self.group_requests and self.sampling.n > 1:
             req = self._request(prompt_ids, self.sampling.max_new_tokens, None)
-            return [self._sample(item, prompt_ids, g) for g in await generate_group(engine, prompt_ids, req, self.sampling.n)]
+            gens = await generate_group(engine, prompt_ids, req, self.sampling.n)
+            return list(await asyncio.gather(*(self._sample(item, prompt_ids, g) for g in gens)))
         seeds = [None if ctx.seed is None else ctx.seed * 1000 + i * 17 for i in range(self.sampling.n)]
         return list(await asyncio.gather(*(self._one(engine, item, prompt_ids, s) for s in seeds)))
+
+
 
 
 class MultiTurnWorkflow(RLVRWorkflow):
@@ -203,8 +263,9 @@ class MultiTurnWorkflow(RLVRWorkflow):
 
     def __init__(self, tokenizer: Any, reward_fn: RewardFn, sampling: SamplingConfig, *, max_turns: int,
                  turn_discount: float, use_chat_template: bool = True, feedback: str = DEFAULT_FEEDBACK,
-                 reward_name: str = "reward") -> None:
-        super().__init__(tokenizer, reward_fn, sampling, use_chat_template=use_chat_template, reward_name=reward_name)
+                 reward_name: str = "reward", system: str | None = None, scorer: RewardPool | None = None) -> None:
+        super().__init__(tokenizer, reward_fn, sampling, use_chat_template=use_chat_template, reward_name=reward_name,
+                         system=system, scorer=scorer)
         self.group_requests = False  # each sample's turns depend on its own earlier answers
         self.max_turns = max_turns
         self.turn_discount = turn_discount
@@ -246,7 +307,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
             vers += gen.versions
             mask += [1] * len(gen.output_ids)
             finish = gen.finish_reason or "stop"
-            reward = score(self.reward_fn, item.prompt, self._text(gen.output_ids), item.answer, name=self.reward_name)
+            reward = await self._score(item, gen.output_ids)
             if reward >= 1.0 or turn == self.max_turns or sum(mask) >= self.sampling.max_new_tokens:
                 break  # correct, out of turns, or out of budget (no feedback for a turn that cannot come)
             fb = self.feedback_ids(bool(gen.output_ids) and gen.output_ids[-1] in eos_ids)
