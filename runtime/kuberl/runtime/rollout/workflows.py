@@ -171,8 +171,6 @@ def check_prompts(tokenizer: Any, use_chat_template: bool, system: str | None) -
                           f"{type(exc).__name__}: {exc}") from exc
 
 
-
-
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -198,7 +196,6 @@ class RLVRWorkflow:
         self.use_chat_template = use_chat_template
         self.system = system
         self.scorer = scorer or _default_pool(reward_fn, reward_name)
-
 
     def _request(self, prompt_ids: list[int], max_new: int, seed: int | None) -> GenerateRequest:
         s = self.sampling
@@ -248,8 +245,6 @@ class RLVRWorkflow:
             return list(await asyncio.gather(*(self._sample(item, prompt_ids, g) for g in gens)))
         seeds = [None if ctx.seed is None else ctx.seed * 1000 + i * 17 for i in range(self.sampling.n)]
         return list(await asyncio.gather(*(self._one(engine, item, prompt_ids, s) for s in seeds)))
-
-
 
 
 class MultiTurnWorkflow(RLVRWorkflow):
