@@ -105,7 +105,9 @@ def tool_call(code: str) -> str:
 
 def run_tir(tokenizer, reply, spec=FAST):
     engine = ScriptedEngine(tokenizer, reply)
-    wf = AgentWorkflow(math_with_python, tokenizer, sampling(tokenizer, n=2), math_reward, reward_name="math", timeout_seconds=60, sandbox=spec)
+    # The episode's calls share maxNewTokens (exportStyle concat): room for MAX_TOOL_CALLS + 1 calls of ~80 tokens.
+    wf = AgentWorkflow(math_with_python, tokenizer, sampling(tokenizer, n=2, max_new=1024), math_reward, reward_name="math",
+                       timeout_seconds=60, sandbox=spec)
 
     async def go():
         try:
