@@ -83,6 +83,12 @@ PPO_UNSUPPORTED = (
     "algorithm.name ppo (PPO with a value critic) is not supported yet: the trainer has no critic model; "
     "use liteppo (critic-free PPO) or another algorithm"
 )
+# Stop conditions (algorithm.stopTokenIds, algorithm.stop): token ids are int32 in every tokenizer; engines check each
+# stop string after every token, so a few short ones (OpenAI allows 4).
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 TOP_P_UNSUPPORTED = (
     "algorithm.topP must be 1: the trainer scores softmax(logits / temperature) over the whole vocabulary, "
     "so a nucleus-truncated sampler would not be the policy it trains (lower algorithm.temperature to sharpen sampling)"
@@ -113,6 +119,18 @@ class AlgorithmSpec(KubeModel):
     )
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; must stay 1 (the trainer scores the untruncated policy).")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that also end a response, added to the model's own: the tokenizer's eos, the eos_token_id of "
+        "config.json and generation_config.json (one id or a list), the pad token, and the chat template's end-of-turn token "
+        "(e.g. <|im_end|>) when prompts use the template. The stop token stays in the response and is trained on; "
+        "an id outside the tokenizer's vocabulary fails the rollout at start.",
+    )
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS,
+        description="Strings that end a response (OpenAI's and vLLM's `stop`), e.g. [\"</answer>\"]: generation stops at the token "
+        "that completes one, and the response trained on ends with that token (the string is kept, not cut off).",
+    )
     learning_rate: float = Field(1.7e-5, gt=0.0, le=1.0, description="Learning rate.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer settings.")
     ppo_minibatches: int = Field(1, ge=1, le=64, description="Optimizer steps per training step (minibatches of the batch).")

@@ -305,3 +305,28 @@ async def test_a_server_without_kuberls_worker_extension_gets_an_error_naming_th
         assert await fresh.health()
     finally:
         await fresh.close()
+
+
+async def test_generation_stops_at_a_stop_id_or_string_and_ends_with_the_token_that_stopped_it(engine, vllm_server):
+    """algorithm.stopTokenIds and algorithm.stop through /inference/v1/generate: the output is the free (greedy) output up to
+    and including the token that stopped it, a stop id or the token completing a stop string, with one logprob each."""
+    await _load(engine, vllm_server.model_dir, 0)
+    tok, _ = _hf(vllm_server.model_dir)
+    prompt = _prompt(tok)
+
+    async def greedy(**stops):
+        return await engine.generate(GenerateRequest(prompt, max_new_tokens=16, temperature=0.0, **stops))
+
+    free = (await greedy()).output_ids
+    text = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731  as vLLM detokenises (skip_special_tokens false)
+    # A stop string spanning two tokens of clean text (the random model also says lone bytes of multibyte characters,
+    # which decode to U+FFFD).
+    ks = [i for i in range(3, 14) if text(free[i:i + 2]).strip() and "\ufffd" not in text(free[i:i + 2])]
+    assert ks, f"no clean two-token string in the greedy output {free} = {text(free)!r}"
+    k = ks[0]
+    by_id = await greedy(stop_token_ids=[free[k]])
+    assert by_id.finish_reason == "stop" and by_id.output_ids == free[: free.index(free[k]) + 1]
+    stop = text(free[k:k + 2])
+    end = next(i for i in range(1, len(free) + 1) if stop in text(free[:i]))  # the first token that completes it
+    by_str = await greedy(stop=[stop])
+    assert by_str.finish_reason == "stop" and by_str.output_ids == free[:end] and len(by_str.logprobs) == end

@@ -133,12 +133,13 @@ class TestMakeWorkflow:
             "algorithm": {"samplesPerPrompt": 6, "maxNewTokens": 12, "temperature": 0.8, "topP": 1.0},  # topP < 1 is refused
         })
 
-    def test_rlvr_takes_its_sampling_from_the_algorithm_and_stops_at_eos(self, tokenizer):
+    def test_rlvr_takes_its_sampling_from_the_algorithm_and_stops_at_eos_and_pad(self, tokenizer):
         wf = make_workflow(self.spec(), tokenizer, max_total_tokens=512)
         assert type(wf) is RLVRWorkflow
         s = wf.sampling
         assert (s.n, s.max_new_tokens, s.temperature, s.top_p, s.max_total_tokens) == (6, 12, 0.8, 1.0, 512)
-        assert s.stop_token_ids == [tokenizer.eos_token_id]
+        # The tiny model's eos is its end of turn <|im_end|>; its pad <|endoftext|> also stops (as AReaL); no strings.
+        assert s.stop_token_ids == [tokenizer.eos_token_id, tokenizer.pad_token_id] and s.stop == []
 
     def test_multi_turn_gets_its_turns_and_discount(self, tokenizer):
         wf = make_workflow(self.spec(type="multi-turn", maxTurns=3, turnDiscount=0.5), tokenizer)

@@ -41,7 +41,9 @@ class TestSGLang:
         assert body["input_ids"] == [1, 292, 201] and body["return_logprob"] is True and body["stream"] is False
         sp = body["sampling_params"]
         assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["stop_token_ids"]) == (16, 0.7, 0.9, [2])
-        assert sp["no_stop_trim"] is True and sp["ignore_eos"] is True and sp["sampling_seed"] == 5
+        assert sp["no_stop_trim"] is True and sp["sampling_seed"] == 5
+        # SGLang's ignore_eos would skip stop_token_ids too (every token-based stop): it must stay off.
+        assert sp["ignore_eos"] is False and "stop" not in sp
 
     def test_a_finished_response_gives_ids_logprobs_and_reason(self):
         res = sglang.parse_generate(SGLANG_STOP, version=3)

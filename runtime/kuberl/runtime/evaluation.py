@@ -181,13 +181,15 @@ class Evaluator:
         from kuberl.runtime.data import load_eval_items
         from kuberl.runtime.rollout.registry import build_workflow
         from kuberl.runtime.rollout.workflows import SamplingConfig
+        from kuberl.runtime.stop_tokens import stop_set_for
 
         ev, a = spec.evaluation, spec.algorithm
-        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        stops = stop_set_for(spec, tokenizer)  # the training rollouts' stop set: evaluated answers end where trained ones do
 
         def workflow(n: int, temperature: float) -> Any:
             return build_workflow(spec, tokenizer, SamplingConfig(n=n, max_new_tokens=a.max_new_tokens, temperature=temperature, top_p=a.top_p,
-                                                                  stop_token_ids=stop, max_total_tokens=max_total_tokens))
+                                                                  stop_token_ids=stops.ids, stop=list(stops.strings),
+                                                                  max_total_tokens=max_total_tokens))
 
         sampled = workflow(ev.samples_per_prompt, ev.temperature or a.temperature) if ev.samples_per_prompt else None
         return cls(load_eval_items(spec), sampled, workflow(1, 0.0) if ev.greedy else None)

@@ -18,8 +18,11 @@ FinishReason = Literal["stop", "length", "abort"]
 class GenerateRequest:
     """One sequence to generate from token ids (the workflows apply chat templates themselves).
 
-    Generation stops only at `stop_token_ids` (the stop token is kept in the output) or after
-    max_new_tokens; the model's own eos is not implied. temperature 0 = greedy.
+    Generation stops only at `stop_token_ids` (the stop token is kept in the output), at a `stop` string (the
+    output ends with the token that completes it: the string is kept, never cut out of the token ids), or after
+    max_new_tokens; the model's own eos is not implied (stop_tokens.py computes the set). temperature 0 = greedy.
+    A stop string split by a pause (an aborted piece ends inside it) is not seen by the continuation: the engine
+    matches the text it generated itself.
     """
 
     input_ids: list[int]
@@ -27,6 +30,7 @@ class GenerateRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     seed: int | None = None
 
 

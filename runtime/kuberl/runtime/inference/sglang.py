@@ -68,9 +68,15 @@ def generate_payload(req: GenerateRequest) -> dict:
         **NEUTRAL_SAMPLING,
         "stop_token_ids": list(req.stop_token_ids),
         "skip_special_tokens": False,
-        "ignore_eos": True,  # stop only on stop_token_ids (the workflows pass eos), as with vLLM
+        # Not ignore_eos: SGLang's ignore_eos skips every token-based stop, stop_token_ids included (Req.check_finished),
+        # so generation would always run to max_new_tokens. Without it SGLang also stops at the eos ids it reads from
+        # the model (config.json, generation_config.json, the tokenizer's eos), which the workflows' set holds already
+        # (SGLang adds <|eom_id|> where the vocabulary has one).
+        "ignore_eos": False,
         "no_stop_trim": True,  # keep the stop token in output_ids: the trainer must see it
     }
+    if req.stop:
+        sampling["stop"] = list(req.stop)  # matched on the decoded tail; output_ids end with the token completing it
     if req.seed is not None:
         sampling["sampling_seed"] = req.seed
     return {"input_ids": list(req.input_ids), "sampling_params": sampling, "return_logprob": True, "logprob_start_len": -1, "stream": False}

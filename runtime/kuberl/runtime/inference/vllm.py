@@ -287,12 +287,17 @@ class VLLMEngine(HTTPServerEngine):
             **NEUTRAL_SAMPLING,
             "logprobs": 0,  # the sampled token's logprob only
             "skip_special_tokens": False,
-            # Stop only where the request says (the workflows pass the tokenizer's eos), not on the
-            # model's generation_config: the same request means the same thing on every engine.
+            # Stop only where the request says (the workflows pass the model's stop set, stop_tokens.py), not on the
+            # tokenizer's eos alone: the same request means the same thing on every engine.
             "ignore_eos": True,
             "stop_token_ids": list(req.stop_token_ids),
             "detokenize": False,
         }
+        if req.stop:
+            # Stop strings are matched on the detokenised text, which vLLM refuses to do without detokenize. Their
+            # tokens stay in token_ids either way (vLLM cuts only the tokens after the one that completes the string);
+            # include_stop_str_in_output keeps the text consistent with them.
+            sampling.update(stop=list(req.stop), detokenize=True, include_stop_str_in_output=True)
         if req.seed is not None:
             sampling["seed"] = req.seed
         return {"model": model, "token_ids": list(req.input_ids), "sampling_params": sampling, "output_mode": "tokens",

@@ -195,9 +195,11 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def suffix_ids(self, messages: list[dict[str, Any]], k: int, tools: list | None, ended_with_eos: bool) -> list[int]:
+    def suffix_ids(self, messages: list[dict[str, Any]], k: int, tools: list | None, ended_with_eos: bool,
+                   stop_text: str | None = None) -> list[int]:
         """Tokens after assistant turn `k` (generated earlier, kept token for token): its closing, the later
-        messages, and the generation prompt; the turn's eos is dropped when the generation already ended with it."""
+        messages, and the generation prompt; the turn's closing token is dropped when the generation already ended with it
+        (`stop_text`: the text of the stop token it ended with; default the tokenizer's eos)."""
         msgs = copy.deepcopy(messages)
         msgs[k] = {"role": "assistant", "content": _MARKER}
         text = self.render(msgs, tools)
@@ -205,7 +207,7 @@ class ChatRenderer:
         if at < 0:
             raise ProxyError("the chat template dropped an earlier assistant turn; cannot continue its tokens")
         suffix = text[at + len(_MARKER):]
-        eos = getattr(self.tokenizer, "eos_token", None) or ""
+        eos = (stop_text if stop_text is not None else getattr(self.tokenizer, "eos_token", None)) or ""
         if ended_with_eos and eos and suffix.startswith(eos):
             suffix = suffix[len(eos):]
         return self.encode(suffix)
@@ -332,7 +334,8 @@ class OpenAIProxy:
             k = len(c.messages)
             if len(messages) > k and all(_same_turn(a, b) for a, b in zip(messages[:k], c.messages)) and _same_turn(messages[k], c.reply):
                 ended = bool(c.output_ids) and c.output_ids[-1] in self._eos_ids
-                return c.prompt_ids + c.output_ids + self.renderer.suffix_ids(messages, k, tools, ended)
+                stop_text = self.tokenizer.decode(c.output_ids[-1:]) if ended else None
+                return c.prompt_ids + c.output_ids + self.renderer.suffix_ids(messages, k, tools, ended, stop_text)
         return self.renderer.encode(self.renderer.render(messages, tools))
 
     async def _generate(self, s: Session, prompt_ids: list[int], body: dict[str, Any]):
@@ -345,7 +348,7 @@ class OpenAIProxy:
             spent.finish_reason = "length"
             return spent
         req = GenerateRequest(input_ids=prompt_ids, max_new_tokens=max_new, temperature=sp.temperature,
-                              top_p=sp.top_p, stop_token_ids=list(sp.stop_token_ids), seed=body.get("seed"))
+                              top_p=sp.top_p, stop_token_ids=list(sp.stop_token_ids), stop=list(sp.stop), seed=body.get("seed"))
         s.spent += max_new  # reserved: calls of one episode may run at once
         gen = None
         try:

@@ -38,7 +38,8 @@ class SamplingConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # stop_tokens.StopSet.ids: the model's ends of answer + the manifest's
+    stop: list[str] = field(default_factory=list)  # algorithm.stop: strings that end a response (kept in it)
     max_total_tokens: int | None = None  # prompt + response limit (the engine's context)
 
 
@@ -91,7 +92,7 @@ class PartialGeneration:
         return GenerateRequest(
             input_ids=self.prompt_ids + self.output_ids, max_new_tokens=self.remaining,
             temperature=self.base.temperature, top_p=self.base.top_p,
-            stop_token_ids=list(self.base.stop_token_ids), seed=seed,
+            stop_token_ids=list(self.base.stop_token_ids), stop=list(self.base.stop), seed=seed,
         )
 
     def add(self, res: GenerateResult) -> None:
@@ -204,7 +205,7 @@ class RLVRWorkflow:
         if max_new < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under the engine's {s.max_total_tokens}-token context")
         return GenerateRequest(input_ids=prompt_ids, max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p,
-                               stop_token_ids=list(s.stop_token_ids), seed=seed)
+                               stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), seed=seed)
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -266,8 +267,11 @@ class MultiTurnWorkflow(RLVRWorkflow):
         self.turn_discount = turn_discount
         self.feedback = feedback
 
-    def feedback_ids(self, ended_with_eos: bool) -> list[int]:
-        """Tokens that close the assistant turn (unless its eos already did) and add the user's feedback."""
+    def feedback_ids(self, ended_with_eos: bool, stop_text: str | None = None) -> list[int]:
+        """Tokens that close the assistant turn (unless its stop token already did) and add the user's feedback.
+
+        `stop_text`: the text of the stop token the turn ended with (default the tokenizer's eos); the template's
+        closing is not repeated when it starts with it (a base model's turn that ended at <|im_end|>, not its eos)."""
         if not self.use_chat_template:
             return _encode(self.tokenizer, f"\n{self.feedback}\n")
         marker = "\x00ANSWER\x00"
@@ -276,7 +280,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         after = self.tokenizer.apply_chat_template(msgs + [{"role": "user", "content": self.feedback}], tokenize=False,
                                                    add_generation_prompt=True)
         suffix = after[before.index(marker) + len(marker):]
-        eos = self.tokenizer.eos_token or ""
+        eos = (stop_text if stop_text is not None else self.tokenizer.eos_token) or ""
         if ended_with_eos and eos and suffix.startswith(eos):
             suffix = suffix[len(eos):]
         return _encode(self.tokenizer, suffix)
@@ -287,7 +291,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         vers: list[int] = []
         mask: list[int] = []
         reward, turns, finish = 0.0, 1, "stop"  # turns that were generated (at least the first)
-        eos_ids = set(self.sampling.stop_token_ids) | {self.tokenizer.eos_token_id}
+        eos_ids = set(self.sampling.stop_token_ids) | {self.tokenizer.eos_token_id}  # every id that ends a turn
         for turn in range(1, self.max_turns + 1):
             context = prompt_ids + out
             left = self.sampling.max_new_tokens - sum(mask)  # the episode's budget, shared by its turns
@@ -305,7 +309,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
             reward = await self._score(item, gen.output_ids)
             if reward >= 1.0 or turn == self.max_turns or sum(mask) >= self.sampling.max_new_tokens:
                 break  # correct, out of turns, or out of budget (no feedback for a turn that cannot come)
-            fb = self.feedback_ids(bool(gen.output_ids) and gen.output_ids[-1] in eos_ids)
+            ended = bool(gen.output_ids) and gen.output_ids[-1] in eos_ids
+            fb = self.feedback_ids(ended, self.tokenizer.decode(gen.output_ids[-1:]) if ended else None)
             out += fb
             lps += [0.0] * len(fb)
             vers += [-1] * len(fb)
@@ -315,11 +320,13 @@ class MultiTurnWorkflow(RLVRWorkflow):
 
 
 def make_workflow(spec: RLExperimentSpec, tokenizer: Any, *, max_total_tokens: int | None = None) -> RolloutWorkflow:
-    """The workflow spec.workflow asks for (registry.WORKFLOWS), with sampling settings from spec.algorithm."""
+    """The workflow spec.workflow asks for (registry.WORKFLOWS), with sampling settings from spec.algorithm and the
+    model's stop set (stop_tokens.stop_set_for: the folder the tokenizer was loaded from)."""
     from kuberl.runtime.rollout.registry import build_workflow  # lazy: the registry imports this module's classes
+    from kuberl.runtime.stop_tokens import stop_set_for
 
     a = spec.algorithm
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stops = stop_set_for(spec, tokenizer)
     sampling = SamplingConfig(n=a.samples_per_prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                              top_p=a.top_p, stop_token_ids=stop, max_total_tokens=max_total_tokens)
+                              top_p=a.top_p, stop_token_ids=stops.ids, stop=list(stops.strings), max_total_tokens=max_total_tokens)
     return build_workflow(spec, tokenizer, sampling)

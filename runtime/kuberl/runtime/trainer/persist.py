@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,34 @@ from kuberl.runtime.trainer import checkpoint as ck
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.async_checkpoint import PendingCheckpoint, choose_async_save, state_bytes
 from kuberl.runtime.trainer.megatron.backend import read_layout
-from kuberl.runtime.trainer.weights import adapter_state, export_adapter, export_model_weights, sync_folder, version_dir
+from kuberl.runtime.trainer.weights import adapter_state, digest_state, export_adapter, export_model_weights, sync_folder, version_dir
 
 log = logging.getLogger("kuberl.trainer")
+
+
+class FullTensors(Mapping):
+    """A state dict's names -> each full tensor, gathered only when read (DTensor.full_tensor: a collective that every
+    rank makes in the same name order). Read one entry at a time, the extra memory is one parameter, not the model."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.state[name]
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def full_weights_digest(model: torch.nn.Module) -> str:
+    """Collective: weights.digest_state of the model's full weights without holding them: digest_state reads them in
+    name order, one at a time, so each rank gathers one parameter, hashes it and drops it. Gathering the whole state
+    instead (every rank, on its accelerator) runs out of memory from ~14B parameters, after the last checkpoint."""
+    return digest_state(FullTensors(model.state_dict()))
 
 
 def _begin_state(info: D.DistInfo, root: Path, step: int, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
@@ -227,14 +253,13 @@ class PersistMixin:
         if self.info.is_main and path.is_dir():
             sync_folder(path)
 
-    def _full_params_everywhere(self) -> dict[str, torch.Tensor]:
-        """Every rank's own view of the full weights (all-gathered from its shards), for the final cross-check."""
+    def final_digest(self) -> str:
+        """Collective: sha256 of the trained weights (weights.digest_state's bytes), which every rank logs at the end of a run
+        for the cross-check that the ranks agree. FSDP gathers one parameter at a time (full_weights_digest); megatron
+        gathers its state whole (to host memory)."""
         if self.megatron:
-            return self.megatron_full_params()
-        out = {}
-        for name, p in self.model.state_dict().items():
-            out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
-        return out
+            return digest_state(self.megatron_full_params())
+        return full_weights_digest(self.model)
 
     def _saved(self, step: int) -> bool:
         return (self.ckpt_root / ck.checkpoint_name(step) / ck.STATE_FILE).is_file()

@@ -41,7 +41,6 @@ from kuberl.runtime.trainer.persist import PersistMixin
 from kuberl.runtime.trainer.report import ReportMixin
 from kuberl.runtime.trainer.setup_model import SetUpMixin
 from kuberl.runtime.trainer.tickets import SeenGroups
-from kuberl.runtime.trainer.weights import digest_state
 
 log = logging.getLogger("kuberl.trainer")
 # Why a trainer stops before totalSteps (stop_reason): SIGTERM finishes the step and checkpoints (exit 143);
@@ -135,7 +134,7 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
                     break
             await self.stage_checkpoint()
             self.sync_final_weights()
-            digest = digest_state(self._full_params_everywhere())
+            digest = self.final_digest()  # persist.py: one parameter at a time
             log.info("final weights sha256 %s", digest)  # every rank logs it: they must agree
             if self.stop_reason is None:
                 if self.info.is_main and self.evals is not None:  # the last step's evaluation, and any still open
