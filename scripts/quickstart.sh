@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "==> kuberl run examples/quickstart.yaml${*:+ $*} (Ctrl-C stops every role)"
 exec "${PYTHON:-python3}" -m kuberl.cli run examples/quickstart.yaml "$@"

