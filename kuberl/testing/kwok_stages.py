@@ -4,8 +4,9 @@ Nodes get their conditions, addresses and the allocatable the test set; a schedu
 "fast" stages); annotations play what its containers would do: `kwok.kuberl.io/exit-code` (exit with that code: a pod
 that restarts waits in CrashLoopBackOff, one that does not ends Succeeded or Failed), `kwok.kuberl.io/waiting-reason`
 (a new pod stays Pending, its containers waiting for that reason) and `kwok.kuberl.io/message`; a deleted pod goes at
-once, unless it has `kwok.kuberl.io/hold-termination` (it stays terminating, as behind a long grace period or on a node
-that stopped answering, until the annotation is removed). Templates are Go text/template over the object, selectors jq expressions (sigs.k8s.io/kwok's Stage API).
+once, unless it has `kwok.kuberl.io/hold-termination` (it stays terminating, as behind a long grace period or on a
+node that stopped answering, until the annotation is removed). Templates are Go text/template over the object,
+selectors jq expressions (sigs.k8s.io/kwok's Stage API).
 """
 
 STAGES = r"""

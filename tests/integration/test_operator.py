@@ -506,3 +506,17 @@ def test_a_job_judged_failed_restarts_before_its_last_pod_is_gone_and_no_old_pod
     assert new["spec"]["parallelism"] == 2
     api.trainer_pods(e)  # both ranks of the new Job run
     assert (api.experiment(e)["status"].get("restarts")) == 1, "\n".join(f"{x['reason']}: {x['message']} x{x.get('count')}" for x in api.events(e))
+
+
+def test_a_volume_no_storage_class_will_provision_is_a_condition_and_an_event_naming_the_field(api: Api, experiment_name: str) -> None:
+    """A StorageClass that does not exist leaves the checkpoint and bus volumes Pending forever (on EKS since 1.30 so does
+    naming none: no default class). The experiment says which volume, why, and which field to set."""
+    e = experiment_name
+    api.call("POST", RLX, manifest(e, checkpoint={"size": "1Gi", "storageClassName": "no-such-class"},
+                                   bus={"embedded": {"storageClassName": "no-such-class"}}))
+    ready = api.wait("Ready=False VolumePending", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
+                                                                   if c["type"] == "Ready" and c["reason"] == "VolumePending"), None))
+    assert "spec.checkpoint.storageClassName" in ready["message"] and "spec.bus.embedded.storageClassName" in ready["message"], ready
+    assert "StorageClass 'no-such-class' does not exist" in ready["message"]
+    ev = api.wait("VolumePending events", lambda: [x for x in api.events(e) if x["reason"] == "VolumePending"])
+    assert any(f"PersistentVolumeClaim '{e}-checkpoints' is Pending" in x["message"] for x in ev), ev

@@ -17,7 +17,7 @@ from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, render
 
 from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
 
-CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions"),
+CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("storage.k8s.io", "storageclasses"), ("apiextensions.k8s.io", "customresourcedefinitions"),
                   ("kopf.dev", "clusterkopfpeerings")}
 
 

@@ -570,3 +570,36 @@ def test_compute_status_is_pure(progress: dict | None) -> None:
     exp = make_experiment()
     obs = children(exp)
     assert compute_status(exp, obs, progress, NOW) == compute_status(exp, obs, progress, NOW)
+
+
+class TestPendingVolumes:
+    """observed.pending_volume_problem: why a PVC of ours stays Pending, only when nothing will ever provision it."""
+
+    DEFAULT = {"standard": {"metadata": {"name": "standard", "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}}}}
+    PLAIN = {"fast": {"metadata": {"name": "fast"}}}
+
+    @staticmethod
+    def pvc(phase: str, cls: str | None) -> dict:
+        return {"metadata": {"name": "x-checkpoints"}, "spec": {} if cls is None else {"storageClassName": cls}, "status": {"phase": phase}}
+
+    def test_a_missing_class_is_named_with_the_field(self) -> None:
+        from kuberl.operator.status import pending_volume_problem
+
+        msg = pending_volume_problem("spec.checkpoint.storageClassName", self.pvc("Pending", "gp3"), self.DEFAULT)
+        assert msg == ("spec.checkpoint.storageClassName: PersistentVolumeClaim 'x-checkpoints' is Pending: StorageClass 'gp3' does "
+                       "not exist (`kubectl get storageclass` lists the cluster's)")
+
+    def test_no_class_named_and_no_default_one_says_to_set_the_field(self) -> None:
+        from kuberl.operator.status import pending_volume_problem
+
+        msg = pending_volume_problem("spec.bus.embedded.storageClassName", self.pvc("Pending", None), self.PLAIN)
+        assert "names no StorageClass and the cluster has no default one; set spec.bus.embedded.storageClassName" in msg
+
+    def test_bound_provisioning_or_hand_bound_volumes_are_no_problem(self) -> None:
+        from kuberl.operator.status import pending_volume_problem
+
+        assert pending_volume_problem("f", self.pvc("Bound", "gp3"), {}) is None
+        assert pending_volume_problem("f", self.pvc("Pending", "fast"), self.PLAIN) is None  # provisioning or WaitForFirstConsumer
+        assert pending_volume_problem("f", self.pvc("Pending", None), self.DEFAULT) is None  # the default class takes it
+        assert pending_volume_problem("f", self.pvc("Pending", ""), {}) is None  # bound by hand to a pre-made volume
+        assert pending_volume_problem("f", None, {}) is None

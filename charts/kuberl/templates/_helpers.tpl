@@ -45,6 +45,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get", "list"]
+# Why a checkpoint or bus volume stays Pending (a missing StorageClass, no default one), read only then.
+- apiGroups: ["storage.k8s.io"]
+  resources: ["storageclasses"]
+  verbs: ["list"]
 # kopf: namespace discovery (cluster-wide mode) and the CRD's presence.
 - apiGroups: [""]
   resources: ["namespaces"]

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Event": ("v1", "events", True),
     "Node": ("v1", "nodes", False),
     "Namespace": ("v1", "namespaces", False),
+    "StorageClass": ("storage.k8s.io/v1", "storageclasses", False),  # why a PVC of ours stays Pending (observe.py)
     "StatefulSet": ("apps/v1", "statefulsets", True),
     "Job": ("batch/v1", "jobs", True),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),

@@ -133,6 +133,7 @@ class Reason(StrEnum):
     # Waiting for something the user must provide (Ready=False, Progressing=False)
     SECRET_NOT_FOUND = "SecretNotFound"  # hub token or external bus credentials Secret (or its key) is missing
     CLAIM_NOT_FOUND = "ClaimNotFound"  # checkpoint.existingClaim / model or dataset volume PVC is missing
+    VOLUME_PENDING = "VolumePending"  # a PVC of ours cannot bind: its StorageClass is missing, or none is named and none is default
     IMAGE_PULL_FAILED = "ImagePullFailed"  # a pod cannot pull its image (ErrImagePull, ImagePullBackOff, InvalidImageName)
     INSUFFICIENT_ACCELERATORS = "InsufficientAccelerators"  # a pod asks for more accelerators than any node has
     UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a pod (message from PodScheduled)
@@ -184,6 +185,7 @@ class EventReason(StrEnum):
     CONFIGURATION_ERROR = Reason.CONFIGURATION_ERROR.value
     SECRET_NOT_FOUND = Reason.SECRET_NOT_FOUND.value
     CLAIM_NOT_FOUND = Reason.CLAIM_NOT_FOUND.value
+    VOLUME_PENDING = Reason.VOLUME_PENDING.value
     IMAGE_PULL_FAILED = Reason.IMAGE_PULL_FAILED.value
     INSUFFICIENT_ACCELERATORS = Reason.INSUFFICIENT_ACCELERATORS.value
     UNSCHEDULABLE = Reason.UNSCHEDULABLE.value

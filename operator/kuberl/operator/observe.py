@@ -120,15 +120,35 @@ async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck
     from the API (`recheck`) or as last read (prerequisites)."""
     missing_secrets, missing_keys, missing_claims = await prerequisites(exp, memo, recheck=recheck)
     pods, trainer, bus, rollout = await children(exp)
+    pod_problems = tuple(p for pod in pods for p in st.pod_problems(pod))
+    # A volume that cannot bind shows first as pods the scheduler cannot place: only then are the PVCs read.
+    unschedulable = any(p.reason == "Unschedulable" for p in pod_problems)
     return st.ObservedChildren(
         bus=bus,
         rollout=rollout,
         trainer=trainer,
         missing_secrets=missing_secrets, missing_secret_keys=missing_keys, missing_claims=missing_claims,
-        pod_problems=tuple(p for pod in pods for p in st.pod_problems(pod)),
+        pending_volumes=await volume_problems(exp) if unschedulable else (),
+        pod_problems=pod_problems,
         advisories=await capacity_notes(exp), trainer_restarts=restarts,
         # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
         configuration_error=st.configuration_error(trainer, pods))
+
+
+async def volume_problems(exp: RLExperiment) -> tuple[str, ...]:
+    """Why the checkpoint PVC or the bus's volumes stay Pending (observed.pending_volume_problem); read when pods are
+    unschedulable, the StorageClasses only when a PVC is Pending."""
+    ns, claims = exp.namespace, []
+    if exp.spec.checkpoint.existing_claim is None:
+        claims.append(("spec.checkpoint.storageClassName", naming.checkpoint_pvc_name(exp)))
+    if exp.spec.bus.external is None:
+        claims += [("spec.bus.embedded.storageClassName", f"data-{naming.bus_name(exp)}-{i}") for i in range(exp.spec.bus.embedded.replicas)]
+    pending = [(field, pvc) for field, name in claims
+               if (pvc := await kube().get("PersistentVolumeClaim", ns, name)) and (pvc.get("status") or {}).get("phase") == "Pending"]
+    if not pending:
+        return ()
+    classes = {c["metadata"]["name"]: c for c in await kube().list("StorageClass")}
+    return tuple(m for field, pvc in pending if (m := st.pending_volume_problem(field, pvc, classes)))
 
 
 def blockers(exp: RLExperiment, observed: st.ObservedChildren) -> list[st.Problem]:

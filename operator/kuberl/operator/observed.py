@@ -66,6 +66,7 @@ class ObservedChildren:
     missing_secrets: frozenset[str] = frozenset()  # referenced Secrets (referenced_secrets) not found
     missing_secret_keys: frozenset[tuple[str, str]] = frozenset()  # (secret, key) found without that key
     missing_claims: frozenset[str] = frozenset()  # referenced PVCs (referenced_claims) not found
+    pending_volumes: tuple[str, ...] = ()  # why PVCs of ours stay Pending (pending_volume_problem), one message each
     pod_problems: tuple[PodProblem, ...] = ()  # from pod_problems() over the experiment's pods
     # Advisory notes that never block pod creation (kuberl.operator.capacity: no current Node offers a
     # role's accelerators; a scale-from-zero pool starts for pending pods): an event and a message.
@@ -235,6 +236,7 @@ def explain_unrunnable(exp: RLExperiment, observed: ObservedChildren) -> list[Pr
     for path, claim in referenced_claims(exp):
         if claim in observed.missing_claims:
             problems.append(Problem(Reason.CLAIM_NOT_FOUND, f"{path}: PersistentVolumeClaim {claim!r} not found in namespace {ns!r}"))
+    problems += [Problem(Reason.VOLUME_PENDING, message) for message in observed.pending_volumes]
     for p in observed.pod_problems:
         where = f"pod {p.pod}" + (f" container {p.container}" if p.container else "")
         if p.reason in IMAGE_PULL_REASONS:
@@ -244,6 +246,28 @@ def explain_unrunnable(exp: RLExperiment, observed: ObservedChildren) -> list[Pr
         elif p.reason == "Unschedulable":
             problems.append(Problem(Reason.UNSCHEDULABLE, f"{where}: {p.message}"))
     return problems
+
+
+DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
+
+
+def pending_volume_problem(field: str, pvc: Mapping[str, Any] | None, classes: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """Why a PVC the operator made stays Pending, when the spec or the cluster says so: the StorageClass it names does
+    not exist, or it names none and the cluster has no default one (EKS since 1.30 ships none), so nothing will ever
+    provision it. None when it is bound, or its class exists (provisioning, or WaitForFirstConsumer binding: the
+    scheduler's business, shown by the pods). `classes`: the cluster's StorageClasses by name."""
+    if pvc is None or (pvc.get("status") or {}).get("phase") != "Pending":
+        return None
+    name, wanted = pvc["metadata"]["name"], (pvc.get("spec") or {}).get("storageClassName")
+    if wanted:
+        if wanted in classes:
+            return None
+        return (f"{field}: PersistentVolumeClaim {name!r} is Pending: StorageClass {wanted!r} does not exist "
+                f"(`kubectl get storageclass` lists the cluster's)")
+    if wanted == "" or any((c.get("metadata", {}).get("annotations") or {}).get(DEFAULT_CLASS_ANNOTATION) == "true" for c in classes.values()):
+        return None  # "": bound by hand to a pre-made volume; else the default class provisions it
+    return (f"{field}: PersistentVolumeClaim {name!r} is Pending: it names no StorageClass and the cluster has no default "
+            f"one; set {field} (`kubectl get storageclass` lists the cluster's)")
 
 
 def _job_condition(job: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
