@@ -1,5 +1,6 @@
-"""The documentation under docs/: the spec reference is current with the API models, relative links
-resolve, RLExperiment snippets are valid manifests, and the `kuberl` commands named exist."""
+"""The documentation under docs/: the spec reference is current with the API models, RLExperiment snippets are
+valid manifests, and the `kuberl` commands named exist. Links: tests/unit/test_docs_links.py; every shell command of
+the front page and the guides: tests/unit/test_docs_commands.py."""
 
 from __future__ import annotations
 
@@ -76,32 +77,8 @@ class TestReference:
         assert reference_main(["-o", str(page), "--check"]) == 0
 
 
-def _links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
-    text = re.sub(r"`[^`\n]*`", "", text)  # inline code (regular expressions look like links)
-    return re.findall(r"\]\(([^)\s]+)\)", text)
-
-
-def _anchors(page: Path) -> set[str]:
-    out = set()
-    for heading in re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE):
-        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        out.add(slug)
-    return out
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 class TestPages:
-    def test_relative_links_resolve_to_files_and_headings(self, page):
-        for link in _links(page):
-            if re.match(r"^[a-z]+://|^mailto:", link):
-                continue
-            target, _, anchor = link.partition("#")
-            path = (page.parent / target).resolve() if target else page
-            assert path.exists(), f"{page.name}: link {link} points nowhere"
-            if anchor and path.suffix == ".md":
-                assert anchor in _anchors(path), f"{page.name}: link {link}: no heading #{anchor} in {path.name}"
-
     def test_rlexperiment_snippets_are_valid_manifests(self, page):
         text = page.read_text()
         checked = 0
@@ -187,3 +164,54 @@ def test_metric_names_in_operations_are_the_ones_the_operator_exports():
     for name in named:
         base = name.removesuffix("_total")
         assert base in exported, f"operations.md names {name}, the operator exports {sorted(exported)}"
+
+
+def _section(page: Path, heading: str) -> str:
+    """The text under `heading` up to the next heading of the same or a higher level."""
+    text = page.read_text()
+    level = heading.split(" ", 1)[0]
+    body = text.split(f"\n{heading}\n", 1)[1]
+    return re.split(rf"\n#{{1,{len(level)}}} ", body, maxsplit=1)[0]
+
+
+def _field_exists(path: str) -> bool:
+    """Whether a dotted manifest path (`algorithm.lora.rank`, under spec unless it starts with metadata) is a field."""
+    model: type[BaseModel] = v1alpha1.RLExperiment
+    parts = path.split(".")
+    parts = parts if parts[0] in ("metadata", "spec") else ["spec", *parts]
+    for part in parts:
+        by_alias = {(f.alias or n): f for n, f in model.model_fields.items()}
+        if part not in by_alias:
+            return False
+        nested = [a for a in (typing.get_args(by_alias[part].annotation) or (by_alias[part].annotation,))
+                  if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = nested[0] if nested else None
+        if model is None and part != parts[-1]:
+            return False
+    return True
+
+
+def test_the_areal_table_names_fields_the_models_have():
+    table = _section(DOCS / "user-guide.md", "### From AReaL: config keys as RLExperiment fields")
+    rows = [r for r in table.splitlines() if r.startswith("| `") or r.startswith("| DAPO") or r.startswith("| your")]
+    top = {f.alias or n for n, f in v1alpha1.RLExperimentSpec.model_fields.items()}
+    tokens = [f.split(":")[0].strip() for r in rows for f in re.findall(r"`([^`]+)`", r.split(" | ")[1])]
+    # Field paths: dotted names (values such as `broadcast` are not) and top-level spec fields such as `seed`.
+    fields = [t for t in tokens if re.fullmatch(r"[a-z][A-Za-z]*(\.[a-z][A-Za-z]*)+", t) or t in top]
+    assert len(rows) >= 30 and len(fields) >= 50, (len(rows), len(fields))
+    assert [f for f in fields if not _field_exists(f)] == []
+    assert not _field_exists("algorithm.noSuchField") and not _field_exists("algorithm.lora.rank.x")
+
+
+def test_the_platform_guide_explains_every_condition_and_reason_the_operator_sets():
+    from kuberl.api.status import ConditionType
+    from kuberl.operator.labels import EventReason, Reason
+
+    source = "\n".join(p.read_text() for p in (ROOT / "operator" / "kuberl" / "operator").rglob("*.py") if p.name != "labels.py")
+    used = {r.value for r in Reason if re.search(rf"(?<!\w)Reason\.{r.name}\b", source)}
+    used |= {r.value for r in EventReason if re.search(rf"(?<!\w)EventReason\.{r.name}\b", source)}
+    assert {"ConfigurationError", "SecretNotFound", "ScaledUp", "CheckpointSaved"} <= used  # the scan finds them
+    section = _section(DOCS / "operations.md", "## Troubleshooting")
+    named = set(re.findall(r"`([A-Za-z]+)`", section))
+    missing = sorted(({c.value for c in ConditionType} | used) - named)
+    assert missing == [], f"docs/operations.md, Troubleshooting, does not explain {missing}"
