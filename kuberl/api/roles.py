@@ -144,10 +144,27 @@ class ParallelismSpec(KubeModel):
         "must divide the data-parallel size. Not a factor of the world size."))
 
 
+ATTENTION_FLASH_CPU = ("trainer.attention flash_attention_2 needs GPUs (the flash_attn package runs on CUDA only): use sdpa or auto "
+                       "with trainer.accelerator.type cpu")
+ATTENTION_MEGATRON = ("trainer.attention applies to trainer.backend fsdp (transformers models); trainer.backend megatron runs "
+                      "megatron-core's own attention: leave trainer.attention auto")
+ATTENTION_CONTEXT = ("trainer.attention: trainer.parallelism.context > 1 runs its own attention (sdpa over each rank's share of the "
+                     "heads): use auto or sdpa")
+
+
 class TrainerSpec(SchedulingSpec):
     """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
 
-    # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields.
+    # Its cross-field rules live on RLExperimentSpec: they must know whether `allocation` fills these fields. The
+    # attention rules below read only explicit fields; check() also sees what `allocation` filled.
+    model_config = _cel(
+        ("!has(self.attention) || self.attention != 'flash_attention_2' || !has(self.accelerator) || "
+         "!has(self.accelerator.type) || self.accelerator.type != 'cpu'", ATTENTION_FLASH_CPU, ".attention"),
+        ("!has(self.attention) || self.attention == 'auto' || !has(self.backend) || self.backend != 'megatron'",
+         ATTENTION_MEGATRON, ".attention"),
+        ("!has(self.attention) || self.attention == 'auto' || self.attention == 'sdpa' || !has(self.parallelism) || "
+         "!has(self.parallelism.context) || self.parallelism.context == 1", ATTENTION_CONTEXT, ".attention"),
+    )
     backend: Literal["fsdp", "megatron"] = Field(
         "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline, expert and data parallel; full weights, "
                              "weightSync disk or bus). Default: from `allocation` when set, else fsdp."))
@@ -166,6 +183,14 @@ class TrainerSpec(SchedulingSpec):
         "92 -> 33 GiB), ~19% slower. Unset: chosen at start, on when the step without it is estimated above 85% of the "
         "accelerator's memory (from the model's size, microBatchTokens and the trainer's ranks), else off; off on CPU "
         "and for trainer.backend megatron. The trainer logs what it chose."))
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field("auto", description=(
+        "The transformers attention kernel the fsdp trainer runs. flash_attention_2: flash-attn (GPU, model.dtype bfloat16 or "
+        "float16; the flash_attn package must import, as it does in the GPU images); packed micro-batches then run as one "
+        "row through its varlen kernel, at the cost of their real tokens. sdpa: torch's scaled_dot_product_attention (a "
+        "packed row carries a dense block-diagonal mask). eager: plain matmul and softmax (slowest; for debugging). auto: "
+        "flash_attention_2 on CUDA when flash_attn imports and model.dtype is bfloat16 or float16, else sdpa. A choice "
+        "that cannot run is refused (exit 2), never replaced; trainer.parallelism.context > 1 runs its own sdpa "
+        "attention (auto or sdpa). The trainer logs what it chose."))
 
     @property
     def world_size(self) -> int:
@@ -191,6 +216,16 @@ class TrainerSpec(SchedulingSpec):
                 raise FieldError("spec.trainer.parallelism.expert", p.expert, MEGATRON_EXPERT_DIVIDE)
         if p.context != 1 and p.data is None and self.backend != "megatron" and self.world_size % p.context:
             raise FieldError("spec.trainer.parallelism.context", p.context, CONTEXT_DIVIDE)
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """trainer.attention against the fields that decide whether it runs (the CRD's rules, here with `allocation` applied)."""
+        if self.attention == "flash_attention_2" and self.accelerator.type == AcceleratorType.CPU:
+            raise FieldError("spec.trainer.attention", self.attention, ATTENTION_FLASH_CPU)
+        if self.attention != "auto" and self.backend == "megatron":
+            raise FieldError("spec.trainer.attention", self.attention, ATTENTION_MEGATRON)
+        if self.attention not in ("auto", "sdpa") and self.parallelism.context != 1:
+            raise FieldError("spec.trainer.attention", self.attention, ATTENTION_CONTEXT)
 
 
 # ---------------------------------------------------------------------------------------------

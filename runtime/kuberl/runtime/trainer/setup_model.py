@@ -13,6 +13,7 @@ import torch
 from kuberl.runtime.errors import spec_errors
 from kuberl.runtime.evaluation import EvalSchedule
 from kuberl.runtime.trainer import dist as D
+from kuberl.runtime.trainer.attention import choose_attention
 from kuberl.runtime.trainer.context_parallel import enable as enable_context_parallel
 from kuberl.runtime.trainer.context_parallel import setup_context_parallel
 from kuberl.runtime.trainer.memory import choose_gradient_checkpointing
@@ -73,9 +74,10 @@ class SetUpMixin:
         torch.manual_seed(self.spec.seed)
 
         lora = self.spec.algorithm.lora
+        attention = None if self.megatron else self._choose_attention()
 
         def load(adapters: bool = False) -> torch.nn.Module:
-            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.info.device)
+            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attention).to(self.info.device)
             if self.context_parallel is not None:
                 enable_context_parallel(m, self.context_parallel)  # the heads must divide: ConfigError (exit 2) naming the field
             if not adapters:
@@ -113,6 +115,14 @@ class SetUpMixin:
             self.evals = EvalSchedule.from_experiment(self.spec, self.total_steps) if self.info.is_main else None
         self.resumed_from = self._resume()
         self.setup_checkpoints()  # persist.py: checkpoint.asyncSave
+
+    def _choose_attention(self) -> str:
+        """trainer.attention for this rank's device (attention.choose_attention: ConfigError where it cannot run), logged."""
+        impl, why = choose_attention(self.spec.trainer.attention, self.info.device, self.spec.model.dtype,
+                                     context_parallel=self.context_parallel is not None)
+        if self.info.is_main:
+            log.info("trainer.attention %s: %s (%s)", self.spec.trainer.attention, impl, why)
+        return impl
 
     def _total_steps(self, num_items: int) -> int:
         self._num_items = num_items
