@@ -179,6 +179,67 @@ class TestAToolCallingAgent:
         assert engine.calls[1][0].input_ids == engine.calls[0][0].input_ids + engine.calls[0][1].output_ids
 
 
+class CharEngine(ScriptedEngine):
+    """Answers its reply one character per token + eos: a split the tokenizer would never make of that text (it merges them)."""
+
+    async def generate(self, req):
+        await asyncio.sleep(0.001)
+        ids = (self.tok.convert_tokens_to_ids(list(self.reply(req.input_ids))) + [self.tok.eos_token_id])[: req.max_new_tokens]
+        res = GenerateResult(ids, [-0.01] * len(ids), "stop", self._version)
+        self.calls.append((req, res))
+        return res
+
+
+def run_episode(tok, engine, agent, samp, **kw):
+    wf = AgentWorkflow(agent, tok, samp, exact_match_reward, reward_name="exact-match", timeout_seconds=30.0, name="t", **kw)
+
+    async def go():
+        try:
+            return await wf.arun_episode(engine, Item(0, "question", "answer"), EpisodeContext(ticket_id="t"))
+        finally:
+            await wf.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_continued_conversation_keeps_the_generated_tokens_and_renders_as_the_chat_template(tokenizer):
+    """The second call's prompt is the first call's prompt + exactly the tokens the engine generated (not the tokenizer's
+    split of their text) + the template's glue; decoded, it is the template's rendering of the conversation: the answer
+    closed by the one <|im_end|> the model generated, not by a second one the template adds."""
+
+    async def agent(client, item):
+        messages = [{"role": "user", "content": item.prompt}]
+        first = await client.chat.completions.create(model="p", messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="p", messages=messages)
+        return 1.0
+
+    engine = CharEngine(tokenizer, lambda ids: "answer")
+    run_episode(tokenizer, engine, agent, sampling(tokenizer))
+    (req1, res1), (req2, _) = engine.calls
+    assert res1.output_ids[:-1] != tokenizer("answer", add_special_tokens=False)["input_ids"]  # the premise: not the canonical split
+    assert req2.input_ids[: len(req1.input_ids) + len(res1.output_ids)] == req1.input_ids + res1.output_ids
+    conversation = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}, {"role": "user", "content": "again"}]
+    assert tokenizer.decode(req2.input_ids) == tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_engine_samples_with_the_manifests_temperature_and_top_p_whatever_the_agent_asks(tokenizer, caplog):
+    """The trainer scores the policy at algorithm.temperature (and the engine's top_p is the manifest's): an agent that asks
+    for greedy decoding or another top_p is served the manifest's values, with one warning per setting."""
+
+    async def agent(client, item):
+        for _ in range(2):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}], temperature=0.0, top_p=0.5)
+        await client.completions.create(model="p", prompt="hi", temperature=1.5)
+        return 1.0
+
+    engine = ScriptedEngine(tokenizer, lambda ids: "ok")
+    manifest = SamplingConfig(n=1, max_new_tokens=64, temperature=0.7, top_p=0.9, stop_token_ids=[tokenizer.eos_token_id], max_total_tokens=4096)
+    run_episode(tokenizer, engine, agent, manifest, export_style="individual")
+    assert [(req.temperature, req.top_p) for req, _ in engine.calls] == [(0.7, 0.9)] * 3
+    assert caplog.text.count("temperature=0.0 ignored") == 1 and caplog.text.count("top_p=0.5 ignored") == 1
+
+
 def test_parse_tool_calls_reads_hermes_blocks_and_leaves_broken_ones_as_text():
     content, calls = parse_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert content == "Let me add." and calls == [{"name": "add", "arguments": {"a": 1}}]
@@ -395,8 +456,8 @@ def test_the_proxy_listens_on_loopback_only_and_checks_each_sessions_key(tokeniz
             chunks = [c async for c in await ok.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], stream=True)]
             text = "".join(c.choices[0].delta.content or "" for c in chunks)
             comp = await ok.completions.create(model="p", prompt="hello")
-            with pytest.raises(openai.BadRequestError, match="n > 1"):
-                await ok.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], n=2)
+            with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
+                await ok.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"})
             for c in (wrong, closed, ok):
                 await c.close()
             return addrs, text, comp, b
@@ -457,8 +518,92 @@ class TestTheEpisodeBudget:
         cfg = types.SimpleNamespace(max_new_tokens=self.MAX_NEW, overlong_buffer=10, overlong_penalty_factor=1.0)
         assert float(overlong_penalty(torch.tensor([generated]), cfg)) == -1.0  # at L_max, as a single call that hit it
 
+    def test_calls_of_one_episode_in_flight_at_once_share_the_budget_too(self, tokenizer):
+        """The budget a call may use is reserved when it starts: a second call made while the first runs gets what is left
+        (here nothing: it ends at once with finish_reason length), never a second whole budget."""
+
+        class SlowEngine(ScriptedEngine):
+            async def generate(self, req):
+                await asyncio.sleep(0.3)  # both calls reach the proxy while this one runs
+                return await super().generate(req)
+
+        engine = SlowEngine(tokenizer, lambda ids: " ".join(["step"] * 6))  # ~24 tokens + eos, under the budget of 40
+        finishes: list[str] = []
+
+        async def parallel_agent(client, item):
+            outs = await asyncio.gather(*(client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"part {k}"}])
+                                          for k in range(2)))
+            finishes.extend(sorted(o.choices[0].finish_reason for o in outs))
+            return 1.0
+
+        (s,) = run_episode(tokenizer, engine, parallel_agent, sampling(tokenizer, max_new=self.MAX_NEW), export_style="concat")
+        assert [req.max_new_tokens for req, _ in engine.calls] == [self.MAX_NEW]
+        assert finishes == ["length", "stop"] and sum(s.loss_mask) == len(engine.calls[0][1].output_ids) < self.MAX_NEW
+
     def test_individual_episodes_give_each_call_the_whole_budget(self, tokenizer):
         engine, finishes, samples = self.run(tokenizer, "individual")
         assert [req.max_new_tokens for req, _ in engine.calls] == [self.MAX_NEW] * 4
         assert len(samples) == 4 and all(sum(s.loss_mask) <= self.MAX_NEW for s in samples)
         assert finishes == ["stop"] * 4
+
+
+class TestRequestFields:
+    """The OpenAI fields agent frameworks send (proxy_fields.py): honoured, ignored with one warning, or a 400 naming
+    the field, never silently changed."""
+
+    def call(self, tok, reply, **kwargs):
+        from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
+
+        engine = ScriptedEngine(tok, reply)
+
+        async def go():
+            proxy = OpenAIProxy(engine, tok, sampling(tok))
+            await proxy.start()
+            try:
+                session = proxy.open_session()
+                client = openai.AsyncOpenAI(base_url=proxy.base_url(session), api_key=session.key, max_retries=0)
+                try:
+                    out = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "q"}], **kwargs)
+                except openai.BadRequestError as exc:
+                    out = exc
+                await client.close()
+                return out, session
+            finally:
+                await proxy.stop()
+
+        return engine, *asyncio.run(go())
+
+    def test_stop_ends_the_answer_there_and_the_trained_tokens_keep_what_was_generated(self, tokenizer):
+        engine, out, session = self.call(tokenizer, lambda ids: "Thought: add\nObservation: 5", stop=["Observation:"])
+        req, res = engine.calls[0]
+        assert "Observation:" in req.stop
+        assert out.choices[0].message.content == "Thought: add\n" and out.choices[0].finish_reason == "stop"
+        assert session.calls[0].output_ids == res.output_ids  # what the engine generated, as generated
+
+    def test_n_samples_each_answer_independently_and_records_each(self, tokenizer):
+        engine, out, session = self.call(tokenizer, lambda ids: "ok", n=3)
+        assert [c.index for c in out.choices] == [0, 1, 2] and len(engine.calls) == 3 and len(session.calls) == 3
+
+    def test_a_client_seed_never_reaches_the_engine_and_is_logged_once(self, tokenizer, caplog):
+        engine, out, _ = self.call(tokenizer, lambda ids: "ok", seed=7, n=2)
+        assert [req.seed for req, _ in engine.calls] == [None, None]
+        assert sum("seed=7 ignored" in r.message for r in caplog.records) == 1
+
+    def test_tool_choice_none_leaves_the_tools_out_and_required_is_refused_naming_the_field(self, tokenizer):
+        engine, out, _ = self.call(tokenizer, lambda ids: "ok", tools=[ADD_TOOL], tool_choice="none")
+        assert '"name": "add"' not in tokenizer.decode(engine.calls[0][0].input_ids)
+        _, refused, _ = self.call(tokenizer, lambda ids: "ok", tools=[ADD_TOOL], tool_choice="required")
+        assert isinstance(refused, openai.BadRequestError) and "tool_choice 'required' cannot be enforced" in str(refused)
+
+    def test_parallel_tool_calls_false_returns_the_first_call(self, tokenizer):
+        two = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+        _, both, _ = self.call(tokenizer, lambda ids: two, tools=[ADD_TOOL])
+        _, first, _ = self.call(tokenizer, lambda ids: two, tools=[ADD_TOOL], parallel_tool_calls=False)
+        assert len(both.choices[0].message.tool_calls) == 2
+        assert [json.loads(c.function.arguments) for c in first.choices[0].message.tool_calls] == [{"a": 1, "b": 2}]
+
+    def test_reasoning_before_think_end_is_returned_apart_from_the_answer(self, tokenizer):
+        _, out, session = self.call(tokenizer, lambda ids: "<think>2 and 3 make 5</think>The answer is 5")
+        message = out.choices[0].message
+        assert message.content == "The answer is 5" and message.model_extra["reasoning_content"] == "2 and 3 make 5"
+        assert "2 and 3 make 5" in session.calls[0].text  # the reasoning is generated, so it is trained

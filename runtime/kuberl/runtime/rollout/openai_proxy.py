@@ -10,6 +10,7 @@ ids, behaviour logprobs and versions are recorded on the session. It listens on 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hmac
 import json
@@ -24,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, InferenceEngine
+from kuberl.runtime.rollout.proxy_fields import CallOptions, FieldRefused, call_options, split_reasoning, visible_text
 from kuberl.runtime.rollout.workflows import PartialGeneration, SamplingConfig, generate_continuing
 
 log = logging.getLogger(__name__)
@@ -233,6 +235,7 @@ class OpenAIProxy:
         self.sampling = sampling
         self.port = port
         self.sessions: dict[str, Session] = {}
+        self.warned: set[str] = set()  # request fields ignored with a warning (logged once each)
         self._runner: web.AppRunner | None = None
         self._eos_ids = set(sampling.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
@@ -306,16 +309,20 @@ class OpenAIProxy:
                              f"{self.sampling.max_total_tokens}-token context", code="context_length_exceeded")
         return cap
 
-    def _check_common(self, s: Session, body: dict[str, Any]) -> None:
-        if body.get("n", 1) != 1:
-            raise ProxyError("n > 1 is not supported: the workflow runs samplesPerPrompt episodes instead")
-        if body.get("stop"):
-            raise ProxyError("stop strings are not supported: generation stops at the model's end of turn or max_tokens")
+    def _check_common(self, s: Session, body: dict[str, Any]) -> CallOptions:
+        """The request's fields beyond messages or prompt (proxy_fields.py: honoured, ignored with a log, refused)."""
+        def warn(name: str, message: str) -> None:
+            if name not in self.warned:  # once per rollout agent: the same agent code sends it on every call
+                self.warned.add(name)
+                log.warning("%s (proxy session %s; logged once)", message, s.id[:8])
+
         for name, ours in (("temperature", self.sampling.temperature), ("top_p", self.sampling.top_p)):
-            if body.get(name) is not None and abs(float(body[name]) - ours) > 1e-9 and name not in s.warned:
-                s.warned.add(name)
-                log.warning("session %s: %s=%s ignored; the engine samples with the manifest's %s=%s (the policy the trainer scores)",
-                            s.id[:8], name, body[name], name, ours)
+            if body.get(name) is not None and abs(float(body[name]) - ours) > 1e-9:
+                warn(name, f"{name}={body[name]} ignored; the engine samples with the manifest's {name}={ours} (the policy the trainer scores)")
+        try:
+            return call_options(body, warn)
+        except FieldRefused as exc:
+            raise ProxyError(str(exc)) from exc
 
     def _parent(self, s: Session, prompt_ids: list[int]) -> int | None:
         for i in range(len(s.calls) - 1, -1, -1):
@@ -338,7 +345,7 @@ class OpenAIProxy:
                 return c.prompt_ids + c.output_ids + self.renderer.suffix_ids(messages, k, tools, ended, stop_text)
         return self.renderer.encode(self.renderer.render(messages, tools))
 
-    async def _generate(self, s: Session, prompt_ids: list[int], body: dict[str, Any]):
+    async def _generate(self, s: Session, prompt_ids: list[int], body: dict[str, Any], opts: CallOptions):
         """The engine's answer; under an episode budget that is spent, an empty one that stopped at its length
         (no engine call, nothing recorded: the agent sees finish_reason length and ends its loop)."""
         sp = self.sampling
@@ -348,7 +355,7 @@ class OpenAIProxy:
             spent.finish_reason = "length"
             return spent
         req = GenerateRequest(input_ids=prompt_ids, max_new_tokens=max_new, temperature=sp.temperature,
-                              top_p=sp.top_p, stop_token_ids=list(sp.stop_token_ids), stop=list(sp.stop), seed=body.get("seed"))
+                              top_p=sp.top_p, stop_token_ids=list(sp.stop_token_ids), stop=[*sp.stop, *opts.stop])
         s.spent += max_new  # reserved: calls of one episode may run at once
         gen = None
         try:
@@ -369,8 +376,8 @@ class OpenAIProxy:
                 raise ProxyError(f"the request body is not JSON: {exc}") from exc
             if not isinstance(body, dict):
                 raise ProxyError("the request body must be a JSON object")
-            self._check_common(s, body)
-            return await (self._do_chat(request, s, body) if kind == "chat" else self._do_completion(s, body))
+            opts = self._check_common(s, body)
+            return await (self._do_chat(request, s, body, opts) if kind == "chat" else self._do_completion(s, body, opts))
         except ProxyError as exc:
             return web.json_response({"error": {"message": str(exc), "type": exc.code, "code": exc.code}}, status=exc.status)
 
@@ -395,7 +402,7 @@ class OpenAIProxy:
         rec.parent = self._parent(s, rec.prompt_ids)
         s.calls.append(rec)
 
-    async def _do_chat(self, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
+    async def _do_chat(self, request: web.Request, s: Session, body: dict[str, Any], opts: CallOptions) -> web.StreamResponse:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise ProxyError("messages must be a non-empty list")
@@ -403,37 +410,54 @@ class OpenAIProxy:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ProxyError("tools must be a list")
+        tools = tools if opts.tools_enabled else None  # tool_choice none: the model is not offered them
         prompt_ids = self._chat_prompt(s, messages, tools)
-        gen = await self._generate(s, prompt_ids, body)
+        gens = await asyncio.gather(*(self._generate(s, prompt_ids, body, opts) for _ in range(opts.n)))
+        choices = [self._chat_choice(s, i, gen, prompt_ids, messages, tools, opts) for i, gen in enumerate(gens)]
+        out = sum(len(g.output_ids) for g in gens)
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": out, "total_tokens": len(prompt_ids) + out}
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = str(body.get("model") or "policy")
+        if not body.get("stream"):
+            return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
+                                      "choices": choices})
+        # Streaming: each whole answer in one delta (generation is not token-streamed), then its finish chunk.
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for c in choices:
+            delta = dict(c["message"])
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(delta["tool_calls"])]
+            for part in ({"index": c["index"], "delta": delta, "finish_reason": None},
+                         {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}):
+                chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [part]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _chat_choice(self, s: Session, index: int, gen: Any, prompt_ids: list[int], messages: list[dict[str, Any]],
+                     tools: list | None, opts: CallOptions) -> dict[str, Any]:
+        """One answer as a chat choice, recorded as a call: its text before any stop string, the reasoning before
+        `</think>` apart (reasoning_content), tool calls parsed (only the first with parallel_tool_calls false)."""
         text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text) if tools else (text, [])
+        reasoning, answer = split_reasoning(visible_text(text, opts.stop))
+        content, calls = parse_tool_calls(answer) if tools else (answer, [])
+        if opts.first_tool_call_only and len(calls) > 1:
+            log.info("session %s: parallel_tool_calls false: %d tool calls, the first returned", s.id[:8], len(calls))
+            calls = calls[:1]
         finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
         reply = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         self._record(s, CallRecord("chat", prompt_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason or "stop",
                                    text, messages=messages, reply=reply))
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = _openai_tool_calls(calls)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.output_ids), "total_tokens": len(prompt_ids) + len(gen.output_ids)}
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        model = str(body.get("model") or "policy")
-        if not body.get("stream"):
-            return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model, "usage": usage,
-                                      "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]})
-        # Streaming: the whole answer in one delta (generation is not token-streamed), then the finish chunk.
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        delta = dict(message)
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(delta["tool_calls"])]
-        for choice in ({"index": 0, "delta": delta, "finish_reason": None}, {"index": 0, "delta": {}, "finish_reason": finish}):
-            chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
 
-    async def _do_completion(self, s: Session, body: dict[str, Any]) -> web.Response:
+    async def _do_completion(self, s: Session, body: dict[str, Any], opts: CallOptions) -> web.Response:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompt_ids = self.renderer.encode(prompt)
@@ -443,13 +467,16 @@ class OpenAIProxy:
             raise ProxyError("prompt must be a string or a non-empty list of token ids (one prompt per request)")
         if body.get("stream"):
             raise ProxyError("stream is not supported on /v1/completions; use /v1/chat/completions")
-        gen = await self._generate(s, prompt_ids, body)
-        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        self._record(s, CallRecord("completion", prompt_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason or "stop", text))
-        finish = "length" if gen.finish_reason == "length" else "stop"
+        gens = await asyncio.gather(*(self._generate(s, prompt_ids, body, opts) for _ in range(opts.n)))
+        choices = []
+        for i, gen in enumerate(gens):
+            text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            self._record(s, CallRecord("completion", prompt_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason or "stop", text))
+            choices.append({"index": i, "text": visible_text(text, opts.stop), "logprobs": None,
+                            "finish_reason": "length" if gen.finish_reason == "length" else "stop"})
+        out = sum(len(g.output_ids) for g in gens)
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": str(body.get("model") or "policy"),
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.output_ids), "total_tokens": len(prompt_ids) + len(gen.output_ids)},
+            "choices": choices, "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": out, "total_tokens": len(prompt_ids) + out},
         })
 
