@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_async import ROOT, run_once  # noqa: E402  (the same runner and step-time accounting)
 
-CONCURRENCY = 16  # groups in flight, the same for both paths whatever the manifests say (the figures in README.md are at 16)
+CONCURRENCY = 16  # groups in flight, the same for both paths whatever the manifests say (the figures in docs/benchmarks.md are at 16)
 PATHS = {  # name -> (manifest, generated-token budget per sample)
     "plain": (ROOT / "examples" / "quickstart.yaml", 8),
     "agent": (ROOT / "examples" / "agent-cpu.yaml", 4 + 8),

@@ -12,7 +12,7 @@ versions with `weights.export_model_weights` as the trainer does (engine dtype b
 
 and prints the median seconds per version of each, the bytes written and the ratio. One process, one rank, the folder on
 this machine's disk (page cache: no fsync, as the trainer publishes). On a GPU the gather and cast run on the device and
-the host does the same serialisation and file work; the GPU figure is in the README when one was measured.
+the host does the same serialisation and file work; the GPU figure is in docs/benchmarks.md when one was measured.
 """
 
 from __future__ import annotations

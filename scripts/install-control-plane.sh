@@ -51,7 +51,7 @@ wrapper_module() {
 need() { for b in "$@"; do [[ " ${ALL_BINS[*]} " == *" $b "* && ! -x "$BIN/$b" ]] && return 0; done; return 1; }
 
 if need "${K8S_BINS[@]}"; then
-  log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (cold: see README)"
+  log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (cold: see docs/benchmarks.md)"
   dir="$CACHE/src/kubernetes-$K8S_VERSION"
   staging="v0.${K8S_VERSION#v1.}"
   # k8s.io/kubernetes requires each staging module at v0.0.0 and replaces it with ./staging/src/...; map each one

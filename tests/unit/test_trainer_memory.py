@@ -1,6 +1,6 @@
 """The trainer out of accelerator memory: a configuration error (exit 2, not retried) naming the settings that lower it.
 
-The real allocator's error is seen on a GPU by `bench/check_gpu_trainer_loop.py --memory-fraction` (README); here
+The real allocator's error is seen on a GPU by `bench/check_gpu_trainer_loop.py --memory-fraction` (docs/benchmarks.md); here
 torch.OutOfMemoryError is raised where the step would raise it, and the trainer's run() must turn it into exit 2,
 a termination message and progress.failed.
 """
