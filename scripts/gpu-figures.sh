@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The trainer's GPU figures in one go, on a machine with one NVIDIA GPU and CUDA PyTorch already installed (docs/benchmarks.md, "The trainer on one GPU"
-#): the step at the Qwen2.5-0.5B/1.5B shapes against a plain PyTorch step, packing on/off, gradient
+# The trainer's GPU figures in one go, on a machine with one NVIDIA GPU and CUDA PyTorch already installed
+# (docs/benchmarks.md, "The trainer on one GPU"): the step at the Qwen2.5-0.5B/1.5B shapes against a plain PyTorch step, packing on/off, gradient
 # checkpointing, the whole loop with a resume (FSDP2 and Megatron), and the out-of-memory exit. Logs go to $OUT (default
 # ./gpu-figures). Nothing is downloaded: the models are random-init shapes built on the machine.
 #
