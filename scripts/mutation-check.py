@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation check: break the RL algorithm (and the trainer's checkpoint paths) on purpose, one way at a time, and require a test to fail.
+"""Mutation check: break the RL algorithm, the trainer, weight sync and the rollout side on purpose, one way at a time, and require a test to fail.
 
 Each mutant in MUTANTS is an exact source substitution (old text -> new text in one file). For each one
 the script copies kuberl/, tests/ and pyproject.toml into a temporary folder, applies the substitution
@@ -36,12 +36,17 @@ CONTEXT_PARALLEL = "runtime/kuberl/runtime/trainer/context_parallel.py"
 PERSIST = "runtime/kuberl/runtime/trainer/persist.py"
 DIST = "runtime/kuberl/runtime/trainer/dist.py"
 WEIGHTS = "runtime/kuberl/runtime/trainer/weights.py"
+PROXY = "runtime/kuberl/runtime/rollout/openai_proxy.py"
+SENDER = "runtime/kuberl/runtime/weight_sync/sender.py"
 
 # Tests named here are the smallest set that kills the mutant: keep them fast (no servers, no vLLM).
 OFF_POLICY = "tests/unit/test_algorithms.py::TestOffPolicyLearning"
 WIRING = "tests/unit/test_trainer_compute.py::TestDecoupledWiring"
 ULYSSES = "tests/unit/test_context_parallel.py::test_ulysses_equals_one_process_on_two_gloo_ranks"  # 2 gloo ranks, ~25 s
 ASYNC_CKPT = "tests/unit/test_async_checkpoint.py::test_a_background_checkpoint_holds_the_weights_of_its_step_and_acks_only_its_groups_once_committed"
+GUARDS = "tests/unit/test_mutation_guards.py::"  # the trainer's sums over micro-batches and ranks, its KL reference, its dropout check
+AGENTS = "tests/unit/test_agent_workflow.py::"
+BROADCAST_RANKS = "tests/unit/test_weight_broadcast_protocol.py::test_an_engine_with_several_workers_gets_a_rank_for_each_and_the_engines_dtype"
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,73 @@ MUTANTS: tuple[Mutant, ...] = (
            '"tie_word_embeddings", False):\n        return entries',
            '"tie_word_embeddings", False):\n        return [(n, t) for n, t in entries if n != "lm_head.weight"]',
            ("tests/unit/test_weight_shards.py::test_the_trainer_path_writes_an_untied_models_lm_head_as_export_weights_does",)),
+    # Advantage variants and the GSPO ratio.
+    Mutant("rloo-mean-over-n", "RLOO's leave-one-out mean divides by n instead of n - 1", ADVANTAGES,
+           "loo_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)", "loo_mean = (r.sum(dim=1, keepdim=True) - r) / n",
+           ("tests/unit/test_advantages.py::TestRLOO",)),
+    Mutant("batch-std-per-group", "REINFORCE++ (and LitePPO) divide by each group's std instead of the batch's", ADVANTAGES,
+           'keepdim=True, unbiased=False) + ADV_EPS)\n    elif cfg.std_norm == "batch":\n        centred = centred / (r.std(unbiased=False) + ADV_EPS)',
+           'keepdim=True, unbiased=False) + ADV_EPS)\n    elif cfg.std_norm == "batch":\n'
+           '        centred = centred / (r.std(dim=1, keepdim=True, unbiased=False) + ADV_EPS)',
+           ("tests/unit/test_advantages.py::TestReinforcePlusPlus",)),
+    Mutant("drgrpo-normaliser-longest-answer", "Dr.GRPO's constant normaliser taken as the batch's longest answer, not maxNewTokens", LOSSES,
+           'd = seqs * cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else seqs',
+           'd = seqs * float(_segment_sum(mask.to(torch.int64), ids, n).max()) if cfg.aggregation == "seq-mean-token-sum-norm" else seqs',
+           ("tests/unit/test_losses.py::TestAggregation",)),
+    Mutant("gspo-ratio-summed", "GSPO's sequence ratio exp(sum) of the token log-ratios, not exp(mean) (no length normalisation)", LOSSES,
+           "log_ratio = (_segment_sum(log_ratio, f.ids, f.n_seq) / count)[f.ids]", "log_ratio = _segment_sum(log_ratio, f.ids, f.n_seq)[f.ids]",
+           ("tests/unit/test_losses.py::TestGSPO",)),
+    # The KL term: its gradient, and its reference.
+    Mutant("kl-no-gradient", "the KL penalty in the loss has the right value but no gradient (log pi_theta detached in it)", LOSSES,
+           "kl = kl_penalty(f.lp, ref_logp.reshape(-1), f.mask, cfg.kl_kind)", "kl = kl_penalty(f.lp.detach(), ref_logp.reshape(-1), f.mask, cfg.kl_kind)",
+           ("tests/unit/test_losses.py::TestKL",)),
+    Mutant("kl-against-prox", "the trainer's KL term measured against pi_prox instead of the frozen reference", TRAINER_COMPUTE,
+           "ref_logp=ref, denominator=denom)", "ref_logp=prox, denominator=denom)",
+           (GUARDS + "test_the_kl_term_is_taken_against_the_frozen_reference_not_pi_prox",)),
+    # The loss denominator across micro-batches and ranks.
+    Mutant("micro-batch-own-denominator", "each micro-batch's loss divided by its own token count, not the minibatch's", TRAINER_COMPUTE,
+           "ref_logp=ref, denominator=denom)", "ref_logp=ref, denominator=None)",
+           (GUARDS + "test_several_micro_batches_divide_by_the_minibatchs_tokens_not_their_own",)),
+    Mutant("dp-gradient-left-averaged", "the loss not scaled by the world size: FSDP's average over ranks halves the gradient on 2", TRAINER_COMPUTE,
+           "scale = float(self.info.world_size) if mb is not None else 0.0", "scale = 1.0 if mb is not None else 0.0",
+           (GUARDS + "test_two_gloo_ranks_with_two_micro_batches_each_take_the_one_process_gradient",)),  # 2 gloo ranks, ~25 s
+    # Dropout detection: PEFT's adapter dropout is a module deep in the model, not a config rate.
+    Mutant("dropout-top-level-only", "dropout looked for among the model's direct children only (LoRA dropout missed)", TRAINER_COMPUTE,
+           "and m.p > 0 for m in model.modules())", "and m.p > 0 for m in model.children())",
+           (GUARDS + "test_lora_dropout_makes_the_trainer_take_pi_prox_from_an_eval_forward",)),
+    # The agent proxy: sampling parameters, chat-template continuation, the episode token budget.
+    Mutant("proxy-temperature-from-agent", "the proxy passes the agent's temperature to the engine, not the manifest's", PROXY,
+           "max_new_tokens=max_new, temperature=sp.temperature,", 'max_new_tokens=max_new, temperature=body.get("temperature", sp.temperature),',
+           (AGENTS + "test_the_engine_samples_with_the_manifests_temperature_and_top_p_whatever_the_agent_asks",)),
+    Mutant("proxy-closing-duplicated", "a continued conversation repeats the <|im_end|> the model already generated", PROXY,
+           "if ended_with_eos and eos and suffix.startswith(eos):", "if ended_with_eos and eos and suffix.endswith(eos):",
+           (AGENTS + "test_a_continued_conversation_keeps_the_generated_tokens_and_renders_as_the_chat_template",)),
+    Mutant("proxy-continuation-rerendered", "a continued conversation compares the wrong message, so it is re-tokenized from text", PROXY,
+           "_same_turn(messages[k], c.reply)", "_same_turn(messages[k - 1], c.reply)",
+           (AGENTS + "TestAToolCallingAgent::test_its_calls_become_one_sample_that_matches_the_engine_token_for_token",)),
+    Mutant("proxy-budget-charged-on-return", "the episode budget charged when a call returns, not reserved when it starts", PROXY,
+           "        s.spent += max_new  # reserved: calls of one episode may run at once\n        gen = None\n        try:\n"
+           "            gen = await generate_continuing(self.engine, prompt_ids, req)\n",
+           "        gen = None\n        try:\n            gen = await generate_continuing(self.engine, prompt_ids, req)\n"
+           "            s.spent += max_new  # reserved: calls of one episode may run at once\n",
+           (AGENTS + "TestTheEpisodeBudget::test_calls_of_one_episode_in_flight_at_once_share_the_budget_too",)),
+    # Token versions: each token keeps the version that sampled it; tokens between an agent's calls get -1.
+    Mutant("piece-version-for-every-token", "a piece's tokens all stamped with the version it started on (per-token versions lost)",
+           "runtime/kuberl/runtime/rollout/workflows.py", "self.versions += res.token_versions()",
+           "self.versions += [res.version] * len(res.output_ids)",
+           ("tests/unit/test_workflows.py::TestPartialGeneration::test_the_engines_own_token_versions_are_kept_through_a_continuation",)),
+    Mutant("tool-tokens-get-a-version", "tool output between an agent's calls stamped with the next call's version, not -1",
+           "runtime/kuberl/runtime/rollout/agent_workflow.py", "vers += [-1] * len(gap) + c.versions",
+           "vers += c.versions[:1] * len(gap) + c.versions",
+           (AGENTS + "test_concat_sample_keeps_only_the_chain_that_ends_at_the_last_call",)),
+    # Weight sync by broadcast: the version sent, the ranks of multi-worker engines, the engine's dtype.
+    Mutant("broadcast-version-is-update-count", "the assignment names the sender's update count, not the policy version", SENDER,
+           '"update": update, "rank": rank, "world": world, "version": version,', '"update": update, "rank": rank, "world": world, "version": self.updates,',
+           ("tests/unit/test_weight_broadcast_protocol.py::test_sender_serves_every_requesting_engine_and_ties_once",)),
+    Mutant("broadcast-one-rank-per-engine", "a tensor-parallel engine's workers get one rank between them (ranks collide)", SENDER,
+           'rank += req["workers"]', "rank += 1", (BROADCAST_RANKS,)),
+    Mutant("broadcast-dtype-ignored", "the broadcast sends the trainer's float32, not the engine's dtype", SENDER,
+           "entries = B.entries_for(params, dtype)", "entries = B.entries_for(params, None)", (BROADCAST_RANKS,)),
 )
 
 

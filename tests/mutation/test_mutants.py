@@ -1,6 +1,8 @@
 """The mutation tier: each bug in scripts/mutation-check.py's table, planted one at a time in a copy of the code,
-must make one of its named tests fail (the RL algorithm's weights, clip, baseline and temperature; the staleness
-bound; Ulysses context parallel; checkpoints written behind training; a published version's LM head).
+must make one of its named tests fail (the RL algorithm's weights, clip, baseline and temperature; the advantage
+variants, GSPO's ratio and the KL term's gradient and reference; the loss denominator across micro-batches and ranks;
+dropout detection; the staleness bound; Ulysses context parallel; checkpoints written behind training; a published
+version's LM head; weight broadcast; token versions; the agent proxy's sampling, template continuation and budget).
 
 The same check as `python3 scripts/mutation-check.py`, as one pytest test per mutant, so that `scripts/test.sh` runs
 it inside its pytest session: there it goes to the worker that does not run the engine files (tests/conftest.py),

@@ -297,6 +297,18 @@ class TestKL:
         assert with_kl.item() == pytest.approx(base.item() + 0.3 * k3 / 7, rel=1e-9)
         assert stats["kl"] == pytest.approx(k3 / 7)
 
+    def test_the_kl_term_pulls_each_token_toward_the_reference(self):
+        """d(coef * k3)/d log pi_theta = coef * (1 - pi_ref / pi_theta) per loss token, over the denominator (7 tokens): the
+        value test above passes a KL term whose gradient is missing (log pi_theta detached in it) too."""
+        ref_logp = [[-1.0, -1.0, -1.0, -1.0], [-0.5, -0.5, -0.5, -0.5]]
+        lp_base, lp_kl = t(LOGP, grad=True), t(LOGP, grad=True)
+        run(cfg_for("grpo", behavior_weight_cap=None), logp=lp_base)[0].backward()
+        run(cfg_for("grpo", behavior_weight_cap=None, kl_coef=0.3), logp=lp_kl, ref_logp=t(ref_logp))[0].backward()
+        want = [[0.3 * (1 - math.exp(ref_logp[r][k] - LOGP[r][k])) / 7 if MASK[r][k] else 0.0 for k in range(4)] for r in range(2)]
+        got = (lp_kl.grad - lp_base.grad).tolist()
+        for r in range(2):
+            assert got[r] == pytest.approx(want[r], abs=1e-12), r
+
     def test_kl_in_the_loss_needs_ref_logp(self):
         with pytest.raises(ValueError, match="ref_logp: required"):
             run(cfg_for("grpo", kl_coef=0.1))

@@ -35,6 +35,19 @@ def test_the_mutants_the_issue_lists_are_all_in_the_table():
             "capacity-one-batch-more", "weight-cap-boundary"} <= ids
 
 
+def test_every_area_issue_37_left_unguarded_has_a_mutant():
+    """Advantage variants, the agent proxy, token versions, weight sync, the KL term, the micro-batch and rank
+    denominators, dropout detection (issue #37, point 8): each has at least one mutant in its file."""
+    files = {m.file.removeprefix("runtime/kuberl/runtime/") for m in load_script().MUTANTS}
+    ids = {m.id for m in load_script().MUTANTS}
+    assert {"algorithms/advantages.py", "algorithms/losses.py", "rollout/openai_proxy.py", "rollout/workflows.py",
+            "rollout/agent_workflow.py", "weight_sync/sender.py", "trainer/compute.py"} <= files
+    assert {"rloo-mean-over-n", "batch-std-per-group", "drgrpo-normaliser-longest-answer", "gspo-ratio-summed", "kl-no-gradient",
+            "kl-against-prox", "micro-batch-own-denominator", "dp-gradient-left-averaged", "dropout-top-level-only",
+            "proxy-temperature-from-agent", "proxy-closing-duplicated", "proxy-budget-charged-on-return",
+            "piece-version-for-every-token", "broadcast-one-rank-per-engine"} <= ids
+
+
 def test_a_mutant_whose_text_is_gone_is_reported_by_name(tmp_path):
     mc = load_script()
     (tmp_path / "kuberl").mkdir()

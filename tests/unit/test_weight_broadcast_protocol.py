@@ -111,6 +111,53 @@ def test_sender_serves_every_requesting_engine_and_ties_once():
     assert sender.serve(model, 8, torch.float32, new_version=True, info=INFO)["members"] in (0,)
 
 
+def test_an_engine_with_several_workers_gets_a_rank_for_each_and_the_engines_dtype():
+    """A tensor-parallel engine joins with one rank per worker (its assignment's rank + the worker's local rank), so the next
+    engine's ranks start after all of them; every tensor arrives in the dtype the sender was given (the engine's: bf16 for a
+    float32 trainer)."""
+    torch.manual_seed(0)
+    model = Tied()
+    sender = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=5, timeout_s=10, backend="gloo")
+    sender.bucket_bytes = 400
+    sender.start()
+    record = sender.record()
+    out: dict = {}
+
+    def engine(agent, workers):
+        i = B.file_request(record, agent, workers=workers)
+        assign = B.wait_assignment(record, i, 30)
+
+        def worker(local):
+            stats: dict = {}
+            out[(agent, local)] = (assign, {n: t.clone() for n, t in B.receive_weights(assign, local_rank=local, device="cpu", stats=stats)},
+                                   stats)
+
+        threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    tp = threading.Thread(target=engine, args=("tp2", 2), daemon=True)
+    tp.start()
+    while int(sender.store.add(B.REQ_COUNT, 0)) < 1:  # the two-worker engine asks first
+        pass
+    single = threading.Thread(target=engine, args=("single", 1), daemon=True)
+    single.start()
+    while int(sender.store.add(B.REQ_COUNT, 0)) < 2:
+        pass
+    stats = sender.serve(model, 5, torch.bfloat16, new_version=False, info=INFO)
+    tp.join(30)
+    single.join(30)
+    assert stats["members"] == 2 and stats["failed"] is None, stats
+    assert {k: (a["rank"], a["world"]) for k, (a, _, _) in out.items()} == {("tp2", 0): (1, 4), ("tp2", 1): (1, 4), ("single", 0): (3, 4)}
+    want = dict(model_parameters(model))
+    for key, (_, got, rstats) in out.items():
+        assert rstats["complete"] and set(got) == set(want), key
+        for n, p in want.items():
+            assert got[n].dtype == torch.bfloat16 and torch.equal(got[n], p.detach().to(torch.bfloat16)), (key, n)
+
+
 def test_receiver_that_never_joins_does_not_hang_the_sender():
     model = Tied()
     sender = BroadcastSender(rank=0, world_size=1, bucket_mb=1, join_timeout_s=1, timeout_s=5, backend="gloo")

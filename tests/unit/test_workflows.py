@@ -53,6 +53,15 @@ class TestPartialGeneration:
         assert gen.versions == [4, 4, 6, 6]
         assert gen.logprobs == [-0.1, -0.2, -0.3, -0.4]
 
+    def test_the_engines_own_token_versions_are_kept_through_a_continuation(self):
+        """An in-flight update (weightSync.inFlight keep) changes the weights in the middle of a piece: vLLM reports each
+        token's version, and those (not the version the piece started on) are what staleness and the behaviour weight read."""
+        gen = PartialGeneration([1], base(10))
+        gen.add(GenerateResult([11, 12, 13], [-0.1, -0.2, -0.3], "abort", version=4, versions=[4, 5, 5]))
+        gen.add(GenerateResult([14, 7], [-0.4, -0.5], "stop", version=5, versions=[5, 6]))
+        assert gen.output_ids == [11, 12, 13, 14, 7]
+        assert gen.versions == [4, 5, 5, 5, 6]
+
     def test_an_abort_that_used_the_whole_budget_finishes_with_length(self):
         gen = PartialGeneration([1], base(2))
         gen.add(GenerateResult([11, 12], [-0.1, -0.2], "abort", version=0))
