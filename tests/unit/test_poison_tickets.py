@@ -59,3 +59,42 @@ class TestStatus:
         assert out["failedGroups"] == 2 and out["entropy"] == 1.25
         TrainingProgress.model_validate(out)  # the CRD's schema has the fields
         RLExperimentStatus.model_validate({"progress": out})
+
+
+class TestARunWhoseEveryGroupFails:
+    """An agent whose every call fails (an endpoint the proxy lacks, a reward that always raises) must not leave the
+    run at step 0 forever with the reason only in the agents' logs."""
+
+    async def test_it_stops_as_a_configuration_error_naming_the_latest_reason_and_progress_shows_it_first(self, tmp_path):
+        from kuberl.runtime.errors import ConfigError
+
+        t = make_trainer(tmp_path)
+        t.bus.answer = lambda tk: failed(tk, "AgentError: POST /v1/responses: 404")
+        published = t.bus.progress
+        await t.stage_issue_tickets()
+        with pytest.raises(ConfigError, match=r"the last \d+ trajectory groups all failed .*latest: item \d+: AgentError: POST /v1/responses: 404"):
+            await t.stage_collect()
+        assert t.failed_in_a_row == t.failed_groups >= t.max_failed_in_a_row
+        assert published and published[0]["failed_groups"] >= 1 and "404" in published[0]["last_failure"]
+
+    async def test_a_usable_group_between_failures_resets_the_count(self, tmp_path):
+        t = make_trainer(tmp_path)
+        n = 0
+
+        def answer(tk):
+            nonlocal n
+            n += 1
+            return group(tk) if n % 5 == 0 else failed(tk)  # four failures, then a good group: 8 failures in all
+
+        t.bus.answer = answer
+        await t.stage_issue_tickets()
+        plan = await t.stage_collect()
+        assert len(plan["groups"]) == B and t.failed_groups >= t.max_failed_in_a_row > t.failed_in_a_row
+
+
+def test_the_live_line_shows_failed_groups_and_the_latest_reason():
+    from kuberl.runtime.launcher import progress_info
+
+    report = {"policy_version": 0, "reward_mean": None, "failed_groups": 3, "last_failure": "item 4: AgentError: 404 Not Found"}
+    assert progress_info(report).endswith("| failed groups 3, latest item 4: AgentError: 404 Not Found")
+    assert "failed" not in progress_info({"policy_version": 2, "failed_groups": 0})

@@ -31,6 +31,11 @@ class MemoryBus:
         self.book: dict[str, Any] | None = None
         self.answer = None  # ticket -> group: plays the agents for tickets not answered yet
         self._answered = 0
+        self.progress: list[dict[str, Any]] = []
+        self.groups_buffered = 0
+
+    async def put_progress(self, doc):
+        self.progress.append(dict(doc))
 
     async def publish_tickets(self, tickets):
         self.tickets += tickets

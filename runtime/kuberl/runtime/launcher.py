@@ -278,6 +278,19 @@ PROGRESS_READ_SECONDS = 3.0
 """Longest wait for one progress read: the loop must see `stop` soon after the supervisor gives up on the bus."""
 
 
+def progress_info(report: dict) -> str:
+    """The live line's text after the step count: version, reward, speed, staleness, evaluation, and failed groups with
+    the latest reason (a run whose episodes all fail shows why at once, not only in the agents' logs)."""
+    info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
+            f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
+    if ev := eval_text(report.get("eval")):
+        info += f" | {ev}"
+    if report.get("failed_groups"):
+        reason = str(report.get("last_failure") or "")
+        info += f" | failed groups {report['failed_groups']}" + (f", latest {reason[:100]}" if reason else "")
+    return info
+
+
 async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
     """Follow the trainer's progress in the bus KV with a rich progress bar; returns the last report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -311,10 +324,7 @@ async def watch_progress(run: LocalRun, stop: asyncio.Event) -> dict | None:
 
             def show(report: dict, final: bool = False) -> None:
                 nonlocal last_line
-                info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
-                        f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
-                if ev := eval_text(report.get("eval")):
-                    info += f" | {ev}"
+                info = progress_info(report)
                 bar.update(task, completed=report.get("step", 0), total=report.get("total_steps") or total, info=info)
                 if plain and (final or time.monotonic() - last_line > 5):  # CI and pipes: a line every few seconds
                     print(f"step {report.get('step', 0)}/{report.get('total_steps') or total} {info}", flush=True)

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kuberl.runtime.algorithms import dynamic_sampling_keep
+from kuberl.runtime.errors import ConfigError
 from kuberl.runtime.trainer.batch import group_size_error
 
 log = logging.getLogger("kuberl.trainer")
@@ -63,6 +64,8 @@ class CollectMixin:
             self.book.on_rejected()
             if getattr(group, "failure", None) is not None:  # a poison ticket: accounted like a rejected group
                 self.failed_groups += 1
+                self.failed_in_a_row += 1
+                self.last_failure = f"item {group.ticket.index}: {group.failure}"[:500]
                 log.warning("group %s failed on every delivery (item %d), its slot is given back: %s",
                             group.group_id, group.ticket.index, group.failure)
             return False
@@ -76,7 +79,25 @@ class CollectMixin:
             log.warning("group %s %s: treated as rejected", group.group_id, why)
             self.book.on_rejected()
             return False
+        self.failed_in_a_row = 0
         return True
+
+    @property
+    def max_failed_in_a_row(self) -> int:
+        """Failed groups in a row (none usable between them) that stop the run: max(8, 2 batches), at most 64. A run
+        whose every episode fails (an agent calling an endpoint the proxy lacks, a reward that always raises) would
+        otherwise wait forever at step 0 with the reason only in the rollout agents' logs."""
+        return max(8, min(2 * self.B, 64))
+
+    async def _after_failures(self, before: int) -> None:
+        """New failed groups: shown in progress at once (the launcher's line, status.progress), and past
+        max_failed_in_a_row in a row the run stops, as a configuration error (exit 2: a restart fails the same way)."""
+        if self.failed_groups == before:
+            return
+        if self.failed_in_a_row >= self.max_failed_in_a_row:
+            raise ConfigError(f"the last {self.failed_in_a_row} trajectory groups all failed and none could be trained; "
+                              f"the latest: {self.last_failure} (each agent's log has every failure)")
+        await self.bus.put_progress(self._progress_base())
 
     async def stage_collect(self) -> dict[str, Any]:
         """train.collect: pull until B usable groups; rejected ones (and stale ones, with staleness.dropStaleGroups) give
@@ -113,6 +134,7 @@ class CollectMixin:
                 last_seen = time.monotonic()
             elif self.collect_timeout is not None and time.monotonic() - last_seen > self.collect_timeout:
                 raise TimeoutError(f"no trajectory group arrived for {self.collect_timeout:.0f}s (are rollout agents running?)")
+            failed_before = self.failed_groups
             for group, handle in got:
                 if not self._first_time(group, handle):
                     continue
@@ -121,6 +143,7 @@ class CollectMixin:
                     self.buffer.append((group, handle))
                 else:
                     self.held.append(handle)  # acknowledged with the next checkpoint, like trained groups
+            await self._after_failures(failed_before)
             await self.stage_issue_tickets()  # replacements for rejected/dropped groups
         taken, self.buffer = self.buffer[: self.B], self.buffer[self.B :]
         self.held.extend(h for _, h in taken)

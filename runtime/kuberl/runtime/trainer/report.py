@@ -103,7 +103,7 @@ class ReportMixin:
                 "epoch": self.book.consumed // self.book.num_items if hasattr(self, "book") else 0,
                 "policy_version": self.version, "reward_mean": None, "samples_per_second": None, "staleness_mean": None,
                 "staleness_max": None, "dropped_stale": self.dropped_stale, "over_stale": self.over_stale, "failed_groups": self.failed_groups,
-                "trainer_wait_fraction": None,
+                "last_failure": getattr(self, "last_failure", None), "trainer_wait_fraction": None,
                 "groups_buffered": self.bus.groups_buffered if self.bus is not None else None, "done": done, "failed": None,
                 "checkpoint": self.last_checkpoint, "time": time.time(), "eval": getattr(getattr(self, "evals", None), "last", None),
                 **self.last_numbers}

@@ -84,6 +84,8 @@ class Trainer(SetUpMixin, PersistMixin, CollectMixin, ComputeMixin, ReportMixin,
         self.dropped_stale = 0
         self.over_stale = 0  # groups trained although older than v - eta (the default keeps them), this run
         self.failed_groups = 0  # tickets the agents gave up on (rollout.maxTicketAttempts failed deliveries)
+        self.failed_in_a_row = 0  # failed groups since the last usable one (collect.py stops the run past a bound)
+        self.last_failure: str | None = None  # the latest failed group's reason, shown in progress
         self.answered_request: str | None = None
         self.held: list[Any] = []  # bus handles of groups trained or accounted, not yet covered by a checkpoint
         self.buffer: list[tuple[Any, Any]] = []  # (group, handle) pulled but not yet trained
