@@ -13,6 +13,7 @@ from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
+from kuberl.api.workflow import PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_EXPERT,
     ALLOCATION_DIM_TWICE,
@@ -227,6 +228,12 @@ class TestAllocation:
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
 AGREEMENT_CASES = [
+    ("prompt instruction and system", {"dataset": {"builtin": "repeat-digit", "prompt": {"instruction": "Box it.", "system": "Be brief."}}}, None),
+    ("prompt instruction and template", {"dataset": {"builtin": "repeat-digit", "prompt": {"instruction": "a", "template": "{prompt} b"}}},
+     PROMPT_ONE_FORM),
+    ("prompt template without its placeholder", {"dataset": {"builtin": "repeat-digit", "prompt": {"template": "Solve it."}}}, PROMPT_PLACEHOLDER),
+    ("prompt system without the chat template", {"dataset": {"builtin": "repeat-digit", "prompt": {"system": "s"}},
+                                                 "workflow": {"useChatTemplate": False}}, PROMPT_SYSTEM_CHAT),
     ("model from the hub", {"model": {"id": "Qwen/Qwen2.5-0.5B"}}, None),
     ("model with two sources", {"model": {"id": "x", "builtin": "tiny-qwen2"}}, MODEL_ONE),
     ("model with no source", {"model": {"dtype": "float32"}}, MODEL_ONE),
