@@ -59,12 +59,18 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def fsdp_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost FSDP2 module: the model itself, or with LoRA the base model inside the PEFT wrapper (which is not
+    an FSDP module itself); None when nothing is sharded."""
+    return next((m for m in model.modules() if is_fsdp(m)), None)
+
+
 def can_share_prompts(model: torch.nn.Module) -> bool:
     """Whether response_logprobs' shared-prompt path may run: it feeds the responses on the prompts' KV cache, which
     FSDP's hooks (one forward per backward) rule out, and so does gradient checkpointing in training mode
     (transformers then turns use_cache off and returns no cache)."""
     checkpointing = model.training and bool(getattr(model, "is_gradient_checkpointing", False))
-    return not is_fsdp(model) and not checkpointing
+    return fsdp_root(model) is None and not checkpointing  # a LoRA wrapper around FSDP2 too
 
 
 def padded_slots(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], share_prompts: bool = True) -> int:
