@@ -13,7 +13,6 @@ from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
-from kuberl.api.workflow import PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_EXPERT,
     ALLOCATION_DIM_TWICE,
@@ -44,6 +43,7 @@ from kuberl.api.v1alpha1 import (
     allocation_disagrees,
 )
 from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
+from kuberl.api.workflow import PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
 
 
 def make_spec(**overrides) -> dict:

@@ -152,12 +152,14 @@ class TestEveryRequestCarriesTheSet:
 
     def test_the_agents_proxy_sends_the_set_and_the_strings(self, tok):
         from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
+        from kuberl.runtime.rollout.proxy_fields import CallOptions
 
         wf = make_workflow(spec(stop=["</a>"]), tok)
         engine = ScriptedEngine(tok, [40, 41])
         proxy = OpenAIProxy(engine, tok, wf.sampling)
-        asyncio.run(proxy._generate(proxy.open_session(), [1, 2, 3], {}))
-        assert engine.requests[0].stop_token_ids == wf.sampling.stop_token_ids and engine.requests[0].stop == ["</a>"]
+        asyncio.run(proxy._generate(proxy.open_session(), [1, 2, 3], {}, CallOptions(stop=["Observation:"])))
+        assert engine.requests[0].stop_token_ids == wf.sampling.stop_token_ids
+        assert engine.requests[0].stop == ["</a>", "Observation:"]  # the manifest's strings, then the request's
 
     def test_a_continuation_after_an_abort_keeps_ids_and_strings(self, tok):
         from kuberl.runtime.rollout.workflows import PartialGeneration
