@@ -171,3 +171,26 @@ def test_the_sync_is_deferred_only_where_the_unsharded_gradients_fit(monkeypatch
         defer, why = C.defer_gradient_sync(model, torch.device("cuda", 0))
         assert defer is want and "GiB" in why
     assert not C.defer_gradient_sync(model, SimpleNamespace(type="npu"))[0]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_skewed_batch_is_dealt_to_ranks_with_about_equal_tokens(world):
+    """GRPO groups whose answers run from 5 to 400 tokens: round-robin gave one rank most of the long ones; by length,
+    the ranks' token counts differ by at most one row's length, every row is dealt once, and each rank keeps batch order."""
+    from kuberl.runtime.trainer.batch import deal_rows, shard_micro_batches
+
+    g = torch.Generator().manual_seed(7)
+    lens = [int(x) for x in torch.randint(5, 40, (24,), generator=g)]
+    for r in range(0, 24, world):  # every world-th row long: round-robin sends them all to rank 0
+        lens[r] = 300 + r
+    rows = list(range(24))
+    dealt = deal_rows(lens, rows, world)
+    loads = [sum(lens[r] for r in mine) for mine in dealt]
+    assert max(loads) - min(loads) <= max(lens), loads
+    assert sorted(r for mine in dealt for r in mine) == rows and all(mine == sorted(mine) for mine in dealt)
+    round_robin = [sum(lens[r] for r in rows[k::world]) for k in range(world)]
+    assert max(round_robin) - min(round_robin) > max(lens)  # the skew the deal removes
+    shards = [shard_micro_batches(lens, rows, 512, k, world, packed=True) for k in range(world)]
+    assert len({len(s) for s in shards}) == 1  # the same count on every rank (fillers)
+    assert [sorted(r for mb in s if mb is not None for r in mb) for s in shards] == dealt
+    assert deal_rows(lens, rows, 1) == [rows]

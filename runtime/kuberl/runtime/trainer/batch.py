@@ -173,15 +173,31 @@ def minibatch_rows(num_groups: int, group_size: int | Sequence[int], minibatches
 
 def shard_micro_batches(seq_lens: Sequence[int], rows: Sequence[int], max_tokens: int, rank: int, world: int,
                         *, packed: bool = False) -> list[list[int] | None]:
-    """This rank's micro-batches of `rows`; every rank gets the same count (None = a no-loss filler).
+    """This rank's micro-batches of `rows` (dealt by length, deal_rows); every rank gets the same count (None = a
+    no-loss filler).
 
     FSDP needs every rank to run the same number of forward/backward passes, so ranks with less work
     run fillers whose loss is multiplied by zero.
     """
-    plans = [plan_micro_batches(seq_lens, list(rows)[k::world], max_tokens, packed=packed) for k in range(world)]
+    plans = [plan_micro_batches(seq_lens, mine, max_tokens, packed=packed) for mine in deal_rows(seq_lens, rows, world)]
     count = max(len(p) for p in plans)
     mine: list[list[int] | None] = list(plans[rank])
     return mine + [None] * (count - len(mine))
+
+
+def deal_rows(seq_lens: Sequence[int], rows: Sequence[int], world: int) -> list[list[int]]:
+    """`rows` dealt to `world` data-parallel ranks with about equal tokens, so that no rank waits on one with the long
+    sequences: longest first, each to the rank with the fewest tokens so far (the lowest rank on a tie). The loads then
+    differ by at most the longest row. Each rank keeps its rows in batch order. The loss does not depend on the deal:
+    its denominator counts the whole minibatch (compute.stage_ppo_update)."""
+    dealt: list[list[int]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for r in sorted(rows, key=lambda r: -seq_lens[r]):  # stable: equal lengths keep batch order
+        k = min(range(world), key=lambda k: (loads[k], k))
+        dealt[k].append(r)
+        loads[k] += seq_lens[r]
+    at = {r: i for i, r in enumerate(rows)}
+    return [sorted(mine, key=at.__getitem__) for mine in dealt]
 
 
 def _pad(rows: Sequence[Sequence[int]], width: int, value: int) -> tuple[torch.Tensor, torch.Tensor]:
