@@ -12,6 +12,7 @@ from kuberl.api.algorithm import LORA_NEEDS_VLLM, LORA_TARGET_UNSERVED
 from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
+from kuberl.api.roles import ATTENTION_CONTEXT, ATTENTION_FLASH_CPU, ATTENTION_MEGATRON
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
     ALLOCATION_CONTEXT_EXPERT,
@@ -234,6 +235,13 @@ AGREEMENT_CASES = [
     ("prompt template without its placeholder", {"dataset": {"builtin": "repeat-digit", "prompt": {"template": "Solve it."}}}, PROMPT_PLACEHOLDER),
     ("prompt system without the chat template", {"dataset": {"builtin": "repeat-digit", "prompt": {"system": "s"}},
                                                  "workflow": {"useChatTemplate": False}}, PROMPT_SYSTEM_CHAT),
+    ("flash attention on a cpu trainer", {"trainer": {"attention": "flash_attention_2", "accelerator": {"type": "cpu", "count": 1}}},
+     ATTENTION_FLASH_CPU),
+    ("eager attention with megatron", {"trainer": {"backend": "megatron", "attention": "eager"}}, ATTENTION_MEGATRON),
+    ("eager attention with context parallel", {"trainer": {"attention": "eager", "accelerator": {"type": "cpu", "count": 2},
+                                                           "parallelism": {"context": 2}}}, ATTENTION_CONTEXT),
+    ("sdpa attention with context parallel", {"trainer": {"attention": "sdpa", "accelerator": {"type": "cpu", "count": 2},
+                                                          "parallelism": {"context": 2}}}, None),
     ("model from the hub", {"model": {"id": "Qwen/Qwen2.5-0.5B"}}, None),
     ("model with two sources", {"model": {"id": "x", "builtin": "tiny-qwen2"}}, MODEL_ONE),
     ("model with no source", {"model": {"dtype": "float32"}}, MODEL_ONE),
