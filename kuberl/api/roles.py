@@ -160,11 +160,7 @@ class TrainerSpec(SchedulingSpec):
     model_config = _cel(
         ("!has(self.attention) || self.attention != 'flash_attention_2' || !has(self.accelerator) || "
          "!has(self.accelerator.type) || self.accelerator.type != 'cpu'", ATTENTION_FLASH_CPU, ".attention"),
-        ("!has(self.attention) || self.attention == 'auto' || !has(self.backend) || self.backend != 'megatron'",
-         ATTENTION_MEGATRON, ".attention"),
-        ("!has(self.attention) || self.attention == 'auto' || self.attention == 'sdpa' || !has(self.parallelism) || "
-         "!has(self.parallelism.context) || self.parallelism.context == 1", ATTENTION_CONTEXT, ".attention"),
-    )
+    )  # the megatron and context-parallel attention rules are RLExperimentSpec's: `allocation` may set either
     backend: Literal["fsdp", "megatron"] = Field(
         "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline, expert and data parallel; full weights, "
                              "weightSync disk or bus). Default: from `allocation` when set, else fsdp."))

@@ -90,6 +90,8 @@ from kuberl.api.roles import (
     ALLOCATION_REPLICAS_RANGE,
     ASCEND_IMAGE_MESSAGE,
     ASCEND_IMAGE_RULE,
+    ATTENTION_CONTEXT,
+    ATTENTION_MEGATRON,
     CONTEXT_DIVIDE,
     EXPERT_NEED_MEGATRON,
     MEGATRON_ASYNC_CHECKPOINT,
@@ -304,6 +306,13 @@ class RLExperimentSpec(KubeModel):
          ALLOCATION_EXPERT_NEED_MEGATRON, ".allocation"),
         ("!has(self.allocation) || !self.allocation.matches('e0*([2-9]|[1-9][0-9]+)') || "
          "!self.allocation.matches('megatron:[a-z0-9]*t0*([2-9]|[1-9][0-9]+)')", ALLOCATION_EXPERT_TENSOR, ".allocation"),
+        # trainer.attention: megatron and context parallel run their own attention (either may come from `allocation`).
+        ("!has(self.trainer.attention) || self.trainer.attention == 'auto' || "
+         f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron')",
+         ATTENTION_MEGATRON, ".trainer.attention"),
+        ("!has(self.trainer.attention) || self.trainer.attention in ['auto', 'sdpa'] || "
+         f"(has(self.allocation) ? {_dim('trainer', 'c')} : (has(self.trainer.parallelism) && has(self.trainer.parallelism.context) ? "
+         "self.trainer.parallelism.context : 1)) <= 1", ATTENTION_CONTEXT, ".trainer.attention"),
         # The megatron trainer (with or without the shorthand): full weights through disk or the bus, no recomputation.
         ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
           f"(!has(self.algorithm.lora) && (!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast') && "

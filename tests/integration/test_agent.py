@@ -80,8 +80,11 @@ def generated(sample):
     return [i for i, m in enumerate(sample.loss_mask) if m]
 
 
-def make_workflow(tok, agent, n):
-    sampling = SamplingConfig(n=n, max_new_tokens=12, temperature=1.0, top_p=1.0, stop_token_ids=[tok.eos_token_id], max_total_tokens=512)
+def make_workflow(tok, agent, n, calls=1):
+    """Each call may generate 12 tokens (the agents ask max_tokens 12): a concat episode shares maxNewTokens across its
+    calls, so the episode's budget is 12 per call."""
+    sampling = SamplingConfig(n=n, max_new_tokens=12 * calls, temperature=1.0, top_p=1.0, stop_token_ids=[tok.eos_token_id],
+                              max_total_tokens=512)
     return AgentWorkflow(agent, tok, sampling, exact_match_reward, timeout_seconds=120, name="test")
 
 
@@ -93,13 +96,13 @@ async def test_concurrent_openai_episodes_record_exactly_what_vllm_generated(eng
         messages = [{"role": "user", "content": item.prompt}]
         texts = seen.setdefault(f"{item.index}-{id(client)}", [])
         for turn in range(3):
-            r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=1.0)
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=1.0, max_tokens=12)
             texts.append(r.choices[0].message.content or "")
             messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"Item {item.index}, turn {turn}."}]
         return 0.5
 
     rec = RecordingEngine(engine)
-    wf = make_workflow(tok, agent, n=3)
+    wf = make_workflow(tok, agent, n=3, calls=3)
     items = [Item(i, f"Repeat the digit {i}: {str(i) * 5}", "") for i in range(8)]
     try:
         groups = await asyncio.gather(*(wf.arun_episode(rec, it, EpisodeContext(ticket_id=str(it.index))) for it in items))
@@ -142,14 +145,14 @@ async def test_a_weight_update_between_two_calls_of_an_episode_is_recorded_with_
 
     async def agent(client, item):
         messages = [{"role": "user", "content": item.prompt}]
-        r = await client.chat.completions.create(model="policy", messages=messages)
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=12)
         first_done.set()
         await updated.wait()
         messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Once more."}]
-        await client.chat.completions.create(model="policy", messages=messages)
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=12)
         return 1.0
 
-    wf = make_workflow(tok, agent, n=1)
+    wf = make_workflow(tok, agent, n=1, calls=2)
     task = asyncio.create_task(wf.arun_episode(engine, Item(0, "Repeat the digit 4: 44444", ""), EpisodeContext(ticket_id="w")))
     try:
         await asyncio.wait_for(first_done.wait(), 120)
