@@ -8,14 +8,13 @@ slice scores no token, gradient checkpointing, LoRA adapters."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from kuberl.runtime.errors import ConfigError
 from kuberl.runtime.trainer.context_parallel import check_model
+from tests.unit.torchrun import torchrun
 
 WORKER = '''
 import copy, os, sys
@@ -85,9 +84,7 @@ os._exit(0)  # torch 2.13's CPU teardown at interpreter exit can abort after the
 def test_ulysses_equals_one_process_on_two_gloo_ranks(tmp_path):
     script = tmp_path / "cp_worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = torchrun(str(script), timeout=300, cwd=tmp_path)
     num = r"([0-9.]+e[+-]\d+)"
     found = re.findall(rf"RESULT rank (\d) kv (\d) (\w+) ([\w-]+) logp {num} grad {num} gmax {num}", proc.stdout)
     assert len(found) == 2 * 2 * 3 * 3, proc.stdout

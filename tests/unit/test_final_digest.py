@@ -5,14 +5,13 @@ gather on every rank runs out of accelerator memory from ~14B parameters, and a 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kuberl.runtime.trainer.persist import FullTensors, full_weights_digest
 from kuberl.runtime.trainer.weights import digest_state
+from tests.unit.torchrun import torchrun
 
 WORKER = r'''
 import sys, weakref
@@ -66,9 +65,7 @@ def test_two_fsdp_ranks_hash_the_full_weights_one_parameter_at_a_time(tmp_path):
     parameter is alive at any time, and none is bigger than the largest parameter."""
     script = tmp_path / "digest_worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(str(script), timeout=240, cwd=tmp_path)
     fields = r"rank (\d) unsharded=(\w+) whole=(\w+) streamed=(\w+) peak=(\d+) calls=(\d+) entries=(\d+) biggest=(\d+) largest=(\d+);"
     rows = re.findall(fields, proc.stdout)
     assert sorted(r[0] for r in rows) == ["0", "1"], proc.stdout

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from kuberl.api import RLExperiment
 from kuberl.runtime.trainer import dist as D
 from kuberl.runtime.trainer.batch import build_batch
 from kuberl.runtime.trainer.trainer import Trainer
+from tests.unit.torchrun import torchrun
 
 N = 2  # samples per group
 MICRO_BATCH_TOKENS = 64  # the smallest the API allows; every row below is longer than half of it
@@ -193,9 +192,7 @@ def test_two_gloo_ranks_with_two_micro_batches_each_take_the_one_process_gradien
     job.write_text(json.dumps({"spec": spec(tiny), "groups": groups, "n": N}))
     script = tmp_path / "dp_worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(job),
-                           str(tmp_path / "work")], capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = torchrun(str(script), str(job), str(tmp_path / "work"), timeout=240, cwd=tmp_path)
     num = r"(-?[0-9.]+e[+-]\d+)"
     found = re.findall(rf"RESULT rank (\d) of 2 micro (\d+) loss {num} norm {num} tokens (\d+)", proc.stdout)
     assert sorted(r[0] for r in found) == ["0", "1"], proc.stdout

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kuberl.runtime.trainer import packing
 from kuberl.runtime.trainer.batch import plan_micro_batches, response_logprobs, shard_micro_batches
+from tests.unit.torchrun import torchrun
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -54,6 +55,18 @@ def run(model, prompts, outputs, width, **kw):
     (lp * weights).sum().backward()
     return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
+
+
+def two_ragged_groups() -> list[dict]:
+    """Two groups of 3 samples with prompts of 2 and 4 tokens and answers of 1, 4 and 7: micro-batches of 64 tokens
+    pack and pad them differently (also used by tests/unit/test_trainer_attention.py)."""
+    out = []
+    for g in range(2):
+        prompt = [5 + g, 40, 41, 42][: 2 + 2 * g]
+        samples = [{"input_ids": prompt, "output_ids": [10 + k, 20 + g, 30, 31, 32, 33, 34, 35][: 1 + 3 * k], "logprobs": [-1.0] * (1 + 3 * k),
+                    "versions": [0] * (1 + 3 * k), "loss_mask": [1] * (1 + 3 * k), "reward": float(k == 0)} for k in range(3)]
+        out.append({"group_id": f"g{g}", "samples": samples})
+    return out
 
 class TestPackedEqualsPadded:
     @pytest.mark.parametrize("width_cut", [0, 5])
@@ -236,15 +249,6 @@ class TestTrainerPacking:
         t.setup()
         return t
 
-    def groups(self):
-        out = []
-        for g in range(2):
-            prompt = [5 + g, 40, 41, 42][: 2 + 2 * g]
-            samples = [{"input_ids": prompt, "output_ids": [10 + k, 20 + g, 30, 31, 32, 33, 34, 35][: 1 + 3 * k], "logprobs": [-1.0] * (1 + 3 * k),
-                        "versions": [0] * (1 + 3 * k), "loss_mask": [1] * (1 + 3 * k), "reward": float(k == 0)} for k in range(3)]
-            out.append({"group_id": f"g{g}", "samples": samples})
-        return out
-
     def test_on_and_off_train_alike(self, tmp_path):
         from kuberl.runtime.models import build_tiny_model
         from kuberl.runtime.trainer import dist as D
@@ -256,7 +260,7 @@ class TestTrainerPacking:
             for mode in ("off", "on"):
                 t = self.make(tmp_path, model_dir, mode)
                 seen, handle = capture_forward(t.model)
-                batch = build_batch(self.groups(), 3)
+                batch = build_batch(two_ragged_groups(), 3)
                 t.stage_prox_logp(batch)
                 t.stage_advantages(batch)
                 stats = t.stage_ppo_update(batch)
@@ -317,14 +321,10 @@ def test_packed_equals_padded_under_fsdp2_on_two_gloo_ranks(tmp_path):
     """FSDP2 (what trainer ranks run; no shared-prompt path there): packed rows give the padded path's log-probs,
     entropies and full (all-reduced) gradients on every rank."""
     import re
-    import subprocess
-    import sys
 
     script = tmp_path / "fsdp_packing_worker.py"
     script.write_text(FSDP_WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(str(script), timeout=240, cwd=tmp_path)
     # The two ranks share stdout and their lines can run together ("...e+03rank 1 ..."): match the numbers exactly.
     num = r"([0-9.]+e[+-]\d+)"
     diffs = re.findall(rf"rank (\d) max diff {num} grad sum {num}", proc.stdout)

@@ -5,8 +5,7 @@ process group's timeout (30 min by default). Two gloo ranks under torchrun, as t
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.unit.torchrun import torchrun
 
 WORKER = '''
 import os, sys, time
@@ -35,9 +34,7 @@ os._exit(0)
 def run(tmp_path, mode: str) -> str:
     script = tmp_path / "rank0_worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), mode],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(str(script), mode, timeout=120, cwd=tmp_path)
     return proc.stdout
 
 

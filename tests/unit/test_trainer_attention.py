@@ -15,6 +15,7 @@ from kuberl.api import RLExperiment
 from kuberl.runtime.errors import ConfigError
 from kuberl.runtime.trainer import attention as A
 from kuberl.runtime.trainer.packing import varlen_attention
+from tests.unit.test_packing import two_ragged_groups
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 NPU = SimpleNamespace(type="npu")  # torch without torch_npu has no npu device type; only .type is read
@@ -80,16 +81,6 @@ def experiment(model_dir, name: str, attention: str, packing: str = "off") -> RL
     })
 
 
-def groups():
-    out = []
-    for g in range(2):
-        prompt = [5 + g, 40, 41, 42][: 2 + 2 * g]
-        samples = [{"input_ids": prompt, "output_ids": [10 + k, 20 + g, 30, 31, 32, 33, 34, 35][: 1 + 3 * k], "logprobs": [-1.0] * (1 + 3 * k),
-                    "versions": [0] * (1 + 3 * k), "loss_mask": [1] * (1 + 3 * k), "reward": float(k == 0)} for k in range(3)]
-        out.append({"group_id": f"g{g}", "samples": samples})
-    return out
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from kuberl.runtime.models import build_tiny_model
@@ -114,7 +105,7 @@ def test_sdpa_and_eager_load_as_asked_and_train_alike(tmp_path, model_dir, packi
                 t.setup()
             assert t.model.config._attn_implementation == impl
             assert f"trainer.attention {impl}: {impl}" in caplog.text
-            batch = build_batch(groups(), 3)
+            batch = build_batch(two_ragged_groups(), 3)
             t.stage_prox_logp(batch)
             t.stage_advantages(batch)
             stats = t.stage_ppo_update(batch)

@@ -9,12 +9,12 @@ the reduce-scatters. The rows are dealt by length (batch.shard_micro_batches), w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.unit.torchrun import torchrun
 
 WORKER = r'''
 import json, os, sys
@@ -98,9 +98,7 @@ def runs(tmp_path_factory):
                                      ("lora-deferred", 2, "on", "lora"), ("lora-one", 1, "on", "lora")):
         where = root / name
         where.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(script),
-                               str(where / "weights.pt"), str(model_dir), defer, lora], capture_output=True, text=True, timeout=300, cwd=where)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = torchrun(str(script), str(where / "weights.pt"), str(model_dir), defer, lora, ranks=world, timeout=300, cwd=where)
         reports = [json.loads(line.split("REPORT ", 1)[1]) for line in proc.stdout.splitlines() if "REPORT " in line]
         assert sorted(r["rank"] for r in reports) == list(range(world)), proc.stdout
         out[name] = (torch.load(where / "weights.pt"), reports)

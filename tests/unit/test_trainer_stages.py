@@ -241,17 +241,22 @@ async def test_a_usable_group_frees_its_concurrency_slot_when_it_arrives_not_whe
     assert len(t.bus.tickets) == 2 * B and t.book.running == B
 
 
+async def keep_as_an_interrupted_collect_does(t) -> None:
+    """The groups on the stream, pulled, accepted and left in the buffer, as a collect interrupted by a request leaves them."""
+    got = await t.bus.fetch_groups(B, timeout=0)
+    t.bus._answered = 1
+    for g, h in got:
+        assert t._first_time(g, h) and t._usable(g)
+        t.book.on_accepted()
+        t.buffer.append((g, h))
+
+
 async def test_a_kept_group_judged_stale_later_leaves_the_accepted_count(tmp_path):
     t = make_trainer(tmp_path, eta=0, drop_stale=True)
     await t.stage_issue_tickets()
     t.bus.stream = [group(tk) for tk in t.bus.tickets[:1]]
     t.bus.control = {}
-    got = await t.bus.fetch_groups(B, timeout=0)
-    t.bus._answered = 1
-    for g, h in got:  # as an interrupted collect leaves them: accepted, in the buffer
-        assert t._first_time(g, h) and t._usable(g)
-        t.book.on_accepted()
-        t.buffer.append((g, h))
+    await keep_as_an_interrupted_collect_does(t)
     t.version = 1  # the kept group (version 0) is now stale at eta 0
     t.bus.answer = lambda tk: group(tk, version=1)
     await t.stage_collect()
@@ -259,18 +264,12 @@ async def test_a_kept_group_judged_stale_later_leaves_the_accepted_count(tmp_pat
     assert t.book.accepted == B and t.book.running == t.book.started - B
 
 
-
 async def test_by_default_a_kept_group_that_went_stale_is_trained_once_and_counted_once(tmp_path):
     t = make_trainer(tmp_path, eta=0)
     await t.stage_issue_tickets()
     first = t.bus.tickets[0]
     t.bus.stream = [group(first)]
-    got = await t.bus.fetch_groups(B, timeout=0)
-    t.bus._answered = 1
-    for g, h in got:  # as an interrupted collect leaves them: accepted, in the buffer
-        assert t._first_time(g, h) and t._usable(g)
-        t.book.on_accepted()
-        t.buffer.append((g, h))
+    await keep_as_an_interrupted_collect_does(t)
     t.version = 1  # the kept group (version 0) is older than 1 - 0 now
     t.bus.control = {"checkpoint_request": "suspend-1"}
     assert await t.stage_collect() == {"checkpoint_request": "suspend-1"}  # judged again: kept, not counted yet

@@ -5,8 +5,6 @@ while rank 0 never holds more than one shard (issue #14 item 2)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +24,7 @@ from kuberl.runtime.trainer.weights import (
     shard_file_names,
     write_weights_streamed,
 )
+from tests.unit.torchrun import torchrun
 
 SHARD = 600_000  # bytes: the tiny model (2.4 MB in float32) in 5 shards
 
@@ -253,9 +252,7 @@ def test_two_fsdp_ranks_write_what_one_rank_writes_and_rank_0_holds_one_shard_at
     script = tmp_path / "shard_worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(out), str(SHARD),
-                           str(models["untied"]), str(models["tied"])], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(str(script), str(out), str(SHARD), str(models["untied"]), str(models["tied"]), timeout=300, cwd=tmp_path)
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     for kind, dtype in (("untied", torch.bfloat16), ("tied", torch.float32)):
         got = rank0[kind]

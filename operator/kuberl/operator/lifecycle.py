@@ -25,6 +25,7 @@ from kuberl.operator.apply import (  # noqa: F401  (re-exported: the handlers, k
     apply_child,
     apply_children,
     apply_kept,
+    being_deleted,
     bus_token_for_children,
     engine_key_for_children,
     recreate_job,
@@ -49,7 +50,6 @@ from kuberl.operator.rules import (  # noqa: F401  (re-exported: the handlers an
     decode_secret_value,
     finished,
     job_condition,
-    job_failure,
     merge_patch_for,
     parse_time,
     phase_event,
@@ -176,14 +176,14 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
         return await stop_on_configuration_error(body, exp, status, memo, observed)
     if job_condition(job, "Complete") or (progress or {}).get("done"):
         return {}, await scale_rollout_to_zero(body, exp, observed, EventReason.SUCCEEDED, "training complete: rollout scaled to 0")
-    if job is not None and (job.get("metadata") or {}).get("deletionTimestamp"):
+    if being_deleted(job):
         return {}, False  # being re-created: its pods are terminating; the new Job comes after them (below)
     if job is None and observed.rollout is not None and not finished(status, job, progress):
         # A re-created trainer whose old pods outlived recreate_job's wait (or a Job deleted by hand): its old pods
         # are gone now, so the Job is created again, in the shape the lifecycle asks (suspended, gated by Kueue...).
         await apply_children(body, exp, status, memo, progress)
         return {}, True
-    failed = job_failure(job)
+    failed = st.job_failure(job)
     if failed:
         restarts, policy = observed.trainer_restarts or 0, exp.spec.failure_policy
         if restart_trainer(observed, policy, t):

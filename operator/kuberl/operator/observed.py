@@ -275,3 +275,10 @@ def _job_condition(job: Mapping[str, Any] | None, type_: str) -> Mapping[str, An
         if cond.get("type") == type_ and cond.get("status") == "True":
             return cond
     return None
+
+
+def job_failure(job: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The Job's Failed condition, or its FailureTarget: the Job controller has judged it failed and is terminating
+    its other pods (Failed follows once they are gone, which a long grace period or a stuck node can delay for
+    minutes). Either one is the failure the operator reacts to."""
+    return _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")

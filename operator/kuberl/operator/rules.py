@@ -35,13 +35,6 @@ def job_condition(job: dict[str, Any] | None, kind: str) -> dict[str, Any] | Non
     return None
 
 
-def job_failure(job: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The Job's Failed condition, or its FailureTarget: the Job controller has judged it failed and is terminating
-    its other pods (Failed follows once they are gone, which a long grace period or a stuck node can delay for
-    minutes). Either one is the failure the operator reacts to."""
-    return job_condition(job, "Failed") or job_condition(job, "FailureTarget")
-
-
 def restart_due(restarts: int, backoff_seconds: float, failed_at: dt.datetime | None, t: dt.datetime) -> bool:
     """Failure policy: restart n waits backoff * 2**n after the failure (30 s, 60 s, 120 s, ...)."""
     if failed_at is None:
@@ -52,7 +45,7 @@ def restart_due(restarts: int, backoff_seconds: float, failed_at: dt.datetime | 
 def restart_trainer(observed: st.ObservedChildren, policy: FailurePolicySpec, t: dt.datetime) -> bool:
     """Whether to re-create the trainer Job now: it failed, restarts are left and their backoff has
     passed; never after a configuration error (exit code 2: the same spec fails the same way)."""
-    failed = job_failure(dict(observed.trainer) if observed.trainer else None)
+    failed = st.job_failure(observed.trainer)
     if failed is None or observed.configuration_error is not None:
         return False
     restarts = observed.trainer_restarts or 0

@@ -31,6 +31,7 @@ from kuberl.operator.observed import (
     _job_condition,
     configuration_error,
     explain_unrunnable,
+    job_failure,
     job_pods,
     pending_volume_problem,
     pod_problems,
@@ -52,6 +53,7 @@ __all__ = [
     "configuration_error",
     "explain_unrunnable",
     "invalid_status",
+    "job_failure",
     "job_pods",
     "pending_volume_problem",
     "pod_problems",
@@ -247,7 +249,7 @@ def _failed_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Map
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
     restarts = _restarts(observed, old)
-    job_failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")  # FailureTarget: pods still terminating
+    job_failed = job_failure(job)
     invalid = [p for p in problems if p.reason == Reason.VALIDATION_FAILED]
     # 1. A spec that cannot be built fails until it is edited.
     if invalid:
@@ -314,7 +316,7 @@ def _running_verdict(exp: RLExperiment, observed: ObservedChildren, progress: Ma
     job = observed.trainer
     max_restarts = exp.spec.failure_policy.max_restarts
     restarts = _restarts(observed, old)
-    job_failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")  # FailureTarget: pods still terminating
+    job_failed = job_failure(job)
     started = bool(old.get("startTime"))
     crash = next((p for p in observed.pod_problems if p.reason == "CrashLoopBackOff"), None)
     degraded = (Reason.CRASH_LOOP, f"pod {crash.pod} container {crash.container} keeps crashing: {crash.message}".rstrip(": ")) if crash else None
