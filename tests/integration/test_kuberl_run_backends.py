@@ -74,18 +74,24 @@ def test_kuberl_run_trains_with_the_megatron_backend_on_the_vllm_engine(tmp_path
 def test_kuberl_run_trains_a_moe_model_at_expert_2_on_the_vllm_engine(tmp_path, moe_dir):
     """`kuberl run` of the quickstart on the tiny Qwen3-MoE: trainer.backend megatron at expert 2 on 2 CPU processes,
     the real launcher, nats-server, vLLM CPU engine (which serves Qwen3-MoE: its CPU unquantized MoE backend) and
-    rollout agent. Every step completes and the engine loads published versions in order (its log says so, and staleness
-    stays within maxHeadOffpolicyness 2: later steps' groups come from published weights, not the initial ones)."""
+    rollout agent. Every step completes and the engine loads published versions in order (its log says so; a group older
+    than maxHeadOffpolicyness 2 is counted in over_stale: later steps' groups come from published weights, not the initial ones)."""
     workdir = kuberl_run_quickstart(tmp_path, "mg-moe-run", model={"path": str(moe_dir), "dtype": "float32"}, training={"totalSteps": 4},
                                     checkpoint={"everySteps": 2, "keep": 2},
                                     trainer={"backend": "megatron", "accelerator": {"type": "cpu", "count": 2}, "parallelism": {"expert": 2}})
     rows = metrics(workdir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["staleness_max"] <= 2 for r in rows)
+    # Every group is trained (staleness.dropStaleGroups is off): a straggler that outlives v + 2 is trained and counted in
+    # over_stale, in exactly the steps whose staleness_max exceeds 2 (one CI run on a busy VM had such a step).
+    over = [r["over_stale"] for r in rows]
+    grew = [now > before for before, now in zip([0, *over], over)]
+    assert [r["staleness_max"] > 2 for r in rows] == grew, list(zip([r["staleness_max"] for r in rows], over))
+    assert rows[-1]["dropped_stale"] == 0
     rollout_log = (workdir / "logs" / "rollout-0.log").read_text()
     # The engine loaded published MoE weights (both EP ranks' experts), in order: an agent that falls behind (in one CI
     # run its weights watch lost its consumer under load) loads the newest version published and skips the older ones,
-    # so which versions it loads depends on timing. Step 4's groups had to come from v1 or later (staleness <= 2): one of v1-v3.
+    # so which versions it loads depends on timing. The admission capacity lets
+    # (2 + 1) batches start on v0, so step 4 needs groups issued at v1 or later, whose tickets wait for those weights: one of v1-v3.
     loaded = [int(v) for v in re.findall(r"vLLM loaded weights v(\d+) from", rollout_log)]
     assert loaded and loaded == sorted(set(loaded)) and loaded[0] <= 3, rollout_log[-3000:]
     from transformers import AutoModelForCausalLM
