@@ -79,3 +79,44 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if getattr(session.config.option, "loadgroup", False) and (lost := [i.nodeid for i in session.items if "@" not in i.nodeid]):
         raise pytest.UsageError(f"pytest-xdist's loadgroup left {len(lost)} tests ungrouped (e.g. {lost[0]}): pytest "
                                 f"{pytest.__version__} with this pytest-xdist does not group tests; install pytest<9.2 (pyproject.toml)")
+
+
+class WorkerClock:
+    """Under xdist, where each worker's time went: its busy seconds per group and when it reported its last test.
+    The suite's wall time is the later worker's finish, so the summary shows whether a slow run was too much work
+    or work dealt unevenly (the engine group is one unit of about 34 of the suite's 45 minutes)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.t0 = time.monotonic()
+        self.busy: dict[str, dict[str, float]] = {}
+        self.last: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        import time
+
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if worker is None:
+            return
+        group = report.nodeid.rpartition("@")[2] or "?"
+        if group.startswith("tests/unit/"):
+            group = "unit"
+        per = self.busy.setdefault(worker.id, {})
+        per[group] = per.get(group, 0.0) + report.duration
+        self.last[worker.id] = time.monotonic() - self.t0
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.busy:
+            return
+        terminalreporter.section("time per xdist worker")
+        for worker, per in sorted(self.busy.items()):
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:4]
+            groups = ", ".join(f"{g} {s / 60:.1f}" for g, s in top)
+            terminalreporter.write_line(f"{worker}: busy {sum(per.values()) / 60:.1f} min, last test at "
+                                        f"{self.last[worker] / 60:.1f} min ({groups}, min)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(WorkerClock(), "kuberl-worker-clock")
