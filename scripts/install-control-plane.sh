@@ -6,7 +6,7 @@
 # well under a second); the Go module and build caches are Go's own (go env GOMODCACHE GOCACHE).
 #   bash scripts/install-control-plane.sh             # build what is missing, print the bin folder
 #   bash scripts/install-control-plane.sh --bin-dir   # print the bin folder only
-#   bash scripts/install-control-plane.sh --with-kueue  # also Kueue's manager (no test runs it yet: not built by default)
+#   bash scripts/install-control-plane.sh --without-kueue  # all but Kueue's manager (the real-Kueue tests then fail)
 # KUBERL_CONTROL_PLANE_CACHE moves the cache (default ~/.cache/kuberl/control-plane).
 set -euo pipefail
 
@@ -23,7 +23,10 @@ if [ "${1:-}" = "--bin-dir" ]; then echo "$BIN"; exit 0; fi
 
 K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 ALL_BINS=("${K8S_BINS[@]}" etcd kwok helm)
-if [ "${1:-}" = "--with-kueue" ]; then ALL_BINS+=(kueue-manager); fi
+if [ "${1:-}" != "--without-kueue" ]; then ALL_BINS+=(kueue-manager); fi
+# Kueue's manager is rebuilt alone when its recipe (the overlay below) changes, Kubernetes is not.
+KUEUE_RECIPE=1
+if [ -x "$BIN/kueue-manager" ] && [ "$(cat "$BIN/kueue-manager.recipe" 2>/dev/null)" != "$KUEUE_RECIPE" ]; then rm -f "$BIN/kueue-manager"; fi
 missing=()
 for b in "${ALL_BINS[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done
 if [ "${#missing[@]}" -eq 0 ]; then echo "$BIN"; exit 0; fi
@@ -128,7 +131,24 @@ EOF
   ( cd "$dir"
     printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > tools.go
     go mod tidy >/dev/null 2>&1 || go mod tidy
-    go build "${build_flags[@]}" -o "$BIN/kueue-manager" sigs.k8s.io/kueue/cmd/kueue )
+    # Kueue's cmd/kueue/main.go, built as a package of this module with one change (the module source is untouched):
+    # with its internal cert management off, Kueue reads the metrics server's certificate from
+    # /etc/kueue/metrics/certs, which a test cannot write; $KUEUE_METRICS_CERT_DIR names another folder
+    # (kuberl/testing/kueue.py). Every other line and package is Kueue's own.
+    main="$(go list -f '{{.Dir}}' sigs.k8s.io/kueue/cmd/kueue)/main.go"
+    mkdir -p kueue
+    python3 -c '
+import sys
+src, dst = sys.argv[1], sys.argv[2]
+old = "metricsCertPath := \"/etc/kueue/metrics/certs\""
+text = open(src).read()
+if old not in text:
+    sys.exit(f"install-control-plane: {src} no longer has {old}: update the Kueue build")
+new = old + "\n\t\tif d := os.Getenv(\"KUEUE_METRICS_CERT_DIR\"); d != \"\" {\n\t\t\tmetricsCertPath = d\n\t\t}"
+open(dst, "w").write(text.replace(old, new))
+' "$main" kueue/main.go
+    go build "${build_flags[@]}" -o "$BIN/kueue-manager" ./kueue
+    echo "$KUEUE_RECIPE" > "$BIN/kueue-manager.recipe" )
 fi
 
 for b in "${ALL_BINS[@]}"; do [ -x "$BIN/$b" ] || { echo "install-control-plane: $b was not built" >&2; exit 1; }; done
