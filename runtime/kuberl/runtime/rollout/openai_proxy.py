@@ -3,9 +3,10 @@
 The agent workflow (agent_workflow.py) opens a session per episode and hands the agent function a
 client whose base_url is `http://127.0.0.1:PORT/s/<session>/v1` and whose API key is the session's
 secret. /v1/chat/completions (tools and tool_calls through the tokenizer's chat template, Hermes
-`<tool_call>` syntax) and /v1/completions generate through `generate_continuing`, so a weight update
-mid-call continues the generation and every token keeps its version; each call's prompt ids, output
-ids, behaviour logprobs and versions are recorded on the session. It listens on 127.0.0.1 only.
+`<tool_call>` syntax), /v1/responses (translated onto the chat path: responses_api.py) and
+/v1/completions generate through `generate_continuing`, so a weight update mid-call continues the
+generation and every token keeps its version; each call's prompt ids, output ids, behaviour logprobs
+and versions are recorded on the session. It listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from kuberl.runtime.inference.base import EngineError, GenerateRequest, InferenceEngine
+from kuberl.runtime.rollout import responses_api
 from kuberl.runtime.rollout.proxy_fields import CallOptions, FieldRefused, call_options, split_reasoning, visible_text
 from kuberl.runtime.rollout.workflows import PartialGeneration, SamplingConfig, generate_continuing
 
@@ -71,6 +73,7 @@ class Session:
     engine_error: EngineError | None = None  # the engine failed under a call: the episode is retried, not failed
     warned: set[str] = field(default_factory=set)
     spent: int = 0  # tokens generated (or reserved by calls in flight) against the episode budget
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # /v1/responses: id -> its conversation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +248,7 @@ class OpenAIProxy:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/s/{sid}/v1/chat/completions", self._chat)
         app.router.add_post("/s/{sid}/v1/completions", self._completions)
+        app.router.add_post("/s/{sid}/v1/responses", self._responses)
         app.router.add_get("/s/{sid}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -309,20 +313,21 @@ class OpenAIProxy:
                              f"{self.sampling.max_total_tokens}-token context", code="context_length_exceeded")
         return cap
 
-    def _check_common(self, s: Session, body: dict[str, Any]) -> CallOptions:
+    def warn(self, s: Session, name: str, message: str) -> None:
+        """Log an ignored request field once per rollout agent: the same agent code sends it on every call."""
+        if name not in self.warned:
+            self.warned.add(name)
+            log.warning("%s (proxy session %s; logged once)", message, s.id[:8])
+
+    def check_common(self, s: Session, body: dict[str, Any]) -> CallOptions:
         """The request's fields beyond messages or prompt (proxy_fields.py: honoured, ignored with a log, refused)."""
         def warn(name: str, message: str) -> None:
-            if name not in self.warned:  # once per rollout agent: the same agent code sends it on every call
-                self.warned.add(name)
-                log.warning("%s (proxy session %s; logged once)", message, s.id[:8])
+            self.warn(s, name, message)
 
         for name, ours in (("temperature", self.sampling.temperature), ("top_p", self.sampling.top_p)):
             if body.get(name) is not None and abs(float(body[name]) - ours) > 1e-9:
                 warn(name, f"{name}={body[name]} ignored; the engine samples with the manifest's {name}={ours} (the policy the trainer scores)")
-        try:
-            return call_options(body, warn)
-        except FieldRefused as exc:
-            raise ProxyError(str(exc)) from exc
+        return call_options(body, warn)  # FieldRefused: a 400 naming the field (_handle)
 
     def _parent(self, s: Session, prompt_ids: list[int]) -> int | None:
         for i in range(len(s.calls) - 1, -1, -1):
@@ -376,8 +381,12 @@ class OpenAIProxy:
                 raise ProxyError(f"the request body is not JSON: {exc}") from exc
             if not isinstance(body, dict):
                 raise ProxyError("the request body must be a JSON object")
-            opts = self._check_common(s, body)
+            if kind == "responses":
+                return await responses_api.serve(self, request, s, body)
+            opts = self.check_common(s, body)
             return await (self._do_chat(request, s, body, opts) if kind == "chat" else self._do_completion(s, body, opts))
+        except FieldRefused as exc:
+            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error", "code": "invalid_request_error"}}, status=400)
         except ProxyError as exc:
             return web.json_response({"error": {"message": str(exc), "type": exc.code, "code": exc.code}}, status=exc.status)
 
@@ -386,6 +395,9 @@ class OpenAIProxy:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "completion")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "responses")
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -403,19 +415,7 @@ class OpenAIProxy:
         s.calls.append(rec)
 
     async def _do_chat(self, request: web.Request, s: Session, body: dict[str, Any], opts: CallOptions) -> web.StreamResponse:
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise ProxyError("messages must be a non-empty list")
-        messages = [normalise_message(m) for m in raw]
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise ProxyError("tools must be a list")
-        tools = tools if opts.tools_enabled else None  # tool_choice none: the model is not offered them
-        prompt_ids = self._chat_prompt(s, messages, tools)
-        gens = await asyncio.gather(*(self._generate(s, prompt_ids, body, opts) for _ in range(opts.n)))
-        choices = [self._chat_choice(s, i, gen, prompt_ids, messages, tools, opts) for i, gen in enumerate(gens)]
-        out = sum(len(g.output_ids) for g in gens)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": out, "total_tokens": len(prompt_ids) + out}
+        choices, usage = await self.chat_answers(s, body.get("messages"), body, opts)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = str(body.get("model") or "policy")
         if not body.get("stream"):
@@ -435,6 +435,22 @@ class OpenAIProxy:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def chat_answers(self, s: Session, raw: Any, body: dict[str, Any], opts: CallOptions) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """The n answers to chat messages (`raw`) with `body`'s tools, each recorded as a call, and the usage: what
+        /v1/chat/completions and /v1/responses both serve, so that one conversation gives the same tokens through either."""
+        if not isinstance(raw, list) or not raw:
+            raise ProxyError("messages must be a non-empty list")
+        messages = [normalise_message(m) for m in raw]
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise ProxyError("tools must be a list")
+        tools = tools if opts.tools_enabled else None  # tool_choice none: the model is not offered them
+        prompt_ids = self._chat_prompt(s, messages, tools)
+        gens = await asyncio.gather(*(self._generate(s, prompt_ids, body, opts) for _ in range(opts.n)))
+        choices = [self._chat_choice(s, i, gen, prompt_ids, messages, tools, opts) for i, gen in enumerate(gens)]
+        out = sum(len(g.output_ids) for g in gens)
+        return choices, {"prompt_tokens": len(prompt_ids), "completion_tokens": out, "total_tokens": len(prompt_ids) + out}
 
     def _chat_choice(self, s: Session, index: int, gen: Any, prompt_ids: list[int], messages: list[dict[str, Any]],
                      tools: list | None, opts: CallOptions) -> dict[str, Any]:
