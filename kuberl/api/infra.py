@@ -49,6 +49,11 @@ class EmbeddedBusSpec(KubeModel):
     storage_class_name: str | None = Field(None, description="StorageClass of the JetStream volumes.")
     image: str | None = Field(None, description="NATS image; default nats:2.15-alpine.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="NATS container resources.")
+    after_success: Literal["Delete", "Keep"] = Field(
+        "Delete", description="What becomes of the bus once the experiment succeeds. Delete: its servers stop and their JetStream "
+        "volumes are deleted (what is left on them is surplus: the trained weights and checkpoints are on the checkpoint "
+        "volume). Keep: the servers keep running with their volumes (to read the metrics stream after the run) until "
+        "the experiment is deleted. A failed experiment's servers stop and keep their volumes either way.")
 
 
 class ExternalBusSpec(KubeModel):

@@ -150,6 +150,7 @@ CHILDREN = [
     ("/api/v1/namespaces/default/serviceaccounts/{e}-runtime"),
 ]
 CHECKPOINT_PVC = "/api/v1/namespaces/default/persistentvolumeclaims/{e}-checkpoints"
+BUS_PVC = "/api/v1/namespaces/default/persistentvolumeclaims/data-{e}-bus-0"
 
 
 def test_an_experiment_gets_owned_children_and_runs_through_initializing_running_succeeded(api: Api, experiment_name: str) -> None:
@@ -165,12 +166,21 @@ def test_an_experiment_gets_owned_children_and_runs_through_initializing_running
     status = api.experiment(e)["status"]
     assert {"type": "Ready", "status": "True"}.items() <= next(c for c in status["conditions"] if c["type"] == "Ready").items()
     assert status["observedGeneration"] == api.experiment(e)["metadata"]["generation"]
+    assert api.wait("the bus server's volume", lambda: api.get(BUS_PVC.format(e=e)))
     api.finish_job(e)
     assert api.wait("phase Succeeded", lambda: api.phase(e) == "Succeeded")
     assert api.experiment(e)["status"].get("completionTime")
     assert api.wait("rollout scaled to 0", lambda: api.sts(f"{e}-rollout")["spec"]["replicas"] == 0)
     reasons = api.wait("phase events", lambda: {"PhaseInitializing", "PhaseRunning", "PhaseSucceeded"} <= api.event_reasons(e) and api.event_reasons(e))
     assert "Created" in reasons
+    # bus.embedded.afterSuccess Delete (the default): no bus server, and the StatefulSet controller deletes its volume;
+    # the checkpoint volume stays (retainPolicy Retain) and an event says it bills until deleted.
+    assert api.wait("the bus stopped", lambda: api.sts(f"{e}-bus")["spec"]["replicas"] == 0)
+    api.wait("the bus server's volume deleted", lambda: api.get(BUS_PVC.format(e=e)) is None, timeout=30)
+    assert api.get(CHECKPOINT_PVC.format(e=e)) is not None
+    notes = api.wait("BusStopped and CheckpointRetained events", lambda: {x["reason"]: x["message"] for x in api.events(e)
+                                                                          if x["reason"] in ("BusStopped", "CheckpointRetained")})
+    assert f"kubectl delete pvc {e}-checkpoints" in notes["CheckpointRetained"] and "volumes are deleted" in notes["BusStopped"], notes
 
 
 def test_a_missing_hub_token_secret_sets_a_condition_and_an_event_and_the_operator_keeps_running(api: Api, experiment_name: str) -> None:
@@ -329,6 +339,8 @@ def test_a_trainer_configuration_error_fails_the_experiment_at_once_with_its_mes
     assert (api.experiment(e)["status"].get("restarts") or 0) == 0 and "TrainerRestarted" not in api.event_reasons(e)
     assert len([x for x in api.events(e) if x["reason"] == "ConfigurationError"]) == 1
     assert api.phase(e) == "Failed"
+    # A failed experiment stops its bus server but keeps its volume (what was accepted and not trained) until deleted.
+    assert api.sts(f"{e}-bus")["spec"]["replicas"] == 0 and api.get(BUS_PVC.format(e=e)) is not None
 
 
 def test_a_rollout_configuration_error_fails_the_experiment_instead_of_crash_looping(api: Api, experiment_name: str) -> None:

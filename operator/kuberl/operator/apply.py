@@ -11,9 +11,9 @@ import asyncio
 import secrets
 from typing import Any
 
-from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.api.v1alpha1 import Phase, RLExperiment
 from kuberl.operator import bus_users, naming
-from kuberl.operator.builders import build_children, build_rollout_statefulset
+from kuberl.operator.builders import build_bus_statefulset, build_children, build_rollout_statefulset
 from kuberl.operator.builders.immutable import keep_immutable_fields
 from kuberl.operator.builders.pinning import keep_pinned
 from kuberl.operator.builders.rollout import ENGINE_API_KEY_KEY
@@ -156,6 +156,8 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
             continue  # a finished trainer is not started again
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
             child = build_rollout_statefulset(effective, replicas=0)
+        if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.bus_name(exp):
+            child = build_bus_statefulset(effective, finished="Failed" if status.get("phase") == Phase.FAILED else "Succeeded")
         own = not (retained and child["kind"] == "PersistentVolumeClaim" and child["metadata"]["name"] == naming.checkpoint_pvc_name(exp))
         new, notes = await apply_kept(body, child, own=own)
         failures.extend(notes)

@@ -180,6 +180,8 @@ class EventReason(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     STOPPED = "Stopped"  # after a configuration error: rollout scaled to 0, no trainer left running
+    CHECKPOINT_RETAINED = "CheckpointRetained"  # the run is over; the checkpoint PVC outlives the experiment (retainPolicy Retain)
+    BUS_STOPPED = "BusStopped"  # the experiment is over: its embedded bus servers stopped (after a success, volumes deleted)
     # Unrunnable specs: the same words as the condition reasons, so events and conditions match.
     VALIDATION_FAILED = Reason.VALIDATION_FAILED.value
     CONFIGURATION_ERROR = Reason.CONFIGURATION_ERROR.value

@@ -30,7 +30,7 @@ from kuberl.operator.apply import (  # noqa: F401  (re-exported: the handlers, k
     engine_key_for_children,
     recreate_job,
 )
-from kuberl.operator.builders import build_rollout_statefulset, build_trainer_job
+from kuberl.operator.builders import build_bus_statefulset, build_rollout_statefulset, build_trainer_job
 from kuberl.operator.context import CONFIG, OperatorConfig, env_count, event, kube, now  # noqa: F401  (re-exported)
 from kuberl.operator.labels import EventReason
 from kuberl.operator.observe import (  # noqa: F401  (re-exported: pins and tests use them from here)
@@ -175,7 +175,10 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
     if observed.configuration_error is not None:  # before restarts: exit code 2 is never restarted
         return await stop_on_configuration_error(body, exp, status, memo, observed)
     if job_condition(job, "Complete") or (progress or {}).get("done"):
-        return {}, await scale_rollout_to_zero(body, exp, observed, EventReason.SUCCEEDED, "training complete: rollout scaled to 0")
+        scaled = await scale_rollout_to_zero(body, exp, observed, EventReason.SUCCEEDED, "training complete: rollout scaled to 0")
+        if scaled:
+            await note_retained_checkpoints(body, exp)
+        return {}, await release_bus(body, exp, observed, "Succeeded") or scaled
     if being_deleted(job):
         return {}, False  # being re-created: its pods are terminating; the new Job comes after them (below)
     if job is None and observed.rollout is not None and not finished(status, job, progress):
@@ -192,8 +195,9 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
             await event(body, "Warning", EventReason.TRAINER_RESTARTED.value, why)
             return {"restarts": restarts + 1}, True
         if restarts >= policy.max_restarts:  # failed for good: free the engines' accelerators
-            return {}, await scale_rollout_to_zero(body, exp, observed, EventReason.STOPPED, f"the trainer failed and failurePolicy.maxRestarts "
-                                                   f"({policy.max_restarts}) is used up: rollout scaled to 0")
+            scaled = await scale_rollout_to_zero(body, exp, observed, EventReason.STOPPED, f"the trainer failed and failurePolicy.maxRestarts "
+                                                 f"({policy.max_restarts}) is used up: rollout scaled to 0")
+            return {}, await release_bus(body, exp, observed, "Failed") or scaled
         return {}, False
     return await autoscale(body, exp, status, progress, t)
 
@@ -209,6 +213,39 @@ async def scale_rollout_to_zero(body: Any, exp: RLExperiment, observed: st.Obser
     if reason is not None:
         await event(body, "Normal", reason.value, why)
     return True
+
+
+async def release_bus(body: Any, exp: RLExperiment, observed: st.ObservedChildren, outcome: str) -> bool:
+    """The experiment is over (`outcome` Succeeded or Failed): its embedded bus servers stop, and after a success
+    (bus.embedded.afterSuccess Delete) their JetStream volumes go too (build_bus_statefulset), so a finished
+    experiment holds no bus pod and, once it succeeded, no 10Gi volume. A Normal event says which. True if it changed."""
+    bus = observed.bus
+    if exp.spec.bus.external is not None or not bus:
+        return False
+    want = build_bus_statefulset(exp, finished=outcome)
+    spec = bus.get("spec") or {}
+    if (spec.get("replicas") == want["spec"]["replicas"]
+            and spec.get("persistentVolumeClaimRetentionPolicy") == want["spec"]["persistentVolumeClaimRetentionPolicy"]):
+        return False
+    await apply_child(body, want)
+    if want["spec"]["replicas"]:
+        return True  # afterSuccess Keep: the servers stay
+    volumes = ("and their JetStream volumes are deleted (bus.embedded.afterSuccess Delete)" if outcome == "Succeeded"
+               else "(their JetStream volumes stay until the experiment is deleted)")
+    await event(body, "Normal", EventReason.BUS_STOPPED.value, f"the experiment {outcome.lower()}: the bus servers stopped {volumes}")
+    return True
+
+
+async def note_retained_checkpoints(body: Any, exp: RLExperiment) -> None:
+    """Say, once the run is over, that the checkpoint volume the operator made outlives the experiment and bills until
+    someone deletes it (checkpoint.retainPolicy Retain, the default; a Filestore or EFS volume bills by its size)."""
+    ckpt = exp.spec.checkpoint
+    if ckpt.retain_policy != "Retain" or ckpt.existing_claim is not None:
+        return
+    pvc = naming.checkpoint_pvc_name(exp)
+    await event(body, "Normal", EventReason.CHECKPOINT_RETAINED.value,
+                f"the checkpoint volume {pvc} ({ckpt.size}) outlives this experiment (checkpoint.retainPolicy Retain) and is billed "
+                f"until deleted: kubectl delete pvc {pvc} -n {exp.namespace}")
 
 
 async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
@@ -231,6 +268,7 @@ async def stop_on_configuration_error(body: Any, exp: RLExperiment, status: dict
         await event(body, "Warning", EventReason.CONFIGURATION_ERROR.value, message)
         memo["configuration_error_reported"] = message
     changed = await scale_rollout_to_zero(body, exp, observed)  # one event for both changes, below
+    changed = await release_bus(body, exp, observed, "Failed") or changed
     job = dict(observed.trainer) if observed.trainer else None
     if failure.role != "trainer" and trainer_running(job):  # a failing trainer Job ends by itself (FailJob)
         await apply_child(body, build_trainer_job(stopped_copy(exp)))

@@ -191,8 +191,12 @@ def _probe(path: str, period: int, failures: int) -> Obj:
     }
 
 
-def build_bus_statefulset(exp: RLExperiment) -> Obj:
-    """NATS JetStream StatefulSet: 1, 3 or 5 servers, one PVC each, non-root, probed on /healthz."""
+def build_bus_statefulset(exp: RLExperiment, finished: str | None = None) -> Obj:
+    """NATS JetStream StatefulSet: 1, 3 or 5 servers, one PVC each, non-root, probed on /healthz.
+
+    `finished` ("Succeeded" or "Failed": the experiment is over) releases what the bus holds: no servers, and after a
+    success with bus.embedded.afterSuccess Delete its volumes too (the StatefulSet controller deletes the claims of the
+    servers it scales away when whenScaled is Delete). A failure keeps the volumes, as a suspend does."""
     bus = _embedded(exp)
     name = naming.bus_name(exp)
     selector = L.selector_labels(exp, L.Role.BUS)
@@ -230,6 +234,8 @@ def build_bus_statefulset(exp: RLExperiment) -> Obj:
     resources = {k: v for k, v in resources.items() if v}
     if resources:
         container["resources"] = resources
+    keep = bus.after_success == "Keep" and finished == "Succeeded"
+    release = finished == "Succeeded" and not keep
     pvc_spec: Obj = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(bus.storage)}}}
     if bus.storage_class_name:
         pvc_spec["storageClassName"] = bus.storage_class_name
@@ -238,13 +244,13 @@ def build_bus_statefulset(exp: RLExperiment) -> Obj:
         "kind": "StatefulSet",
         "metadata": metadata(exp, name, L.Component.BUS),
         "spec": {
-            "replicas": 0 if exp.spec.suspend else bus.replicas,
+            "replicas": 0 if exp.spec.suspend or (finished and not keep) else bus.replicas,
             "serviceName": naming.bus_headless_name(exp),
             # All servers start together: a JetStream cluster needs a quorum before any is healthy.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             # Deleting the experiment deletes the JetStream volumes; suspending (scale to 0) keeps them.
-            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete" if release else "Retain"},
             "template": {
                 "metadata": {
                     "labels": L.child_labels(exp, L.Component.BUS),
