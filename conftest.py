@@ -38,6 +38,15 @@ class Kube:
     def local(self) -> bool:
         return self.control_plane is not None
 
+    def allow_operator(self, namespace: str) -> None:
+        """Open a namespace to the chart's operator as an administrator does (charts/kuberl values.yaml tenantNamespaces):
+        a RoleBinding to its namespaced ClusterRole. Only where that ClusterRole exists (the chart is installed)."""
+        if self.run("kubectl", "get", "clusterrole", f"{RELEASE}-namespaced", check=False).returncode != 0:
+            return
+        made = self.run("kubectl", "create", "rolebinding", f"{RELEASE}-operator", "-n", namespace, f"--clusterrole={RELEASE}-namespaced",
+                        f"--serviceaccount={OPERATOR_NAMESPACE}:{RELEASE}", check=False)
+        assert made.returncode == 0 or "AlreadyExists" in made.stderr, made.stderr
+
     def run(self, *cmd: str, stdin: str | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(list(cmd), env=self.env, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
         if check and out.returncode != 0:

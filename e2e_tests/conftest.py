@@ -192,6 +192,7 @@ def cluster(request: pytest.FixtureRequest, kuberl_installed: Any) -> Iterator[C
         c.operator_log = lambda: "--- operator log ---\n" + op.log_tail()
         c.kill_local_operator = op.restart
         with _test_namespace(c, request.session):
+            kube.allow_operator(c.namespace)  # as an admin opens a tenant namespace (the chart's tenantNamespaces)
             yield c
         assert op.alive, f"the operator died during the e2e tests:\n{op.log_tail()}"
         return
@@ -201,4 +202,5 @@ def cluster(request: pytest.FixtureRequest, kuberl_installed: Any) -> Iterator[C
         pytest.fail(f"KUBECONFIG={kube.kubeconfig}: CRD {CRD_NAME} is not installed ({found.stderr.strip()}). "
                     "Install the operator first, e.g. `helm install kuberl charts/kuberl`.")
     with _test_namespace(c, request.session):
+        kube.allow_operator(c.namespace)
         yield c

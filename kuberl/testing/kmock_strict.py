@@ -80,6 +80,8 @@ class StrictKubernetesEmulator(KubeObjectStore):
                 return aiohttp.web.json_response(ks.openapi_v3_document(list(self._types.values()), path))
             if path in ("/healthz", "/livez", "/readyz"):
                 return aiohttp.web.Response(text="ok")
+        if method == "POST" and path in SELF_REVIEWS:
+            return aiohttp.web.json_response(self_review(self._body(request)), status=201)
         rt, namespace, name, sub = self._route(method, path)
         return await self._serve_resource(request, method, rt, namespace, name, sub)
 
@@ -326,6 +328,24 @@ from kuberl.testing.emulator_server import (  # noqa: E402 - after the class: em
     load_crds,
     main,
 )
+
+# The self-reviews a client asks about its own rights (kuberl.operator.access). The emulator authorizes every
+# request, so it answers as an API server with --authorization-mode=AlwaysAllow does: everything, for the admin.
+SELF_REVIEWS = ("/apis/authorization.k8s.io/v1/selfsubjectrulesreviews", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                "/apis/authentication.k8s.io/v1/selfsubjectreviews")
+
+
+def self_review(body: Obj) -> Obj:
+    """The answer to a SelfSubjectRulesReview, SelfSubjectAccessReview or SelfSubjectReview: all allowed."""
+    kind = (body or {}).get("kind", "")
+    status: Obj = {"allowed": True}
+    if kind == "SelfSubjectRulesReview":
+        status = {"resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}],
+                  "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}], "incomplete": False}
+    elif kind == "SelfSubjectReview":
+        status = {"userInfo": {"username": "kuberl-admin", "groups": ["system:masters", "system:authenticated"]}}
+    return {**body, "status": status}
+
 
 __all__ = ["EmulatorServer", "StrictKubernetesEmulator", "cpu_node", "default_crds", "kubeconfig", "load_crds", "main"]
 

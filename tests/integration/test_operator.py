@@ -469,19 +469,19 @@ def test_an_immutable_child_field_is_reported_and_the_rest_applied(api: Api, exp
 
 
 def test_an_edit_the_api_server_refuses_for_the_job_keeps_the_running_trainer(api: Api, experiment_name: str) -> None:
-    """A trainer pod template the Job's validation refuses (here a hostPath volume without a path, which the CRD's
-    open volume schema admits) is reported; the healthy trainer is neither deleted nor re-created. A valid template
+    """A trainer pod template the Job's validation refuses (here a configMap volume that names no ConfigMap, which the
+    CRD's open volume schema and the chart's admission policy admit) is reported; the healthy trainer is neither deleted nor re-created. A valid template
     change, immutable in a Job, still re-creates it."""
     e = experiment_name
     api.call("POST", RLX, manifest(e))
     uid = api.wait("trainer Job", lambda: api.job(f"{e}-trainer"))["metadata"]["uid"]
     api.trainer_pods(e)
-    api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"podTemplate": {"volumes": [{"name": "scratch", "hostPath": {}}]}}}})
+    api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"podTemplate": {"volumes": [{"name": "scratch", "configMap": {}}]}}}})
     cond = api.wait("Reconciled=False", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
                                                         if c["type"] == "Reconciled" and c["status"] == "False"), None))
-    assert cond["reason"] == "ApplyFailed" and "hostPath.path" in cond["message"], cond
+    assert cond["reason"] == "ApplyFailed" and "configMap.name" in cond["message"], cond
     ev = api.wait("an ApplyFailed event", lambda: [x for x in api.events(e) if x["reason"] == "ApplyFailed"])
-    assert "hostPath.path" in ev[0]["message"], ev[0]
+    assert "configMap.name" in ev[0]["message"], ev[0]
     time.sleep(3)  # several reconciles: the Job stays
     assert api.job(f"{e}-trainer")["metadata"]["uid"] == uid and "Recreated" not in api.event_reasons(e)
     api.merge(f"{RLX}/{e}", {"spec": {"trainer": {"podTemplate": {"volumes": [{"name": "scratch", "emptyDir": {}}]}}}})

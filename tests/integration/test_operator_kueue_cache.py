@@ -76,6 +76,7 @@ def api(kuberl_installed: Any) -> Iterator[Api]:
     if cp.kubectl("get", "crd", WORKLOAD_CRD["metadata"]["name"], check=False).returncode == 0:
         pytest.fail("the Workload CRD is installed already: this test must see the operator start without it")
     cp.kubectl("create", "namespace", NS)
+    kuberl_installed.allow_operator(NS)  # the operator writes only where a RoleBinding lets it (chart tenantNamespaces)
     yield Api(cp, kuberl_installed.operator)
 
 

@@ -35,10 +35,18 @@ def render(values: dict | None = None) -> list[dict]:
     return objects
 
 
-def one(objects: list[dict], kind: str) -> dict:
-    found = [o for o in objects if o["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
+
+
+OPERATOR_ROLES = ("kuberl", "kuberl-namespaced")  # the operator's ClusterRoles (the rest are tenant roles)
+
+
+def operator_rules(objects: list[dict]) -> list[dict]:
+    """Every rule the operator's own ClusterRoles hold: what it may do once bound in a namespace."""
+    return [r for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] in OPERATOR_ROLES for r in o["rules"]]
 
 
 def chart_crds() -> dict[str, dict]:
@@ -58,6 +66,12 @@ VARIANTS = {
                                             "grafanaDashboard": {"enabled": True, "namespace": "monitoring"}},
     "standalone without metrics": {"peering": {"enabled": False}, "metrics": {"enabled": False}, "replicaCount": 1},
     "existing service account": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
+    "tenant namespaces and a restricted admission policy": {
+        "tenantNamespaces": ["team-a", "team-b"],
+        "admissionPolicy": {"allowedServiceAccounts": ["trainer-wi"], "allowedImagePrefixes": ["europe-docker.pkg.dev/p/"],
+                            "validationActions": ["Warn", "Audit"]}},
+    "cluster-wide writes, no tenant roles, no admission policy": {"rbac": {"clusterWideWrites": True, "aggregateToDefaultRoles": False},
+                                                                  "admissionPolicy": {"enabled": False}},
     "private registry": {
         "image": {"repository": "europe-docker.pkg.dev/my-project/kuberl/operator"},
         "runtimeImages": {"repository": "europe-docker.pkg.dev/my-project/kuberl"},
@@ -212,12 +226,12 @@ def granted(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 class TestRBAC:
     def rules(self) -> list[dict]:
-        return one(render(), "ClusterRole")["rules"]
+        return operator_rules(render())
 
     def test_binding_names_the_operator_service_account(self):
         objects = render()
         binding, sa = one(objects, "ClusterRoleBinding"), one(objects, "ServiceAccount")
-        assert binding["roleRef"]["name"] == one(objects, "ClusterRole")["metadata"]["name"]
+        assert binding["roleRef"]["name"] == "kuberl"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
         pod = one(objects, "Deployment")["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == sa["metadata"]["name"]

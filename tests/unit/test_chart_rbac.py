@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 from kopf._cogs.aiokits import aiotoggles
 from kopf._core.engines import peering
-from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, render
+from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, operator_rules, render
 
 from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
 
@@ -29,7 +29,7 @@ class TestNamespacedInstall:
     VALUES = {"watchNamespaces": ["team-a", "team-b"]}
 
     def test_the_cluster_role_keeps_only_cluster_scoped_reads(self) -> None:
-        rules = one(render(self.VALUES), "ClusterRole")["rules"]
+        rules = operator_rules(render(self.VALUES))
         assert {(g, r) for g, r, _ in granted(rules)} <= CLUSTER_SCOPED - {("kopf.dev", "clusterkopfpeerings")}
         assert {v for _, _, v in granted(rules)} <= {"get", "list", "watch"}
 
@@ -52,7 +52,7 @@ class TestNamespacedInstall:
     def test_the_namespaced_rules_are_the_cluster_wide_ones(self) -> None:
         """One definition: what a Role grants in a watched namespace, the ClusterRole grants everywhere."""
         role = granted(of_kind(render(self.VALUES), "Role")[0]["rules"]) - {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
-        cluster = granted(one(render(), "ClusterRole")["rules"])
+        cluster = granted(operator_rules(render()))
         assert role <= cluster
         assert {(g, r, v) for g, r, v in cluster if (g, r) not in CLUSTER_SCOPED} == role
 
@@ -61,7 +61,7 @@ class TestLeastPrivilege:
     @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
     def test_secrets_are_get_create_patch_only_and_no_rbac_or_lease_rights(self, values) -> None:
         objects = render(values)
-        have = set().union(*(granted(o["rules"]) for o in objects if o["kind"] in ("Role", "ClusterRole")))
+        have = granted(operator_rules(objects)) | set().union(*(granted(o["rules"]) for o in objects if o["kind"] == "Role"))
         assert {v for g, r, v in have if r == "secrets"} == {"get", "create", "patch"}
         assert not {g for g, _, _ in have} & {"rbac.authorization.k8s.io", "coordination.k8s.io"}
         assert not {r for _, r, _ in have} & {"statefulsets/scale", "leases", "roles", "rolebindings"}

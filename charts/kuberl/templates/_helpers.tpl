@@ -56,10 +56,23 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
+# Kueue: the admitted flavours' nodeLabels and tolerations, put on the pods (kuberl.operator.kueue_status.placement).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors"]
+  verbs: ["get"]
 {{- end -}}
 
-{{/* Namespaced rules: in the ClusterRole (cluster-wide) or in a Role per watched namespace. */}}
+{{/* Namespaced rules of a watched namespace (watchNamespaces: one Role each): what the operator reads
+everywhere it watches, and what it writes there. */}}
 {{- define "kuberl.namespacedRules" -}}
+{{ include "kuberl.watchRules" . }}
+{{ include "kuberl.writeRules" . }}
+{{- end -}}
+
+{{/* What the operator reads in every namespace it watches, and its own objects (the RLExperiment, its
+status and events), which it must reach even where it may write nothing else: cluster-wide, these are
+in the ClusterRole; no Secret, ConfigMap or pod-making write among them. */}}
+{{- define "kuberl.watchRules" -}}
 # The custom resource: watch it, add finalizers and the pin annotations, write the resolved
 # replicas, serve /scale; delete it when spec.ttlSecondsAfterFinished has passed.
 - apiGroups: ["kuberl.io"]
@@ -73,8 +86,40 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["kuberl.io"]
   resources: ["rlexperiments/finalizers"]
   verbs: ["update"]
-# Children, by server-side apply (create + patch) and read back (get). Secrets: the bus credentials
-# the operator makes, and the ones the spec names; never listed or watched.
+# Workloads: listed and watched (caches of the children's state), never created here.
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch"]
+# Pods: read-only (readiness and problems for status).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Kueue (kuberl.operator.kueue): the Workload of an experiment labelled kueue.x-k8s.io/queue-name,
+# and its quota given back after an eviction; list/watch for the operator's Workload cache. A Workload
+# runs nothing (it only holds quota). Harmless where Kueue is not installed.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+# Events on experiments (kopf posts them through both APIs), also where the operator may not write
+# (the NamespaceNotPermitted event says so).
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* What the operator writes in a namespace that runs experiments: the children, by server-side apply
+(create + patch) and read back (get). Granted per namespace (templates/clusterrole.yaml): a Role in
+each watched namespace, or, cluster-wide, the ClusterRole "<fullname>-namespaced" bound by a RoleBinding
+in each tenant namespace. kuberl.operator.access checks these before it applies anything. */}}
+{{- define "kuberl.writeRules" -}}
+# Secrets: the bus and engine credentials the operator makes, and the ones the spec names; never
+# listed or watched.
 - apiGroups: [""]
   resources: ["configmaps", "secrets", "services", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
@@ -84,28 +129,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
-# Workloads: also listed and watched (caches of the children's state); the trainer Job is deleted
-# and re-created when its immutable template must change or after a failure.
+# The trainer Job is deleted and re-created when its immutable template must change or after a failure.
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["create", "patch"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Pods: read-only (readiness and problems for status).
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-# Kueue (kuberl.operator.kueue): the Workload of an experiment labelled kueue.x-k8s.io/queue-name,
-# and its quota given back after an eviction; list/watch for the operator's Workload cache. Harmless where Kueue is not installed.
-- apiGroups: ["kueue.x-k8s.io"]
-  resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create", "patch"]
-- apiGroups: ["kueue.x-k8s.io"]
-  resources: ["workloads/status"]
-  verbs: ["patch"]
-# Events on experiments (kopf posts them through both APIs).
-- apiGroups: ["", "events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "delete"]
 {{- end -}}

@@ -138,6 +138,7 @@ class Reason(StrEnum):
     INSUFFICIENT_ACCELERATORS = "InsufficientAccelerators"  # a pod asks for more accelerators than any node has
     UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a pod (message from PodScheduled)
     CONTAINER_CONFIG_ERROR = "ContainerConfigError"  # kubelet CreateContainerConfigError (e.g. a Secret key missing)
+    NAMESPACE_NOT_PERMITTED = "NamespaceNotPermitted"  # no RoleBinding lets the operator write in the experiment's namespace
     # Lifecycle
     CREATING = "Creating"  # children are being created
     WAITING_FOR_BUS = "WaitingForBus"  # NATS servers not ready yet

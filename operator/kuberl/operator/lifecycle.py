@@ -40,6 +40,7 @@ from kuberl.operator.observe import (  # noqa: F401  (re-exported: pins and test
     capacity_notes,
     children,
     current_nodes,
+    namespace_not_permitted,
     observe,
     prerequisites,
 )
@@ -130,8 +131,9 @@ async def refresh(body: Any, exp: RLExperiment, status: dict[str, Any], memo: An
     exp = exp.model_copy(update={"status": status_model(status)})  # compute_status's "old" is the same status
     restarts = int(status.get("restarts") or 0)
     observed = await observe(exp, restarts, memo, recheck=(not act) if recheck is None else recheck)
-    url, token = await bus_endpoint(exp, memo)
-    quiet = bus_quiet(exp, observed, memo)
+    blocked = namespace_not_permitted(observed)  # the bus Secret is unreadable there, and no bus runs
+    url, token = ("", None) if blocked else await bus_endpoint(exp, memo)
+    quiet = blocked or bus_quiet(exp, observed, memo)
     progress = None if quiet else await CONFIG.bus.read(url, token, name, run=naming.bus_run(exp))
     blocking = blockers(exp, observed)
     extra: dict[str, Any] = {}

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from kuberl.api.v1alpha1 import RLExperiment
-from kuberl.operator import bus_users, naming
+from kuberl.operator import access, bus_users, naming
 from kuberl.operator import status as st
 from kuberl.operator.builders import build_rollout_statefulset, build_trainer_job, bus_auth
 from kuberl.operator.builders.common import accelerator_resource
@@ -25,7 +25,7 @@ log = logging.getLogger("kuberl.operator")
 
 # Problems that keep the operator from creating pods at all (the rest show up once pods exist). Node
 # capacity is never one: a scale-from-zero pool starts only for pending pods (kuberl.operator.capacity).
-BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND}
+BLOCKING = {Reason.SECRET_NOT_FOUND, Reason.CLAIM_NOT_FOUND, Reason.NAMESPACE_NOT_PERMITTED}
 
 
 
@@ -117,7 +117,12 @@ async def children(exp: RLExperiment) -> tuple[list[dict[str, Any]], Any, Any, A
 
 async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck: bool = True) -> st.ObservedChildren:
     """Everything O1's status code needs: children from the watch caches, the user's Secrets/PVCs
-    from the API (`recheck`) or as last read (prerequisites)."""
+    from the API (`recheck`) or as last read (prerequisites). In a namespace where the operator may not write
+    (kuberl.operator.access), that is the one blocker, and nothing else is read there (the reads would be refused)."""
+    denied = await access.denied_writes(exp.namespace, recheck=recheck)
+    if denied:
+        message = access.not_permitted_message(exp.namespace, denied, await access.operator_identity())
+        return st.ObservedChildren(blockers=((Reason.NAMESPACE_NOT_PERMITTED.value, message),), trainer_restarts=restarts)
     missing_secrets, missing_keys, missing_claims = await prerequisites(exp, memo, recheck=recheck)
     pods, trainer, bus, rollout = await children(exp)
     pod_problems = tuple(p for pod in pods for p in st.pod_problems(pod))
@@ -153,3 +158,8 @@ async def volume_problems(exp: RLExperiment) -> tuple[str, ...]:
 
 def blockers(exp: RLExperiment, observed: st.ObservedChildren) -> list[st.Problem]:
     return [p for p in st.explain_unrunnable(exp, observed) if p.reason in BLOCKING]
+
+
+def namespace_not_permitted(observed: st.ObservedChildren) -> bool:
+    """The operator may not write in the experiment's namespace (observe): its bus Secret is unreadable too."""
+    return any(reason == Reason.NAMESPACE_NOT_PERMITTED.value for reason, _ in observed.blockers)

@@ -1,0 +1,141 @@
+"""Least privilege for a shared cluster (issue #38.1), rendered offline: the default install writes nothing in a
+namespace that no RoleBinding opens, the operator's own check (kuberl.operator.access) asks for exactly what the
+chart grants there, tenants get aggregated view/edit roles, and the admission policy carries the values. The same
+objects on the real API server: tests/integration/test_tenancy.py."""
+
+from __future__ import annotations
+
+import helm_python as helm  # kuberl[test]: a missing install fails, it is not skipped
+import pytest
+from test_chart import CHART, NAMESPACE, granted, one, render
+
+from kuberl.operator import access
+
+SA = {"kind": "ServiceAccount", "name": "kuberl", "namespace": NAMESPACE}
+# What the operator may do in every namespace beyond reading: its own custom resource, Events, Kueue Workloads.
+CLUSTER_WIDE_WRITES = {"rlexperiments", "rlexperiments/status", "rlexperiments/scale", "rlexperiments/finalizers",
+                       "events", "workloads", "workloads/status", "clusterkopfpeerings"}
+
+
+def cluster_wide_grants(objects: list[dict]) -> set[tuple[str, str, str]]:
+    """What the operator's ServiceAccount holds in every namespace: the ClusterRoles its ClusterRoleBindings name."""
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
+    bound = [b["roleRef"]["name"] for b in objects if b["kind"] == "ClusterRoleBinding" and SA in b["subjects"]]
+    return set().union(*(granted(roles[name]["rules"]) for name in bound))
+
+
+class TestNoClusterWideWrites:
+    def test_by_default_the_operator_may_not_touch_secrets_or_make_pods_in_any_namespace(self) -> None:
+        have = cluster_wide_grants(render())
+        assert not {v for _, r, v in have if r in ("secrets", "configmaps")}
+        writes = {(r, v) for _, r, v in have if v not in ("get", "list", "watch")}
+        assert {r for r, _ in writes} <= CLUSTER_WIDE_WRITES, writes - {(r, v) for r, v in writes if r in CLUSTER_WIDE_WRITES}
+        assert ("rlexperiments", "watch") in {(r, v) for _, r, v in have}  # it still sees every experiment
+
+    def test_each_tenant_namespace_gets_a_binding_to_the_namespaced_cluster_role(self) -> None:
+        objects = render({"tenantNamespaces": ["team-a", "team-b"]})
+        bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+        assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+        for b in bindings:
+            assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kuberl-namespaced"}
+            assert b["subjects"] == [SA]
+        assert not {v for _, r, v in cluster_wide_grants(objects) if r == "secrets"}
+
+    def test_cluster_wide_writes_are_an_explicit_opt_in(self) -> None:
+        have = cluster_wide_grants(render({"rbac": {"clusterWideWrites": True}}))
+        assert {v for _, r, v in have if r == "secrets"} == {"get", "create", "patch"}
+
+    def test_the_operator_checks_exactly_what_the_namespaced_role_grants(self) -> None:
+        """kuberl.operator.access.WRITES (asked before anything is applied) and the chart's kuberl.writeRules agree."""
+        assert granted(one(render(), "ClusterRole", "kuberl-namespaced")["rules"]) == set(access.WRITES)
+
+    def test_the_deployment_names_the_namespaced_role_for_the_fix_the_operator_prints(self) -> None:
+        env = {e["name"]: e.get("value") for e in one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[access.CLUSTER_ROLE_ENV] == "kuberl-namespaced"
+
+    def test_the_default_opens_the_default_namespace_only_and_watched_namespaces_use_their_roles(self) -> None:
+        assert [(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in render() if b["kind"] == "RoleBinding"] == [("default", "kuberl-namespaced")]
+        watched = render({"watchNamespaces": ["a"], "tenantNamespaces": ["b"]})
+        assert [(b["metadata"]["namespace"], b["roleRef"]["kind"]) for b in watched if b["kind"] == "RoleBinding"] == [("a", "Role")]
+        assert not [o for o in watched if o["metadata"]["name"] == "kuberl-namespaced"]
+
+
+class TestAggregatedTenantRoles:
+    def labels(self, name: str) -> set[str]:
+        labels = one(render(), "ClusterRole", name)["metadata"]["labels"]
+        return {k.rpartition("/")[2] for k, v in labels.items() if k.startswith("rbac.authorization.k8s.io/") and v == "true"}
+
+    def test_view_reaches_view_edit_and_admin_and_edit_reaches_edit_and_admin(self) -> None:
+        assert self.labels("kuberl-rlexperiment-view") == {"aggregate-to-view", "aggregate-to-edit", "aggregate-to-admin"}
+        assert self.labels("kuberl-rlexperiment-edit") == {"aggregate-to-edit", "aggregate-to-admin"}
+
+    def test_view_only_reads_and_edit_writes_the_spec_not_the_status(self) -> None:
+        view = granted(one(render(), "ClusterRole", "kuberl-rlexperiment-view")["rules"])
+        edit = granted(one(render(), "ClusterRole", "kuberl-rlexperiment-edit")["rules"])
+        assert {v for _, _, v in view} == {"get", "list", "watch"}
+        assert ("kuberl.io", "rlexperiments", "create") in edit and ("kuberl.io", "rlexperiments/scale", "patch") in edit
+        assert not {r for _, r, _ in edit} & {"rlexperiments/status"}
+
+    def test_they_can_be_left_out(self) -> None:
+        names = {o["metadata"]["name"] for o in render({"rbac": {"aggregateToDefaultRoles": False}}) if o["kind"] == "ClusterRole"}
+        assert names == {"kuberl", "kuberl-namespaced"}
+
+
+class TestAdmissionPolicy:
+    def policy(self, values: dict | None = None) -> dict:
+        return one(render(values), "ValidatingAdmissionPolicy")
+
+    def test_the_values_become_the_policy_variables(self) -> None:
+        policy = self.policy({"admissionPolicy": {"allowedServiceAccounts": ["trainer-wi"], "allowedImagePrefixes": ["registry.corp/"]}})
+        variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+        assert variables == {"serviceAccounts": '["trainer-wi"]', "imagePrefixes": '["registry.corp/"]',
+                             "volumeTypes": '["configMap","csi","downwardAPI","emptyDir","ephemeral","persistentVolumeClaim","projected","secret"]'}
+
+    def test_the_default_refuses_host_path_and_named_service_accounts_and_allows_any_image(self) -> None:
+        variables = {v["name"]: v["expression"] for v in self.policy()["spec"]["variables"]}
+        assert "hostPath" not in variables["volumeTypes"] and variables["serviceAccounts"] == "[]" and variables["imagePrefixes"] == '["*"]'
+
+    def test_every_field_a_tenant_sets_is_checked_and_each_message_names_its_field(self) -> None:
+        checks = self.policy()["spec"]["validations"]
+        for field in ("rollout.podTemplate.serviceAccountName", "trainer.podTemplate.serviceAccountName", "rollout.podTemplate.volumes",
+                      "trainer.podTemplate.volumes", "rollout.image", "trainer.image", "bus.embedded.image"):
+            assert any(f"'spec.{field}: " in c["messageExpression"] and f"object.spec.{field}" in c["expression"] for c in checks), field
+
+    def test_the_operator_itself_is_exempt_and_the_binding_takes_the_actions(self) -> None:
+        objects = render({"admissionPolicy": {"validationActions": ["Warn", "Audit"]}})
+        [condition] = one(objects, "ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+        assert condition["expression"] == f"request.userInfo.username != 'system:serviceaccount:{NAMESPACE}:kuberl'"
+        binding = one(objects, "ValidatingAdmissionPolicyBinding")
+        assert binding["spec"] == {"policyName": "kuberl-rlexperiment-restrictions", "validationActions": ["Warn", "Audit"]}
+
+    def test_disabled_renders_nothing(self) -> None:
+        assert not [o for o in render({"admissionPolicy": {"enabled": False}}) if "AdmissionPolicy" in o["kind"]]
+
+    @pytest.mark.parametrize("values,field", [
+        ({"allowedVolumeTypes": ["hostpath"]}, "allowedVolumeTypes"),
+        ({"allowedServiceAccounts": ["Not A Name"]}, "allowedServiceAccounts"),
+        ({"allowedImagePrefixes": ["it's"]}, "allowedImagePrefixes"),
+        ({"validationActions": ["Block"]}, "validationActions"),
+    ])
+    def test_the_schema_refuses_what_the_policy_could_not_use(self, values: dict, field: str) -> None:
+        with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as err:
+            chart.validate_schema(chart.merge_values({"admissionPolicy": values}))
+        assert field in str(err.value)
+
+
+class TestAccessCheck:
+    def test_a_rule_limited_to_names_or_another_verb_does_not_cover_a_write(self) -> None:
+        rules = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"], "resourceNames": ["one"]},
+                 {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"]}]
+        assert not access.covered(rules, "", "secrets", "create")
+        assert not access.covered(rules, "apps", "statefulsets", "patch")
+        assert access.covered([{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}], "batch", "jobs", "delete")
+        assert access.covered([{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["delete"]}], "batch", "jobs", "delete")
+
+    def test_the_message_names_the_namespace_what_is_refused_and_the_command(self) -> None:
+        message = access.not_permitted_message("team-c", [("", "secrets", "create"), ("apps", "statefulsets", "patch")],
+                                               "system:serviceaccount:kuberl-system:kuberl")
+        assert "namespace 'team-c'" in message and "secrets, statefulsets.apps refused" in message
+        assert ("`kubectl create rolebinding kuberl-operator -n team-c --clusterrole=kuberl-namespaced "
+                "--serviceaccount=kuberl-system:kuberl`") in message
+        assert "tenantNamespaces" in message
