@@ -1,0 +1,50 @@
+"""The framework agents (framework_agents.py), unchanged, with a recorder around the rollout agent's engine and episodes.
+
+Loaded by the rollout agent of tests/integration/test_framework_agents_run.py as `framework_recording:<function>`:
+importing it wraps VLLMEngine.generate (every request's prompt ids and what vLLM returned) and
+AgentWorkflow.run_episode (every sample an episode produced), appending each as a JSON line under
+$KUBERL_TEST_RECORD, so the test can check the trained samples against what the engine generated, token for token.
+The agent functions themselves are the framework code, re-exported as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from framework_agents import langchain_agent, sdk_chat_agent, sdk_responses_agent
+
+from kuberl.runtime.inference.vllm import VLLMEngine
+from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
+
+__all__ = ["langchain_agent", "sdk_chat_agent", "sdk_responses_agent"]
+
+RECORD = Path(os.environ["KUBERL_TEST_RECORD"])
+
+
+def _append(name: str, row: dict[str, Any]) -> None:
+    with open(RECORD / f"{name}-{os.getpid()}.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+_generate = VLLMEngine.generate
+_run_episode = AgentWorkflow.run_episode
+
+
+async def _recorded_generate(self: VLLMEngine, req: Any) -> Any:
+    res = await _generate(self, req)
+    _append("engine", {"prompt": list(req.input_ids), "output": res.output_ids, "logprobs": res.logprobs, "finish": res.finish_reason})
+    return res
+
+
+async def _recorded_episode(self: AgentWorkflow, engine: Any, item: Any, episode: str) -> Any:
+    samples = await _run_episode(self, engine, item, episode)
+    for s in samples:
+        _append("samples", {"episode": episode, **s.model_dump()})
+    return samples
+
+
+VLLMEngine.generate = _recorded_generate  # type: ignore[method-assign]
+AgentWorkflow.run_episode = _recorded_episode  # type: ignore[method-assign]
