@@ -190,6 +190,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "        gen = None\n        try:\n            gen = await generate_continuing(self.engine, prompt_ids, req)\n"
            "            s.spent += max_new  # reserved: calls of one episode may run at once\n",
            (AGENTS + "TestTheEpisodeBudget::test_calls_of_one_episode_in_flight_at_once_share_the_budget_too",)),
+    # The Responses API on the proxy: previous_response_id continues the stored conversation, answer included; a cut
+    # answer must not fail an Agents SDK episode.
+    Mutant("responses-history-without-answer", "previous_response_id continues a conversation that lacks the model's answer",
+           "runtime/kuberl/runtime/rollout/responses_api.py", 's.responses[resp["id"]] = req.history + [reply_message(choices[0])]',
+           's.responses[resp["id"]] = req.history',
+           ("tests/unit/test_responses_api.py::test_one_conversation_through_chat_and_through_responses_gives_the_same_training_sample",)),
+    Mutant("responses-cut-answer-incomplete", "an answer cut at max_output_tokens is an incomplete response (the Agents SDK raises)",
+           "runtime/kuberl/runtime/rollout/responses_api.py", '"status": "completed", "error": None,',
+           '"status": "incomplete" if incomplete else "completed", "error": None,',
+           ("tests/unit/test_framework_agents.py::test_answers_cut_at_max_tokens_do_not_fail_the_sdks_episode",)),
     # Token versions: each token keeps the version that sampled it; tokens between an agent's calls get -1.
     Mutant("piece-version-for-every-token", "a piece's tokens all stamped with the version it started on (per-token versions lost)",
            "runtime/kuberl/runtime/rollout/workflows.py", "self.versions += res.token_versions()",
