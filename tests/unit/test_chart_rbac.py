@@ -18,7 +18,7 @@ from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, operator_ru
 from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
 
 CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("storage.k8s.io", "storageclasses"), ("apiextensions.k8s.io", "customresourcedefinitions"),
-                  ("kopf.dev", "clusterkopfpeerings")}
+                  ("kopf.dev", "clusterkopfpeerings"), ("kueue.x-k8s.io", "resourceflavors"), ("kueue.x-k8s.io", "workloadpriorityclasses")}
 
 
 def of_kind(objects: list[dict], kind: str) -> list[dict]:
