@@ -62,15 +62,17 @@ async def sdk_chat_agent(client: Any, item: Any) -> None:
     return None
 
 
-async def langchain_agent(client: Any, item: Any) -> None:
-    """LangChain's ChatOpenAI with bind_tools: a tool round when the model calls `check`, else the user's follow-up."""
+async def langchain_agent(client: Any, item: Any, use_responses_api: bool | None = None) -> None:
+    """LangChain's ChatOpenAI with bind_tools: a tool round when the model calls `check`, else the user's follow-up.
+    `use_responses_api`: ChatOpenAI's own switch (None, its default: chat completions for these calls)."""
 
     @tool
     def check(answer: str) -> str:
         """Check a draft."""
         return check_result(answer, item.answer)
 
-    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_tokens=MAX_TOKENS, max_retries=0)
+    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_tokens=MAX_TOKENS, max_retries=0,
+                     use_responses_api=use_responses_api)
     bound = llm.bind_tools([check])
     messages: list[Any] = [HumanMessage(item.prompt)]
     for _ in range(3):

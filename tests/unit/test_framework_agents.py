@@ -85,10 +85,16 @@ def assert_recorded_token_for_token(sample, engine):
     assert sample.num_turns == len(engine.calls)
 
 
+async def langchain_responses_agent(client, item):
+    """The LangChain agent with ChatOpenAI(use_responses_api=True)."""
+    return await fa.langchain_agent(client, item, use_responses_api=True)
+
+
 @pytest.mark.parametrize(("agent", "calls", "through_responses"), [
     (fa.sdk_responses_agent, 3, 3),  # the tool round, then the follow-up through previous_response_id
     (fa.sdk_chat_agent, 3, 0),  # the same through chat completions, the follow-up replaying to_input_list()
     (fa.langchain_agent, 2, 0),  # the tool round; its answer ends the loop
+    (langchain_responses_agent, 2, 2),  # the same through the Responses API
 ])
 def test_a_framework_agents_tool_round_is_recorded_token_for_token(tokenizer, long_answers, routes, agent, calls, through_responses):
     engine = checking_engine(tokenizer)
@@ -131,3 +137,9 @@ def test_answers_cut_at_max_tokens_do_not_fail_the_sdks_episode(tokenizer, route
     assert [res.finish_reason for _, res in engine.calls] == ["length", "length"] and routes["responses"] == 2
     assert_recorded_token_for_token(sample, engine)
     assert not wf.stats.failed
+
+
+def test_langchains_chat_and_responses_paths_give_the_same_training_sample(tokenizer, long_answers):
+    _, through_chat = run(tokenizer, checking_engine(tokenizer), fa.langchain_agent)
+    _, through_responses = run(tokenizer, checking_engine(tokenizer), langchain_responses_agent)
+    assert through_responses == through_chat
