@@ -97,6 +97,21 @@ async def _run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: 
     return 0
 
 
+def protect_agent() -> None:
+    """Keep this process's environment (bus password, engine key, hub token) and memory from every other process of
+    its user (PR_SET_DUMPABLE 0: model-written tool code above all), and say once what confines the tool sandbox."""
+    from kuberl.runtime.rollout import confine
+
+    if not confine.protect_process():
+        log.warning("PR_SET_DUMPABLE failed: processes of this user may read this agent's /proc files")
+    layers = confine.probe()
+    if not any(layer.startswith("landlock") for layer in layers):
+        log.warning("this kernel offers no Landlock (Linux 5.13+, `landlock` in the boot's lsm=): the tool sandbox cannot keep "
+                    "tool code from reading files this agent can read; it runs with %s", ", ".join(layers))
+    else:
+        log.info("tool sandbox confinement: %s", ", ".join(layers))
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s [rollout] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -107,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
         bus_url = resolve_bus_url(exp, getattr(args, "bus_url", None))
     except (ValueError, ValidationError, OSError) as exc:
         return config_error_exit("rollout", exc)
+    protect_agent()
     workdir = getattr(args, "workdir", None) or os.environ.get("KUBERL_WORKDIR") or os.path.join(tempfile.gettempdir(), "kuberl")
     os.makedirs(workdir, exist_ok=True)
     engine_url = os.environ.get("KUBERL_ENGINE_URL") or None

@@ -1,10 +1,13 @@
 """A sandbox for model-written Python (the code tool of tool-integrated reasoning).
 
 `run_python(code, limits)` runs the code in a fresh `python -I -B` process in its own session and
-temporary directory, with CPU, address-space, file-size and open-file limits (setrlimit), no network
-(its own network namespace where the kernel allows one, and in every case an audit hook that refuses
-sockets, subprocesses, ctypes and writes outside its directory), a wall-clock timeout after which its
-process group is killed, and capped output. It never raises for what the code does: the result says.
+temporary directory, with an empty environment, CPU, address-space, file-size and open-file limits
+(setrlimit), and the kernel's confinement (confine.py: no capabilities; Landlock: read-only access to the
+interpreter and system libraries, write access to its directory, nothing else, so no /proc of the agent, no
+Secret or work directory, no TCP; seccomp: no socket, ptrace or process_vm_readv), plus its own network
+namespace where the kernel allows one and an audit hook that refuses sockets, subprocesses, ctypes and writes
+outside its directory. A wall-clock timeout kills its process group; its output is capped. It never raises
+for what the code does: the result says.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 
 from kuberl.api.v1alpha1 import SandboxSpec
+from kuberl.runtime.rollout import confine
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -73,6 +77,7 @@ class SandboxResult:
     timed_out: bool = False
     truncated: bool = False
     network: str = ""  # "netns" (own network namespace) or "audit-hook" (socket creation refused)
+    isolation: tuple[str, ...] = ()  # the kernel layers that confined it (confine.probe(): capabilities, landlock-vN, seccomp)
 
     @property
     def ok(self) -> bool:
@@ -109,7 +114,9 @@ def _own_network_namespace() -> bool:
     return False
 
 
-def _limits(spec: SandboxSpec, netns_flag: str):
+def _limits(spec: SandboxSpec, home: str, netns_flag: str):
+    confine.read_only_paths()  # computed here, before the fork, once per process
+
     def apply() -> None:
         os.setsid()  # its own process group: a timeout kills everything it started
         if _own_network_namespace():
@@ -121,6 +128,7 @@ def _limits(spec: SandboxSpec, netns_flag: str):
         resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
         resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        confine.confine(home)  # last: no capabilities, Landlock to `home`, the seccomp filter (confine.py)
     return apply
 
 
@@ -145,10 +153,10 @@ async def run_python(code: str, spec: SandboxSpec | None = None, *, audit_hook: 
     cap = spec.max_output_chars
     with tempfile.TemporaryDirectory(prefix="kuberl-sandbox-") as home:
         flag = os.path.join(home, ".netns")
-        env = {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-B", "-c", boot, cwd=home, env=env, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(spec, flag),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(spec, home, flag),
         )
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         proc.stdin.write(code.encode())
@@ -169,4 +177,5 @@ async def run_python(code: str, spec: SandboxSpec | None = None, *, audit_hook: 
         network = "netns" if os.path.exists(flag) else "audit-hook"
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     truncated = t1 or t2 or len(stdout) > cap or len(stderr) > cap
-    return SandboxResult(stdout=stdout[:cap], stderr=stderr[-cap:], exit_code=code_, timed_out=timed_out, truncated=truncated, network=network)
+    return SandboxResult(stdout=stdout[:cap], stderr=stderr[-cap:], exit_code=code_, timed_out=timed_out, truncated=truncated, network=network,
+                         isolation=tuple(confine.probe()))
