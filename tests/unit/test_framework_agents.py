@@ -111,9 +111,9 @@ def test_the_sdks_responses_and_chat_models_give_the_same_training_sample(tokeni
     assert through_responses == through_chat
 
 
-async def sdk_streamed_agent(client, item):
-    """The SDK's default (Responses) model, streamed: the SDK parses the proxy's SSE events."""
-    run_config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+async def sdk_streamed_agent(client, item, use_responses=True):
+    """The SDK's default (Responses) model, streamed: the SDK parses the proxy's SSE events (or its chat model's chunks)."""
+    run_config = RunConfig(model_provider=OpenAIProvider(openai_client=client, use_responses=use_responses), tracing_disabled=True)
     agent = Agent(name="repeater", instructions=fa.INSTRUCTIONS, model="policy", tools=[fa.sdk_check_tool(item)],
                   model_settings=ModelSettings(max_tokens=fa.MAX_TOKENS))
     result = Runner.run_streamed(agent, item.prompt, run_config=run_config, max_turns=3)
@@ -122,10 +122,15 @@ async def sdk_streamed_agent(client, item):
     return None
 
 
-def test_the_sdk_streams_a_tool_round_through_responses(tokenizer, long_answers, routes):
+async def sdk_streamed_chat_agent(client, item):
+    return await sdk_streamed_agent(client, item, use_responses=False)
+
+
+@pytest.mark.parametrize(("agent", "through_responses"), [(sdk_streamed_agent, 2), (sdk_streamed_chat_agent, 0)])
+def test_the_sdk_streams_a_tool_round(tokenizer, long_answers, routes, agent, through_responses):
     engine = checking_engine(tokenizer)
-    _, sample = run(tokenizer, engine, sdk_streamed_agent)
-    assert len(engine.calls) == 2 and routes["responses"] == 2
+    _, sample = run(tokenizer, engine, agent)
+    assert len(engine.calls) == 2 and routes["responses"] == through_responses
     assert_recorded_token_for_token(sample, engine)
 
 
