@@ -139,3 +139,25 @@ class TestAccessCheck:
         assert ("`kubectl create rolebinding kuberl-operator -n team-c --clusterrole=kuberl-namespaced "
                 "--serviceaccount=kuberl-system:kuberl`") in message
         assert "tenantNamespaces" in message
+
+    def test_one_review_answers_a_burst_of_reconciles_and_a_retry_asks_again(self, monkeypatch) -> None:
+        import asyncio
+
+        asked: list[str] = []
+
+        async def review(namespace: str) -> tuple:
+            asked.append(namespace)
+            return (("", "secrets", "create"),)
+
+        clock = [1000.0]
+        monkeypatch.setattr(access, "_review", review)
+        monkeypatch.setattr(access, "_checked", {})
+        monkeypatch.setattr(access.time, "monotonic", lambda: clock[0])
+        for _ in range(50):  # the operator starting: every experiment of the namespace reconciles
+            assert asyncio.run(access.denied_writes("team-c")) == (("", "secrets", "create"),)
+        assert asked == ["team-c"]
+        clock[0] += 15  # kopf's retry of the blocked reconcile (CONFIG.retry_delay)
+        asyncio.run(access.denied_writes("team-c"))
+        asyncio.run(access.denied_writes("team-c", recheck=False))  # a monitor tick: the answer just asked
+        assert asked == ["team-c", "team-c"]
+

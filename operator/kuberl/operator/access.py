@@ -66,11 +66,17 @@ async def _review(namespace: str) -> tuple[tuple[str, str, str], ...]:
     return tuple(denied)
 
 
+RECHECK_FRESH_SECONDS = 5.0
+"""A recheck reuses an answer this young: when the operator starts, every experiment of a namespace reconciles at
+once, and one review answers them all (a blocked one is retried after CONFIG.retry_delay, 15 s)."""
+
+
 async def denied_writes(namespace: str, *, recheck: bool = True) -> tuple[tuple[str, str, str], ...]:
     """What the operator may not write in `namespace` (empty: all of WRITES). Asked again when `recheck` (a
     reconcile, and kopf's retry of a blocked one) or after CONFIG.prerequisite_interval, else as last asked."""
     cached = _checked.get(namespace)
-    if not recheck and cached is not None and time.monotonic() - cached[0] < CONFIG.prerequisite_interval:
+    fresh = RECHECK_FRESH_SECONDS if recheck else CONFIG.prerequisite_interval
+    if cached is not None and time.monotonic() - cached[0] < fresh:
         return cached[1]
     denied = await _review(namespace)
     _checked[namespace] = (time.monotonic(), denied)
