@@ -111,7 +111,7 @@ from kuberl.api.roles import (
 )
 from kuberl.api.status import CheckpointStatus, Condition, ConditionType, Phase, RLExperimentStatus, RoleStatus, TrainingProgress
 from kuberl.api.tracking import TrackingSpec
-from kuberl.api.workflow import PROMPT_SYSTEM_CHAT, AgentExportStyle, DatasetSpec, ModelSpec, PromptSpec, SandboxSpec, WorkflowSpec, WorkflowType
+from kuberl.api.workflow import PROMPT_SYSTEM_CHAT, AgentExportStyle, DatasetSpec, ExternalAgentSpec, ModelSpec, PromptSpec, SandboxSpec, WorkflowSpec, WorkflowType
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
@@ -191,6 +191,7 @@ __all__ = [
     "SINGULAR",
     "PromptSpec",
     "SandboxSpec",
+    "ExternalAgentSpec",
     "SchedulingSpec",
     "SecretKeyRef",
     "StalenessSpec",

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kuberl.api.base import KubeModel, SecretKeyRef, VolumeRef, _cel, _or
+from kuberl.api.base import DNS1123_LABEL, KubeModel, SecretKeyRef, VolumeRef, _cel, _or
 
 
 class ModelSpec(KubeModel):
@@ -113,7 +113,7 @@ class WorkflowType(StrEnum):
     RLVR = "rlvr"  # single turn: prompt -> answer -> verifiable reward
     MULTI_TURN = "multi-turn"  # retry with feedback until correct or maxTurns; reward discounted per turn
     CUSTOM = "custom"  # a user class with one async method per episode (workflow.class)
-    AGENT = "agent"  # a user agent function driving an OpenAI client against the agent's local proxy (workflow.agent)
+    AGENT = "agent"  # an agent driving an OpenAI client against the rollout agent's proxy: workflow.agent (in-pod) or workflow.external
 
 
 class AgentExportStyle(StrEnum):
@@ -135,6 +135,28 @@ class SandboxSpec(KubeModel):
     max_output_chars: int = Field(2000, ge=64, le=100000, description="Characters of stdout/stderr fed back to the model.")
 
 
+AGENT_NEEDS_ENTRY = "workflow.type agent needs workflow.agent (package.module:function) or workflow.external (agents in their own processes)"
+AGENT_ONE_ENTRY = "set workflow.agent (an in-pod function) or workflow.external (agents in their own processes), not both"
+
+
+class ExternalAgentSpec(KubeModel):
+    """Agents that run in their own processes (another container, service or machine) and take episodes from the rollout
+    agents' episode API: each opens an episode (its prompt, a base URL and an API key scoped to it), runs against that URL,
+    and closes it with a reward or asks workflow.reward to score it (docs/agents.md). Opening needs the experiment's episode
+    key: the Secret `{name}-episode-api` (key apiKey) on a cluster, `episode-api.key` in the workdir with `kuberl run`."""
+
+    claim_timeout_seconds: float = Field(
+        600.0, gt=0.0, le=86400.0,
+        description="How long an episode waits for an external agent to open it; past it the episode fails like one that ran "
+                    "past workflow.episodeTimeoutSeconds (its group is retried, then counted as a failed group with the reason).",
+    )
+    namespaces: list[Annotated[str, Field(pattern=DNS1123_LABEL, min_length=1, max_length=63)]] | None = Field(
+        None, max_length=32,
+        description="On a cluster: namespaces whose pods may reach the episode API port (8002) of the rollout pods, besides the "
+                    "experiment's own namespace (the rollout NetworkPolicy). Agents elsewhere: kubectl port-forward to a rollout pod.",
+    )
+
+
 class WorkflowSpec(KubeModel):
     """How a rollout agent turns one data set item into a trajectory group (AReaL's RolloutWorkflow)."""
 
@@ -144,7 +166,9 @@ class WorkflowSpec(KubeModel):
         (f"{_TYPE} == 'multi-turn' || {_or('self.maxTurns', 1)} == 1", "workflow.maxTurns > 1 needs workflow.type multi-turn"),
         (f"{_TYPE} != 'custom' || has(self.class)", "workflow.type custom needs workflow.class (package.module:Class)"),
         (f"!has(self.class) || {_TYPE} == 'custom'", "workflow.class needs workflow.type custom"),
-        (f"{_TYPE} != 'agent' || has(self.agent)", "workflow.type agent needs workflow.agent (package.module:function)"),
+        (f"{_TYPE} != 'agent' || has(self.agent) || has(self.external)", AGENT_NEEDS_ENTRY),
+        ("!has(self.agent) || !has(self.external)", AGENT_ONE_ENTRY),
+        (f"!has(self.external) || {_TYPE} == 'agent'", "workflow.external needs workflow.type agent"),
         (f"!has(self.agent) || {_TYPE} == 'agent'", "workflow.agent needs workflow.type agent"),
         (f"!has(self.exportStyle) || {_TYPE} == 'agent'", "workflow.exportStyle needs workflow.type agent"),
     )
@@ -185,13 +209,18 @@ class WorkflowSpec(KubeModel):
         description="agent: `package.module:function(client, item)` run once per episode with an OpenAI client pointed at "
                     "the agent's local proxy; returns a reward, or None to let workflow.reward score the final answer.",
     )
+    external: ExternalAgentSpec | None = Field(
+        None, description="agent: episodes are taken by agents in their own processes through the rollout agents' episode API "
+                          "(instead of workflow.agent); set {} for the defaults.",
+    )
     export_style: AgentExportStyle | None = Field(
         None, description="agent: how an episode's calls become samples; concat (the default) = one sequence per episode; "
                           "individual = one sample per call, each with the episode reward (times turnDiscount per later call).",
     )
     episode_timeout_seconds: float = Field(
         600.0, gt=0.0, le=86400.0,
-        description="agent/custom: an episode running longer fails (its reason logged and counted) and frees its slot.",
+        description="agent/custom: an episode running longer fails (its reason logged and counted) and frees its slot; "
+                    "workflow.external: counted from when an external agent opens the episode until it closes it.",
     )
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="Limits of the sandboxed Python tool (agent workflows that run code).")
 
@@ -203,8 +232,12 @@ class WorkflowSpec(KubeModel):
             raise ValueError("workflow.type custom needs workflow.class (package.module:Class)")
         if self.workflow_class is not None and self.type != WorkflowType.CUSTOM:
             raise ValueError("workflow.class needs workflow.type custom")
-        if self.type == WorkflowType.AGENT and self.agent is None:
-            raise ValueError("workflow.type agent needs workflow.agent (package.module:function)")
+        if self.type == WorkflowType.AGENT and self.agent is None and self.external is None:
+            raise ValueError(AGENT_NEEDS_ENTRY)
+        if self.agent is not None and self.external is not None:
+            raise ValueError(AGENT_ONE_ENTRY)
+        if self.external is not None and self.type != WorkflowType.AGENT:
+            raise ValueError("workflow.external needs workflow.type agent")
         if self.agent is not None and self.type != WorkflowType.AGENT:
             raise ValueError("workflow.agent needs workflow.type agent")
         if self.export_style is not None and self.type != WorkflowType.AGENT:

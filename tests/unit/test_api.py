@@ -44,7 +44,7 @@ from kuberl.api.v1alpha1 import (
     allocation_disagrees,
 )
 from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
-from kuberl.api.workflow import PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
+from kuberl.api.workflow import AGENT_NEEDS_ENTRY, AGENT_ONE_ENTRY, PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
 
 
 def make_spec(**overrides) -> dict:
@@ -418,7 +418,11 @@ AGREEMENT_CASES = [
     ("custom workflow without a class", {"workflow": {"type": "custom"}}, "workflow.type custom needs workflow.class (package.module:Class)"),
     ("a class without the custom workflow", {"workflow": {"class": "my.wf:W"}}, "workflow.class needs workflow.type custom"),
     ("custom workflow with its class", {"workflow": {"type": "custom", "class": "my.wf:W"}}, None),
-    ("agent workflow without an agent", {"workflow": {"type": "agent"}}, "workflow.type agent needs workflow.agent (package.module:function)"),
+    ("agent workflow without an agent", {"workflow": {"type": "agent"}}, AGENT_NEEDS_ENTRY),
+    ("agent workflow with external agents", {"workflow": {"type": "agent", "external": {"namespaces": ["agents"]}}}, None),
+    ("agent workflow with both an agent and external agents", {"workflow": {"type": "agent", "agent": "my.agent:run", "external": {}}},
+     AGENT_ONE_ENTRY),
+    ("external agents without the agent workflow", {"workflow": {"type": "rlvr", "external": {}}}, "workflow.external needs workflow.type agent"),
     ("an agent without the agent workflow", {"workflow": {"type": "rlvr", "agent": "my.agent:run"}}, "workflow.agent needs workflow.type agent"),
     ("agent workflow with concat samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "concat"}}, None),
     ("agent workflow with individual samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "individual"}}, None),

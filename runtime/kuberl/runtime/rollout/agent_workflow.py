@@ -144,19 +144,14 @@ def _shared(client_class: type) -> type:
 class AgentWorkflow:
     """Runs an agent function once per episode against the local OpenAI-compatible proxy."""
 
-    def __init__(self, agent_fn: Any, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
+    def __init__(self, agent_fn: Any | None, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
                  timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent",
                  export_style: str = "concat", turn_discount: float = 1.0, scorer: RewardPool | None = None) -> None:
-        if not callable(agent_fn):
-            raise WorkflowError(f"workflow.agent: {name!r} is a {type(agent_fn).__name__}, not a function")
         self.agent_fn = agent_fn
         self.name = name
-        self.is_async = inspect.iscoroutinefunction(agent_fn)
-        params = inspect.signature(agent_fn).parameters
-        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
-            raise WorkflowError(f"workflow.agent: {name} must take (client, item) and may take ctx; it takes ({', '.join(params)})")
-        self.wants_ctx = "ctx" in params
+        self.is_async, self.wants_ctx = True, False
+        if agent_fn is not None:  # None: external agents drive the episodes (episode_api.ExternalAgentWorkflow)
+            self._check_agent(agent_fn, name)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.reward_fn = reward_fn
@@ -180,6 +175,17 @@ class AgentWorkflow:
         self._threads: ThreadPoolExecutor | None = None
         self._async_http: Any = None  # shared by the episodes' openai clients (see _http_client)
         self._sync_http: Any = None
+
+    def _check_agent(self, agent_fn: Any, name: str) -> None:
+        """Refuse an agent that cannot be called as (client, item[, ctx]) now, as a configuration error, not per episode."""
+        if not callable(agent_fn):
+            raise WorkflowError(f"workflow.agent: {name!r} is a {type(agent_fn).__name__}, not a function")
+        self.is_async = inspect.iscoroutinefunction(agent_fn)
+        params = inspect.signature(agent_fn).parameters
+        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+            raise WorkflowError(f"workflow.agent: {name} must take (client, item) and may take ctx; it takes ({', '.join(params)})")
+        self.wants_ctx = "ctx" in params
 
     @classmethod
     def from_setup(cls, setup: WorkflowSetup) -> AgentWorkflow:
@@ -270,14 +276,22 @@ class AgentWorkflow:
                 raise EpisodeFailed("raised", f"the agent raised {type(exc).__name__}: {exc}") from exc
         finally:
             calls = proxy.close_session(session)
+        return await self.episode_samples(session, calls, result, item, episode)
+
+    async def episode_samples(self, session: Any, calls: list[CallRecord], result: Any, item: Item, episode: str,
+                              final: str | None = None) -> list[Sample]:
+        """A finished episode's samples: `result` is its reward, or None to score `final` (default: the last call's
+        answer) with workflow.reward. The engine's failure under a call fails it as the engine's (the ticket is
+        retried), an episode without calls or with a bad reward as the agent's (EpisodeFailed)."""
         if session.engine_error is not None:  # the agent caught the engine's failure: still the engine's
             raise session.engine_error
         if not calls:
             raise EpisodeFailed("no-call", "the agent made no model call through its client (nothing to train on)")
         self.stats.calls += len(calls)
         if result is None:
-            last = calls[-1]
-            final = last.reply["content"] if last.reply is not None else last.text
+            if final is None:
+                last = calls[-1]
+                final = last.reply["content"] if last.reply is not None else last.text
             try:
                 reward = await self.scorer.score(item.prompt, final, item.answer, where=f"item {item.index} ({episode})")
             except Exception as exc:  # noqa: BLE001  a user reward function: same treatment as the agent

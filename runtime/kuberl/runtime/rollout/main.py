@@ -88,6 +88,8 @@ async def _run_agent(exp: RLExperiment, bus_url: str, workdir: str, engine_url: 
     health.bus, health.engine = bus, engine
     try:
         await engine.start()
+        if (attach := getattr(workflow, "attach", None)) is not None:
+            await attach(engine)  # workflow.external: the episode API serves before the first ticket (episode_api.py)
         agent = health.agent = RolloutAgent(exp, bus, engine, workflow, items, workdir=workdir, evaluator=evaluator)
         stats = await agent.run(max_tickets=max_tickets)
         log.info("agent stopped: %s", stats)

@@ -6,7 +6,8 @@ secret. /v1/chat/completions (tools and tool_calls through the tokenizer's chat 
 `<tool_call>` syntax), /v1/responses (translated onto the chat path: responses_api.py) and
 /v1/completions generate through `generate_continuing`, so a weight update mid-call continues the
 generation and every token keeps its version; each call's prompt ids, output ids, behaviour logprobs
-and versions are recorded on the session. It listens on 127.0.0.1 only.
+and versions are recorded on the session. It listens on 127.0.0.1 only, unless workflow.external serves it, with the
+episode API, to agents in their own processes (episode_api.py).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class OpenAIProxy:
     """The aiohttp app serving every session of one rollout agent, in front of one engine."""
 
     def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingConfig, *, port: int = 0,
-                 episode_budget: bool = False) -> None:
+                 episode_budget: bool = False, host: str = LOOPBACK, routes: Any = None) -> None:
         """`episode_budget`: the episode's calls share maxNewTokens (exportStyle concat: the episode is one sample,
         and the overlong penalty and Dr.GRPO's normaliser measure its generated tokens against maxNewTokens, as for
         a multi-turn episode); else each call may use maxNewTokens (exportStyle individual: a sample per call)."""
@@ -237,6 +238,8 @@ class OpenAIProxy:
         self.renderer = ChatRenderer(tokenizer)
         self.sampling = sampling
         self.port = port
+        self.host = host  # another address only for the episode API's agents (episode_api.py); sessions keep their keys
+        self.routes = routes  # routes(app): more endpoints on the same server (the episode API)
         self.sessions: dict[str, Session] = {}
         self.warned: set[str] = set()  # request fields ignored with a warning (logged once each)
         self._runner: web.AppRunner | None = None
@@ -250,12 +253,14 @@ class OpenAIProxy:
         app.router.add_post("/s/{sid}/v1/completions", self._completions)
         app.router.add_post("/s/{sid}/v1/responses", self._responses)
         app.router.add_get("/s/{sid}/v1/models", self._models)
+        if self.routes is not None:
+            self.routes(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, LOOPBACK, self.port)  # never outside the pod
+        site = web.TCPSite(self._runner, self.host, self.port)  # loopback: never outside the pod
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("OpenAI-compatible proxy on http://%s:%d", LOOPBACK, self.port)
+        log.info("OpenAI-compatible proxy on http://%s:%d", self.host, self.port)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -93,6 +93,11 @@ def _multi_turn(setup: WorkflowSetup) -> RolloutWorkflow:
 
 
 def _agent(setup: WorkflowSetup) -> RolloutWorkflow:
+    """workflow.agent: the in-pod function; workflow.external: agents in their own processes, through the episode API."""
+    if setup.spec.workflow.external is not None:
+        from kuberl.runtime.rollout.episode_api import ExternalAgentWorkflow
+
+        return ExternalAgentWorkflow.from_setup(setup)
     from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 
     return AgentWorkflow.from_setup(setup)
