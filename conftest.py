@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from kuberl.testing.kueue_fixtures import kueue  # noqa: F401  (Kueue's real manager, once per session)
+
 ROOT = Path(__file__).resolve().parent
 RELEASE, OPERATOR_NAMESPACE = "kuberl", "kuberl-system"
 

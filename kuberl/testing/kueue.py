@@ -189,7 +189,18 @@ class Kueue:
         probe = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "kuberl-probe"}}
         self._wait("Kueue's webhooks answering the API server",
                    lambda: self.cp.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(probe), check=False).returncode == 0)
+        self.touch_crds_once_discovered()
         self.start_seconds = time.monotonic() - started
+
+    def touch_crds_once_discovered(self) -> None:
+        """Once discovery serves the Workloads, one more CRD event: kopf re-reads the group's discovery on each CRD event
+        only, so an operator whose last CRD event came before the API server's discovery listed Workloads would never
+        start its Workload watch (as after `helm install kueue` on a cluster; restarting the operator fixes that)."""
+        def served() -> bool:
+            out = self.cp.kubectl("get", "--raw", "/apis/kueue.x-k8s.io/v1beta2", check=False)
+            return out.returncode == 0 and '"workloads"' in out.stdout
+        self._wait("discovery serving kueue.x-k8s.io/v1beta2 workloads", served)
+        self.cp.kubectl("annotate", "crd", "workloads.kueue.x-k8s.io", "--overwrite", f"kuberl.test/discovered={time.time():.0f}")
 
     def _ready(self) -> bool:
         try:

@@ -56,9 +56,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
-# Kueue: the admitted flavours' nodeLabels and tolerations, put on the pods (kuberl.operator.kueue_status.placement).
+# Kueue: the admitted flavours' nodeLabels and tolerations, put on the pods (kuberl.operator.kueue_status.placement),
+# and the value of the WorkloadPriorityClass an experiment names (its Workload's spec.priority).
 - apiGroups: ["kueue.x-k8s.io"]
-  resources: ["resourceflavors"]
+  resources: ["resourceflavors", "workloadpriorityclasses"]
   verbs: ["get"]
 {{- end -}}
 

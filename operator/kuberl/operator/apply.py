@@ -19,6 +19,7 @@ from kuberl.operator.builders.pinning import keep_pinned
 from kuberl.operator.builders.rollout import ENGINE_API_KEY_KEY
 from kuberl.operator.context import event, kube
 from kuberl.operator.kube import own_child
+from kuberl.operator.kueue_status import place_child
 from kuberl.operator.labels import EventReason
 from kuberl.operator.pins import checkpoint_before_recreate, ensure_pins
 from kuberl.operator.rules import decode_secret_value, finished, running_copy, suspend_applied
@@ -39,6 +40,7 @@ async def apply_child(body: Any, child: dict[str, Any], *, own: bool = True, liv
     if live is _UNREAD:
         live = await kube().get(kind, ns, name)
     child = keep_pinned(child, live)  # an operator upgrade alone rolls nothing (builders.pinning)
+    child = place_child(child)  # on the flavours Kueue admitted it to (kuberl.operator.kueue_status)
     if kind == "Job" and live is not None and being_deleted(live):
         return False  # the old trainer's pods are still terminating: the new Job is created once they are gone
     try:

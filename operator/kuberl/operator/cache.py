@@ -76,7 +76,7 @@ def kuberl_jobs(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[st
     return {(namespace, name): slim_workload(body)}
 
 
-@kopf.index("kueue.x-k8s.io", "v1beta1", "workloads", labels=_LABELLED, id=WORKLOAD_INDEX)
+@kopf.index("kueue.x-k8s.io", "workloads", labels=_LABELLED, id=WORKLOAD_INDEX)  # the preferred (newest) version Kueue serves
 def kuberl_kueue_workloads(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return {(namespace, name): slim_kueue_workload(body)}
 

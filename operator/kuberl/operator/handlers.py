@@ -194,6 +194,7 @@ async def monitor(body: Any, status: Any, memo: Any, logger: logging.Logger, **k
     async with object_lock(memo):
         current = latest_status(status, memo)
         if at_rest(body, current):
+            await kueue.finish(body, current, memo)  # a queued experiment that finished frees its Kueue quota
             await _expire(body, current, memo)
             return
         metrics.record_reconcile("monitor")

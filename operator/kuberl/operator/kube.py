@@ -38,7 +38,10 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "RLExperiment": ("kuberl.io/v1alpha1", "rlexperiments", True),
-    "Workload": ("kueue.x-k8s.io/v1beta1", "workloads", True),  # kuberl.operator.kueue
+    # kuberl.operator.kueue; the version the installed Kueue serves replaces v1beta1 (kueue_status.api_version)
+    "Workload": ("kueue.x-k8s.io/v1beta1", "workloads", True),
+    "ResourceFlavor": ("kueue.x-k8s.io/v1beta1", "resourceflavors", False),
+    "WorkloadPriorityClass": ("kueue.x-k8s.io/v1beta1", "workloadpriorityclasses", False),
 }
 
 
