@@ -98,13 +98,50 @@ def init_distributed(device: str | None = None) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
 
 
+def shards(info: DistInfo, param_dtype: torch.dtype | None = None) -> bool:
+    """Whether shard_model wraps the model in FSDP2: more than one rank, or mixed precision."""
+    return info.world_size > 1 or (param_dtype is not None and param_dtype != torch.float32)
+
+
+def load_sharded(model_dir: str, info: DistInfo, param_dtype: torch.dtype | None, *, attention: str | None = None,
+                 prepare: Any = None) -> torch.nn.Module:
+    """The checkpoint at `model_dir` as an FSDP2 model, each rank holding only its shard, in float32 master weights.
+
+    The model is built on the meta device on every rank, `prepare(model)` (context parallel's attention switch) and
+    shard_model run on it, each rank allocates its shard on its device, and rank 0 alone reads the checkpoint (into
+    host memory, once per node) and broadcasts it tensor by tensor into everyone's shards (torch's
+    set_model_state_dict, broadcast_from_rank0); buffers (the rotary tables, not in the checkpoint) come from rank 0
+    too. Loading the whole model on every rank, then on its GPU, then sharding took world_size copies of host memory
+    and the whole model on each GPU before any was freed: out of memory well below the sizes FSDP trains."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if info.is_main else None  # its weights only
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
+                                                 attn_implementation=attention)
+    if prepare is not None:
+        prepare(model)
+    shard_model(model, info, param_dtype)
+    model.to_empty(device=info.device)
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source = dict(full.named_buffers()) if full is not None else {}
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(source[name])
+            dist.broadcast(buf, src=0)
+    del full
+    return model
+
+
 def shard_model(model: torch.nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2 (`fully_shard`) each decoder layer, then the root; mixed precision only where asked (GPU).
 
     One rank without mixed precision: the plain module. There is nothing to shard, and FSDP's hooks
     (unshard/reshard per layer, DTensor parameters) cost more than a tiny model's whole forward.
     """
-    if info.world_size == 1 and (param_dtype is None or param_dtype == torch.float32):
+    if not shards(info, param_dtype):
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

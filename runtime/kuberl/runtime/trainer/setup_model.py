@@ -76,12 +76,18 @@ class SetUpMixin:
         lora = self.spec.algorithm.lora
         attention = None if self.megatron else self._choose_attention()
 
-        def load(adapters: bool = False) -> torch.nn.Module:
-            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attention).to(self.info.device)
+        def prepare(m: torch.nn.Module) -> None:
             if self.context_parallel is not None:
                 enable_context_parallel(m, self.context_parallel)  # the heads must divide: ConfigError (exit 2) naming the field
+
+        def load(adapters: bool = False) -> torch.nn.Module:
+            if not adapters and D.shards(self.info, param_dtype):  # FSDP2: each rank allocates only its shard
+                return D.load_sharded(self.model_dir, self.info, param_dtype, attention=attention, prepare=prepare)
+            # One rank in float32 (nothing to shard), or LoRA adapters (PEFT wraps a loaded model; the base is sharded after).
+            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attention).to(self.info.device)
+            prepare(m)
             if not adapters:
-                return D.shard_model(m, self.info, param_dtype)
+                return m
             with spec_errors():  # a targetModules name the model does not have
                 peft_model = wrap_lora(m, lora)
             D.shard_model(peft_model.get_base_model(), self.info, param_dtype)  # in place: shards the decoder layers
