@@ -21,7 +21,8 @@ KUBE_FIXTURES = frozenset({"kube", "kuberl_installed"})  # `fixturenames` is the
 # included), or that time roles against each other.
 ENGINE_FILES = frozenset({
     "test_agent.py", "test_agent_run.py", "test_agent_tickets.py", "test_bus_users.py", "test_engine_auth_vllm.py",
-    "test_evaluation_run.py", "test_faults.py", "test_framework_agents_run.py", "test_kuberl_run_backends.py", "test_launcher_progress.py",
+    "test_evaluation_run.py", "test_external_agent_run.py", "test_faults.py", "test_framework_agents_run.py", "test_kuberl_run_backends.py",
+    "test_launcher_progress.py",
     "test_lora_run.py", "test_lora_vllm.py", "test_metrics_stream.py", "test_ray_launcher.py", "test_rollout.py",
     "test_run.py", "test_run_lifetime.py", "test_trainer.py", "test_vllm.py", "test_vllm_parity.py", "test_weight_broadcast.py",
 })

@@ -134,6 +134,14 @@ async def engine_key_for_children(exp: RLExperiment) -> str:
     return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
 
 
+async def episode_key_for_children(exp: RLExperiment) -> str | None:
+    """workflow.external: the episode key, the one already in the episode Secret, else a new random one (generated once)."""
+    if exp.spec.workflow.external is None:
+        return None
+    secret = await kube().get("Secret", exp.namespace, naming.episode_secret_name(exp))
+    return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
+
+
 async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,
                          progress: dict[str, Any] | None = None) -> list[str]:
     """Apply every child built from the spec, minding the lifecycle: a suspend waits for the
@@ -153,7 +161,8 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
     except bus_users.BusUsersError as exc:  # a bad signing key: an ApplyFailed condition and event, no users Secret
         users, failures = None, [str(exc)]
     for child in build_children(effective, bus_token=await bus_token_for_children(exp),
-                                engine_api_key=await engine_key_for_children(exp), bus_users=users):
+                                engine_api_key=await engine_key_for_children(exp), bus_users=users,
+                                episode_api_key=await episode_key_for_children(exp)):
         if done and child["kind"] == "Job":
             continue  # a finished trainer is not started again
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):

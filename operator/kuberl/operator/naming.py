@@ -17,6 +17,7 @@ BUS_CLUSTER_PORT = 6222
 BUS_MONITOR_PORT = 8222
 ENGINE_PORT = 8000
 AGENT_HEALTH_PORT = 8001  # the rollout agent's probe endpoints (/healthz, /readyz) and its Prometheus /metrics
+EPISODE_PORT = 8002  # workflow.external: the rollout agent's episode API and the proxy its external agents call
 TRAINER_MASTER_PORT = 29500
 
 # Length limits that bind child names. A StatefulSet's pods carry the label
@@ -90,6 +91,11 @@ def bus_users_secret_name(exp: ExperimentRef) -> str:
 def engine_secret_name(exp: ExperimentRef) -> str:
     """Secret with key `apiKey`: the engines' API key (engines require it, agents send it)."""
     return _child(exp, "engine-credentials", OBJECT_NAME_MAX)
+
+
+def episode_secret_name(exp: ExperimentRef) -> str:
+    """Secret with key `apiKey`: the experiment's episode key (workflow.external: external agents open episodes with it)."""
+    return _child(exp, "episode-api", OBJECT_NAME_MAX)
 
 
 def rollout_name(exp: ExperimentRef) -> str:

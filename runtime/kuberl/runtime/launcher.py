@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ from kuberl.runtime.resources import role_env as role_cpu_env
 
 log = logging.getLogger("kuberl.run")
 stop_log = logging.getLogger("kuberl.run.stop")  # the launcher's log only (route_logs shows kuberl.run's own lines)
+EPISODE_KEY_FILE = "episode-api.key"  # workflow.external: the run's episode key, in the workdir (owner-only)
 
 
 @dataclass
@@ -154,6 +156,30 @@ class LocalRun:
     ports: list[socket.socket] = field(default_factory=list)
     lifeline: Lifeline = field(default_factory=Lifeline)  # every role's life hangs on this process's (kuberl.runtime.lifetime)
     hurry: bool = False  # a second Ctrl-C or SIGTERM while stopping: SIGKILL what is left now
+    episode_urls: list[str] = field(default_factory=list)  # workflow.external: each rollout agent's episode API
+
+    def episode_env(self) -> dict[str, str]:
+        """workflow.external: a port held for this replica's episode API (loopback) and the run's episode key file
+        (made once, owner-only; kept on --resume): what the rollout agent serves with (episode_api.py)."""
+        if self.exp.spec.workflow.external is None:
+            return {}
+        key_file = self.workdir / EPISODE_KEY_FILE
+        if not key_file.is_file():
+            key_file.touch(mode=0o600)
+            key_file.write_text(secrets.token_urlsafe(32) + "\n")
+        self.ports.append(reserve_port())
+        port = self.ports[-1].getsockname()[1]
+        self.episode_urls.append(f"http://127.0.0.1:{port}/v1/episodes")
+        return {"KUBERL_EPISODE_PORT": str(port), "KUBERL_EPISODE_API_KEY_FILE": str(key_file)}
+
+    def announce_episode_api(self) -> None:
+        """Print where external agents take episodes, and write it to <workdir>/episode-api.json for scripts."""
+        if not self.episode_urls:
+            return
+        key_file = self.workdir / EPISODE_KEY_FILE
+        (self.workdir / "episode-api.json").write_text(json.dumps({"urls": self.episode_urls, "key_file": str(key_file)}) + "\n")
+        print(f"kuberl run: episode API for external agents at {', '.join(self.episode_urls)} (POST, Authorization: Bearer <key>); "
+              f"key in {key_file}; both in {self.workdir / 'episode-api.json'}", flush=True)
 
     def role_env(self, role: str, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -183,7 +209,7 @@ class LocalRun:
                                    self.role_env(f"engine-{i}", **devices.get(f"engine-{i}", {})), logs / f"engine-{i}.log", lifeline=self.lifeline))
             self.roles.append(Role(f"rollout-{i}", [*cli, "rollout", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)],
                                    self.role_env(f"rollout-{i}", KUBERL_ENGINE_URL=url, KUBERL_AGENT_ID=f"{self.exp.name}-rollout-{i}",
-                                                 **devices.get(f"rollout-{i}", {})),
+                                                 **devices.get(f"rollout-{i}", {}), **self.episode_env()),
                                    logs / f"rollout-{i}.log", lifeline=self.lifeline))
         nproc = max(spec.trainer.accelerator.count, 1) * spec.trainer.nodes
         trainer_cmd = ["trainer", "--config", str(self.manifest), "--bus-url", self.bus_url, "--workdir", str(self.workdir)]
@@ -429,6 +455,7 @@ def main(args) -> int:
         bus_proc = BusProcess(server) if server is not None else None
         supervisor = run.supervisor = Supervisor(run, bus_proc)  # restarts any dead process, the nats-server too
         print(f"kuberl run: started {', '.join(r.name for r in run.roles)}; logs in {workdir / 'logs'}")
+        run.announce_episode_api()
         report, failure, interrupted = _supervise(run, supervisor, bus_proc, workdir)
         return _finish(run, workdir, report, failure, interrupted)
     finally:

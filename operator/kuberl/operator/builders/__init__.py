@@ -25,6 +25,7 @@ from kuberl.operator.builders.network import (
 from kuberl.operator.builders.rbac import build_rbac
 from kuberl.operator.builders.rollout import (
     build_engine_secret,
+    build_episode_secret,
     build_rollout_service,
     build_rollout_statefulset,
     rollout_replicas,
@@ -49,6 +50,7 @@ __all__ = [
     "build_children",
     "build_config_map",
     "build_engine_secret",
+    "build_episode_secret",
     "build_network_policy",
     "build_rbac",
     "build_rollout_network_policy",
@@ -69,7 +71,8 @@ __all__ = [
 
 
 def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_replicas: int | None = None,
-                   engine_api_key: str | None = None, bus_users: dict[str, str] | None = None) -> list[Obj]:
+                   engine_api_key: str | None = None, bus_users: dict[str, str] | None = None,
+                   episode_api_key: str | None = None) -> list[Obj]:
     """Every child of `exp`, in apply order (what others depend on first).
 
     Order: ServiceAccount, ConfigMap, bus Secret, checkpoint PVC, bus Services, bus NetworkPolicy, bus
@@ -79,7 +82,8 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
     never rebuild it with a new token. The engine Secret (the engines' API key, read by the rollout pods)
     likewise comes only with `engine_api_key`, right before the rollout objects. `rollout_replicas` is
     the autoscaler's choice (default: the spec). `bus_users` (role -> .creds file, minted by the handlers on a
-    shared external NATS with accountSigningKeySecret) gives the users Secret, likewise generated once.
+    shared external NATS with accountSigningKeySecret) gives the users Secret, likewise generated once. `episode_api_key`
+    (workflow.external) gives the episode Secret, likewise, next to the engine Secret.
     """
     children: list[Obj] = [*build_rbac(exp), build_config_map(exp)]
     embedded = exp.spec.bus.external is None
@@ -98,6 +102,8 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
         children.append(build_bus_statefulset(exp))
     if engine_api_key is not None:
         children.append(build_engine_secret(exp, engine_api_key))
+    if episode_api_key is not None and exp.spec.workflow.external is not None:
+        children.append(build_episode_secret(exp, episode_api_key))
     children += [build_rollout_service(exp), build_rollout_network_policy(exp), build_rollout_statefulset(exp, rollout_replicas)]
     children += [build_trainer_service(exp), build_trainer_network_policy(exp), build_trainer_pdb(exp), build_trainer_job(exp)]
     return children

@@ -10,6 +10,10 @@ Called by builders.build_children and the kopf handlers (O2). Three policies, by
   and kubelet probes (the engine's /health, the agent's probe port) are admitted by the CNIs that
   enforce policies. The agent's probe port also serves /metrics (Prometheus): it is admitted from
   the scrapers' namespaces (below).
+  workflow.external: the episode port (the episode API, and the proxy its agents call) from every pod of the
+  experiment's namespace and of workflow.external.namespaces; each request also needs the experiment's episode key (to
+  open an episode) or that episode's own key (to call the model or close it). kubectl port-forward reaches it too (it
+  enters the pod from inside, which no policy filters): the way in for an agent outside the cluster.
 - trainer: from this experiment's trainer pods only, every port (torchrun's rendezvous store and
   the NCCL/gloo ports, which are chosen at run time); its metrics port from the scrapers' namespaces.
 weightSync.mode broadcast: trainer and rollout pods admit each other on every port (the weight-broadcast
@@ -111,12 +115,25 @@ def _broadcast_rule(exp: RLExperiment) -> list[Obj]:
                       {"podSelector": {"matchLabels": L.selector_labels(exp, L.Role.ROLLOUT)}}]}]
 
 
+def _episode_rule(exp: RLExperiment) -> list[Obj]:
+    """workflow.external: the episode port from the pods of the experiment's namespace and of workflow.external.namespaces."""
+    external = exp.spec.workflow.external
+    if external is None:
+        return []
+    peers: list[Obj] = [{"podSelector": {}}]  # every pod of the policy's (the experiment's) namespace
+    others = sorted(set(external.namespaces or []) - {exp.namespace})
+    if others:
+        peers.append({"namespaceSelector": {"matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": others}]}})
+    return [{"from": peers, "ports": [_port(naming.EPISODE_PORT)]}]
+
+
 def build_rollout_network_policy(exp: RLExperiment) -> Obj:
     """Ingress to the rollout pods: the engine port from this experiment's pods only; the agent's probe port (/metrics) from the scrapers;
-    weightSync.mode broadcast: every port from the trainer and rollout pods."""
+    workflow.external: the episode port (module docstring); weightSync.mode broadcast: every port from the trainer and rollout pods."""
     return _policy(exp, naming.rollout_network_policy_name(exp), L.Role.ROLLOUT, [
         {"from": [{"podSelector": {"matchLabels": L.experiment_labels(exp)}}], "ports": [_port(naming.ENGINE_PORT)]},
         metrics_scrape_rule([naming.AGENT_HEALTH_PORT]),
+        *_episode_rule(exp),
         *_broadcast_rule(exp),
     ])
 

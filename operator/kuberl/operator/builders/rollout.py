@@ -29,6 +29,11 @@ from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
 # checks they agree.
 API_KEY_ENV = "KUBERL_ENGINE_API_KEY"
 HEALTH_PORT_ENV = "KUBERL_AGENT_HEALTH_PORT"
+# ... and those kuberl.runtime.rollout.episode_api reads (workflow.external).
+EPISODE_PORT_ENV = "KUBERL_EPISODE_PORT"
+EPISODE_LISTEN_ENV = "KUBERL_EPISODE_LISTEN"
+EPISODE_ADVERTISE_ENV = "KUBERL_EPISODE_ADVERTISE"
+EPISODE_KEY_ENV = "KUBERL_EPISODE_API_KEY"
 
 ENGINE_CONTAINER = "engine"
 AGENT_CONTAINER = "rollout-agent"
@@ -67,6 +72,34 @@ def build_engine_secret(exp: RLExperiment, api_key: str) -> Obj:
         "type": "Opaque",
         "stringData": {ENGINE_API_KEY_KEY: api_key},
     }, exp)
+
+
+def build_episode_secret(exp: RLExperiment, api_key: str) -> Obj:
+    """Secret `{exp}-episode-api`: key `apiKey`, the experiment's episode key (workflow.external). Generated once and kept
+    by the handlers; the rollout agents read it through secretKeyRef; users read it to start their external agents."""
+    if not api_key or any(c.isspace() for c in api_key):
+        raise ValueError("episode API key must be a non-empty string without whitespace")
+    return pinning.stamp({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(exp, naming.episode_secret_name(exp), L.Component.ROLLOUT),
+        "type": "Opaque",
+        "stringData": {ENGINE_API_KEY_KEY: api_key},
+    }, exp)
+
+
+def episode_api(exp: RLExperiment) -> tuple[list[Obj], list[Obj]]:
+    """workflow.external: the agent's env (the episode port on every address, the pod's IP for the base URLs it hands out,
+    the key from the episode Secret) and its `episodes` port; nothing without it."""
+    if exp.spec.workflow.external is None:
+        return [], []
+    env = [
+        {"name": EPISODE_PORT_ENV, "value": str(naming.EPISODE_PORT)},
+        {"name": EPISODE_LISTEN_ENV, "value": "0.0.0.0"},
+        {"name": EPISODE_ADVERTISE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        secret_env(EPISODE_KEY_ENV, naming.episode_secret_name(exp), ENGINE_API_KEY_KEY),
+    ]
+    return env, [{"name": "episodes", "containerPort": naming.EPISODE_PORT, "protocol": "TCP"}]
 
 
 def engine_key_env(exp: RLExperiment) -> Obj:
@@ -111,6 +144,8 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
     data_vols, data_mounts = data_volumes(exp)
     read_only = workdir_read_only(exp)
     health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    episode_env, episode_ports = episode_api(exp)
+    probes = agent_probes()
     engine = runtime_container(
         exp, spec, spec.accelerator,
         name=ENGINE_CONTAINER,
@@ -134,12 +169,13 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             {"name": "KUBERL_AGENT_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             engine_key_env(exp),
             {"name": HEALTH_PORT_ENV, "value": str(naming.AGENT_HEALTH_PORT)},
+            *episode_env,
         ],
         # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
         mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],
         resources=AGENT_RESOURCES,
         shm=False,
-        **agent_probes(),
+        **{**probes, "ports": [*probes["ports"], *episode_ports]},
     )
     sts = {
         "apiVersion": "apps/v1",
@@ -161,5 +197,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
 
 
 def build_rollout_service(exp: RLExperiment) -> Obj:
-    """Headless Service `{exp}-rollout`: stable DNS for each engine pod (the StatefulSet's serviceName)."""
-    return headless_service(exp, naming.rollout_name(exp), L.Component.ROLLOUT, L.Role.ROLLOUT, {"http": naming.ENGINE_PORT})
+    """Headless Service `{exp}-rollout`: stable DNS for each engine pod (the StatefulSet's serviceName); workflow.external:
+    its `episodes` port too (the name resolves to every ready rollout pod; each hands out base URLs naming itself)."""
+    ports = {"http": naming.ENGINE_PORT} | ({"episodes": naming.EPISODE_PORT} if exp.spec.workflow.external is not None else {})
+    return headless_service(exp, naming.rollout_name(exp), L.Component.ROLLOUT, L.Role.ROLLOUT, ports)
