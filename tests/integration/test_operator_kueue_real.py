@@ -144,12 +144,12 @@ def test_admitted_by_kueue_runs_reports_pods_ready_and_is_not_evicted_by_wait_fo
     api.create("first", api.ns)
     api.until("Kueue admitting the Workload", lambda: api.admitted("first"))
     api.until("the admitted experiment's trainer running", lambda: api.trainer_running("first"))
-    ready = api.until("PodsReady on the Workload", lambda: api.condition("first", "PodsReady").get("status") == "True" and api.condition("first", "PodsReady"))
-    assert ready["reason"] == "Started"
     time.sleep(float(PODS_READY_TIMEOUT.removesuffix("s")) + 5)  # past waitForPodsReady's timeout
     assert api.condition("first", "Evicted").get("status") != "True", api.workload("first")["status"]
     assert not (api.workload("first")["status"].get("requeueState")), "Kueue requeued the running experiment"
     assert api.trainer_running("first")
+    ready = api.condition("first", "PodsReady")
+    assert (ready.get("status"), ready.get("reason")) == ("True", "Started"), ready
 
 
 def test_a_second_experiment_waits_for_quota_and_is_admitted_when_the_first_finishes_or_is_deleted(api: Api) -> None:
