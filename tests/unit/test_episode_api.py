@@ -240,6 +240,35 @@ class TestTimeouts:
         assert late[0] == 404
 
 
+def test_a_rollout_agent_whose_slots_wait_on_external_agents_stays_alive(tokenizer):
+    """Liveness (health.py) fails an agent that made no progress for stall_seconds, unless its episodes wait on agents
+    elsewhere: restarting the pod would not bring them."""
+    from kuberl.runtime.rollout.health import AgentHealth
+
+    clock = SimpleNamespace(now=100.0)
+    wf = external(tokenizer, n=1, claim=30.0)
+    health = AgentHealth(stall_seconds=10.0, clock=lambda: clock.now)
+    health.agent = SimpleNamespace(last_progress=0.0, workflow=wf)
+    engine = ScriptedEngine(tokenizer, lambda ids: "5")
+
+    async def main():
+        await wf.attach(engine)
+        try:
+            stalled = health.live()
+            group = asyncio.create_task(wf.arun_episode(engine, ITEM, EpisodeContext(ticket_id="t-9", seed=None)))
+            await asyncio.sleep(0.05)
+            waiting = health.live()
+            group.cancel()
+            await asyncio.gather(group, return_exceptions=True)
+            return stalled, waiting, health.live()
+        finally:
+            await wf.aclose()
+
+    stalled, waiting, after = asyncio.run(main())
+    assert stalled[0] is False and after[0] is False  # nothing offered: a stall like any other
+    assert waiting == (True, "waiting for external agents: 1 episodes offered, 0 open")
+
+
 class TestAddresses:
     """Which host an episode's base URL names (EpisodeAPI.base_url)."""
 

@@ -256,6 +256,12 @@ class ExternalAgentWorkflow(AgentWorkflow):
                 raise RuntimeError("one AgentWorkflow serves one engine")
             return self.proxy
 
+    def waiting(self) -> str | None:
+        """What the episodes wait for, when they wait on external agents (the liveness probe: health.py); else None."""
+        if not self.board.pending and not self.board.held:
+            return None
+        return f"waiting for external agents: {len(self.board.pending)} episodes offered, {len(self.board.held)} open"
+
     async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
         return await self.attach(engine)
 

@@ -44,6 +44,11 @@ class AgentHealth:
             return True, "starting"
         idle = self.clock() - self.agent.last_progress
         if idle > self.stall_seconds:
+            # workflow.external: slots held by episodes that wait for agents elsewhere are not a stall a restart would cure
+            # (the episodes' own timeouts end them); episode_api.ExternalAgentWorkflow.waiting says so.
+            waiting = getattr(getattr(self.agent, "workflow", None), "waiting", None)
+            if callable(waiting) and (why := waiting()):
+                return True, why
             return False, f"no progress for {idle:.0f} s (limit {self.stall_seconds:.0f} s)"
         return True, "ok"
 
