@@ -1,12 +1,13 @@
 """The operator's Kueue Workload cache with the real operator (kopf) on the real control plane (the root conftest.py's
 `kuberl_installed`: the chart's RBAC applies; the API server's audit log tells what the operator asked of it).
 
-Without Kueue's CRD (`workloads.kueue.x-k8s.io` absent from discovery) kopf must start, serve every
+Without Kueue's CRDs (`workloads.kueue.x-k8s.io` absent from discovery) kopf must start, serve every
 experiment (its Workload index must not hold the handlers back) and stay up; a queued experiment waits.
-Once the CRD is installed kopf starts the Workload watch by itself: the queued experiment's Workload is
-created, Kueue's admission (written here, as Kueue's controllers do: no Kueue controller runs here) reaches the
+Then Kueue is installed (the session's `kueue` fixture: its real CRDs, webhooks and manager) and kopf starts the
+Workload watch by itself: the queued experiment's Workload is created, Kueue admits it, the admission reaches the
 operator through the watch, and the experiment runs, all without the operator ever GETting the Workload (it used to
-read it on every monitor tick, 0.2 requests/s per queued experiment).
+read it on every monitor tick, 0.2 requests/s per queued experiment). This file runs before the other real-Kueue tests
+(test_operator_kueue_real.py, in file order on the control plane's xdist worker), so Kueue is not installed yet.
 """
 
 from __future__ import annotations
@@ -24,17 +25,14 @@ from kuberl.testing.operator_process import OperatorProcess
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 NS = "kueue-cache"
 RLX = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}/rlexperiments"
-WORKLOADS = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
-WORKLOAD_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "workloads.kueue.x-k8s.io"},
-    "spec": {"group": "kueue.x-k8s.io", "scope": "Namespaced",
-             "names": {"plural": "workloads", "singular": "workload", "kind": "Workload", "listKind": "WorkloadList"},
-             "versions": [{"name": "v1beta1", "served": True, "storage": True, "subresources": {"status": {}},
-                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                               "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
-}
+WORKLOADS = f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{NS}/workloads"
+V = "kueue.x-k8s.io/v1beta2"
+QUEUE = [{"apiVersion": V, "kind": "ResourceFlavor", "metadata": {"name": "kueue-cache-flavor"}},
+         {"apiVersion": V, "kind": "ClusterQueue", "metadata": {"name": "kueue-cache"},
+          "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
+                   "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{"name": "kueue-cache-flavor", "resources": [
+                       {"name": "cpu", "nominalQuota": "100"}, {"name": "memory", "nominalQuota": "1000Gi"}]}]}]}},
+         {"apiVersion": V, "kind": "LocalQueue", "metadata": {"name": "team-queue", "namespace": NS}, "spec": {"clusterQueue": "kueue-cache"}}]
 
 
 class Api:
@@ -73,7 +71,7 @@ def api(kuberl_installed: Any) -> Iterator[Api]:
     if not kuberl_installed.local:
         pytest.skip("installs a Workload CRD and reads the API server's audit log: runs on the local control plane (KUBECONFIG unset)")
     cp = kuberl_installed.control_plane
-    if cp.kubectl("get", "crd", WORKLOAD_CRD["metadata"]["name"], check=False).returncode == 0:
+    if cp.kubectl("get", "crd", "workloads.kueue.x-k8s.io", check=False).returncode == 0:
         pytest.fail("the Workload CRD is installed already: this test must see the operator start without it")
     cp.kubectl("create", "namespace", NS)
     kuberl_installed.allow_operator(NS)  # the operator writes only where a RoleBinding lets it (chart tenantNamespaces)
@@ -87,7 +85,7 @@ def manifest(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
                      "trainer": {"accelerator": {"type": "cpu", "count": 1}}}}
 
 
-def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_through_the_watch(api: Api) -> None:
+def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_through_the_watch(api: Api, request: pytest.FixtureRequest) -> None:
     api.call("POST", RLX, manifest("plain"))
     api.call("POST", RLX, manifest("queued", {"kueue.x-k8s.io/queue-name": "team-queue"}))
     # kopf is not held back by the index of a resource the cluster does not serve
@@ -98,14 +96,11 @@ def test_without_the_kueue_crd_the_operator_serves_and_once_installed_queues_thr
     time.sleep(3)  # a few monitor ticks without Kueue
     assert api.op.alive
 
-    api.call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WORKLOAD_CRD)
-    api.cp.kubectl("wait", "--for=condition=Established", f"crd/{WORKLOAD_CRD['metadata']['name']}", "--timeout=60s")
+    request.getfixturevalue("kueue")  # Kueue's CRDs, webhooks and manager, installed now
+    api.cp.apply(*QUEUE)
     # kopf's CRD watch starts the Workload watch; the operator applies the missing Workload (at most 30 s after its failed try)
     api.until("the queued experiment's Workload", lambda: api.get(f"{WORKLOADS}/queued-workload"), 90)
     assert api.get(f"{WORKLOADS}/plain-workload") is None
-    status = {"conditions": [{"type": t, "status": "True", "reason": t, "message": "kueue", "lastTransitionTime": "2026-01-01T00:00:00Z"}
-                             for t in ("QuotaReserved", "Admitted")], "admission": {"clusterQueue": "cq", "podSetAssignments": []}}
-    api.call("PATCH", f"{WORKLOADS}/queued-workload/status", {"status": status}, "application/merge-patch+json")
     api.until("the admitted experiment's trainer Job running",
               lambda: api.get(f"/apis/batch/v1/namespaces/{NS}/jobs/queued-trainer")["spec"].get("suspend") is False, 60)
     time.sleep(3)
