@@ -2,7 +2,8 @@
 
 The key lives in the engine Secret only; engine and agent read it by secretKeyRef. The agent container
 gets a probe port and startup/readiness/liveness probes on it. kubernetes-validate strict passes for
-every example (test_builders covers all of them with the engine Secret included).
+every example (test_builders covers all of them with the engine Secret included). That the operator generates
+the key once and keeps it is tested on the real control plane (tests/integration/test_operator_helm_upgrade.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 
 import kubernetes_validate
-import pytest
 
 from kuberl.api import load_experiments
 from kuberl.operator import naming
@@ -19,7 +19,6 @@ from kuberl.operator.builders.rollout import AGENT_CONTAINER, ENGINE_API_KEY_KEY
 from kuberl.runtime.inference.engine_auth import API_KEY_ENV
 from kuberl.runtime.rollout.health import HEALTH_PORT_ENV
 from tests.unit.test_builders import EXAMPLES, K8S_VERSION, TOKEN, containers, env_of, make_experiment
-from tests.unit.test_operator_upgrade import emu, operator  # noqa: F401  (fixtures: the strict API emulator)
 
 KEY = "the-Engine_key"
 
@@ -78,24 +77,6 @@ def test_the_agent_container_is_probed_on_its_own_port() -> None:
     assert agent["readinessProbe"]["timeoutSeconds"] > 5
     # Not the engine's port: the probes and the engine are separate processes.
     assert naming.AGENT_HEALTH_PORT != naming.ENGINE_PORT
-
-
-@pytest.mark.usefixtures("operator")
-def test_the_operator_generates_the_key_once_and_keeps_it() -> None:
-    """lifecycle.apply_children against the strict API emulator: a random key on the first reconcile,
-    the same key on the next (engines and agents that restart must keep agreeing)."""
-    from tests.unit.test_operator_upgrade import create, get, reconcile, secret_values
-
-    create("keyed")
-    reconcile("keyed")
-    first = secret_values(get("Secret", "keyed-engine-credentials"))[ENGINE_API_KEY_KEY]
-    assert len(first) >= 32
-    reconcile("keyed")
-    assert secret_values(get("Secret", "keyed-engine-credentials"))[ENGINE_API_KEY_KEY] == first
-    rollout = get("StatefulSet", "keyed-rollout")
-    assert first not in json.dumps(rollout)
-    engine = {c["name"]: c for c in rollout["spec"]["template"]["spec"]["containers"]}[ENGINE_CONTAINER]
-    assert env_of(engine)[API_KEY_ENV] == {"secretKeyRef": {"name": "keyed-engine-credentials", "key": ENGINE_API_KEY_KEY}}
 
 
 def test_the_operator_names_the_env_vars_the_runtime_reads() -> None:
