@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kuberl.api.base import AcceleratorSpec, AcceleratorType, FieldError, KubeModel, _cel, _or
-from kuberl.api.pods import SchedulingSpec
+from kuberl.api.pods import HUGEPAGES_MESSAGE, HUGEPAGES_RULE, SchedulingSpec
 
 
 class AutoscalingSpec(KubeModel):
@@ -47,6 +47,7 @@ class RolloutSpec(SchedulingSpec):
         ("!self.autoscaling.enabled || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
          "rollout.replicas must lie within rollout.autoscaling.minReplicas..maxReplicas", ".replicas"),
         (ASCEND_IMAGE_RULE, ASCEND_IMAGE_MESSAGE, ".image"),
+        (HUGEPAGES_RULE, HUGEPAGES_MESSAGE, ".podTemplate.extendedResources"),
     )
     engine: EngineName = Field(
         EngineName.VLLM,
@@ -160,6 +161,7 @@ class TrainerSpec(SchedulingSpec):
     model_config = _cel(
         ("!has(self.attention) || self.attention != 'flash_attention_2' || !has(self.accelerator) || "
          "!has(self.accelerator.type) || self.accelerator.type != 'cpu'", ATTENTION_FLASH_CPU, ".attention"),
+        (HUGEPAGES_RULE, HUGEPAGES_MESSAGE, ".podTemplate.extendedResources"),
     )  # the megatron and context-parallel attention rules are RLExperimentSpec's: `allocation` may set either
     backend: Literal["fsdp", "megatron"] = Field(
         "fsdp", description=("fsdp (FSDP2, data parallel) or megatron (megatron-core: tensor, pipeline, expert and data parallel; full weights, "

@@ -67,6 +67,7 @@ from kuberl.api.infra import (
     WeightSyncSpec,
 )
 from kuberl.api.pods import (
+    FABRIC_CAPABILITIES,
     OVERRIDE_ENV_MESSAGE,
     OVERRIDE_LABEL_MESSAGE,
     OVERRIDE_VOLUME_MESSAGE,
@@ -77,6 +78,7 @@ from kuberl.api.pods import (
     LocalObjectReference,
     PodTemplateOverride,
     SchedulingSpec,
+    Sidecar,
 )
 from kuberl.api.roles import (
     ALLOCATION_CONTEXT_EXPERT,
@@ -111,7 +113,17 @@ from kuberl.api.roles import (
 )
 from kuberl.api.status import CheckpointStatus, Condition, ConditionType, Phase, RLExperimentStatus, RoleStatus, TrainingProgress
 from kuberl.api.tracking import TrackingSpec
-from kuberl.api.workflow import PROMPT_SYSTEM_CHAT, AgentExportStyle, DatasetSpec, ExternalAgentSpec, ModelSpec, PromptSpec, SandboxSpec, WorkflowSpec, WorkflowType
+from kuberl.api.workflow import (
+    PROMPT_SYSTEM_CHAT,
+    AgentExportStyle,
+    DatasetSpec,
+    ExternalAgentSpec,
+    ModelSpec,
+    PromptSpec,
+    SandboxSpec,
+    WorkflowSpec,
+    WorkflowType,
+)
 
 __all__ = [
     "ACCELERATOR_RESOURCE",
@@ -176,6 +188,8 @@ __all__ = [
     "ParallelismSpec",
     "Phase",
     "PodTemplateOverride",
+    "Sidecar",
+    "FABRIC_CAPABILITIES",
     "QUANTITY_PATTERN",
     "Quantity",
     "RESERVED_ENV_PREFIX",

@@ -12,6 +12,7 @@ from kuberl.api.algorithm import LORA_NEEDS_VLLM, LORA_TARGET_UNSERVED
 from kuberl.api.allocation import parse_allocation
 from kuberl.api.evaluation import EVAL_K_TOO_BIG, EVAL_NOTHING, EVAL_ONE_SOURCE
 from kuberl.api.infra import BROADCAST_NEEDS_VLLM, BROADCAST_NO_LORA, KEEP_NEEDS_VLLM_FILES
+from kuberl.api.pods import CAPABILITY_MESSAGE, EXTENDED_RESOURCE_MESSAGE, HUGEPAGES_MESSAGE, SIDECAR_NAME_MESSAGE
 from kuberl.api.roles import ATTENTION_CONTEXT, ATTENTION_FLASH_CPU, ATTENTION_MEGATRON
 from kuberl.api.tracking import MLFLOW_TOKEN_NEEDS_SERVER, TRACKING_EMPTY, WANDB_OFFLINE_KEY, WANDB_ONLINE_NEEDS_KEY
 from kuberl.api.v1alpha1 import (
@@ -435,6 +436,20 @@ AGREEMENT_CASES = [
     ("pod template with a reserved label", {"rollout": {"podTemplate": {"labels": {"kuberl.io/role": "x"}}}}, OVERRIDE_LABEL_MESSAGE),
     ("pod template with a reserved env", {"trainer": {"podTemplate": {"env": [{"name": "KUBERL_BUS_URL", "value": "x"}]}}}, OVERRIDE_ENV_MESSAGE),
     ("pod template with a reserved volume", {"trainer": {"podTemplate": {"volumes": [{"name": "config", "emptyDir": {}}]}}}, OVERRIDE_VOLUME_MESSAGE),
+    ("fabric: EFA on the trainer", {"trainer": {"resources": {"requests": {"memory": "32Gi"}}, "podTemplate": {
+        "capabilities": ["IPC_LOCK"], "extendedResources": {"vpc.amazonaws.com/efa": 32, "hugepages-2Mi": "5120Mi"}, "shmSizeLimit": "64Gi"}}}, None),
+    ("fabric: a TCPXO daemon sidecar", {"trainer": {"podTemplate": {"sidecars": [
+        {"name": "tcpxo-daemon", "image": "us-docker.pkg.dev/x/tcpgpudmarxd:v1", "capabilities": ["NET_ADMIN", "NET_BIND_SERVICE"], "runAsUser": 0}]}}}, None),
+    ("fabric: SYS_ADMIN on the main container", {"trainer": {"podTemplate": {"capabilities": ["SYS_ADMIN"]}}}, CAPABILITY_MESSAGE),
+    ("fabric: CAP_ prefix", {"rollout": {"podTemplate": {"capabilities": ["CAP_IPC_LOCK"]}}}, CAPABILITY_MESSAGE),
+    ("fabric: SYS_ADMIN on a sidecar", {"trainer": {"podTemplate": {"sidecars": [{"name": "d", "image": "i", "capabilities": ["SYS_ADMIN"]}]}}},
+     CAPABILITY_MESSAGE),
+    ("fabric: a sidecar named trainer", {"trainer": {"podTemplate": {"sidecars": [{"name": "trainer", "image": "i"}]}}}, SIDECAR_NAME_MESSAGE),
+    ("fabric: two sidecars of one name", {"rollout": {"podTemplate": {"sidecars": [{"name": "d", "image": "i"}, {"name": "d", "image": "j"}]}}},
+     SIDECAR_NAME_MESSAGE),
+    ("fabric: memory as an extended resource", {"trainer": {"podTemplate": {"extendedResources": {"memory": "1Gi"}}}}, EXTENDED_RESOURCE_MESSAGE),
+    ("fabric: GPUs as an extended resource", {"trainer": {"podTemplate": {"extendedResources": {"nvidia.com/gpu": 8}}}}, EXTENDED_RESOURCE_MESSAGE),
+    ("fabric: hugepages without memory", {"rollout": {"podTemplate": {"extendedResources": {"hugepages-2Mi": "1Gi"}}}}, HUGEPAGES_MESSAGE),
     # spec.tracking (kuberl/api/tracking.py)
     ("tracking with every tracker", {"tracking": {"tensorboard": {}, "wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}},
                                                   "mlflow": {"trackingUri": "https://mlflow.example:5000", "tokenSecret": {"name": "ml"}}}}, None),

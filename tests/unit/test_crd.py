@@ -424,7 +424,8 @@ def test_every_cel_rule_compiles_and_names_only_declared_fields(schema):
         compile_rule(rule["rule"])  # raises celpy.CELParseError on bad syntax
         node = schema
         for part in [p for p in where.split(".") if p]:
-            node = node["properties"][part]
+            name, items = part.removesuffix("[*]"), part.endswith("[*]")  # a rule on a list's items (podTemplate.sidecars[*])
+            node = node["properties"][name]["items"] if items else node["properties"][name]
         for match in SELF_PATH.finditer(rule["rule"]):
             # the API server type-checks rules against the schema: an undeclared field does not compile
             path = match.group(1)

@@ -250,8 +250,16 @@ def pod_security_context(accelerator: AcceleratorSpec) -> Obj:
     return ctx
 
 
-def container_security_context() -> Obj:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+def container_security_context(add: list[str] | tuple[str, ...] = (), run_as_user: int | None = None) -> Obj:
+    """Restricted: no privilege escalation, every capability dropped. `add` (podTemplate.capabilities, already
+    checked against the API's allow-list) puts back only those; `run_as_user` 0 (a sidecar's choice) runs as root,
+    the only way the kernel makes added capabilities effective."""
+    ctx: Obj = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], **({"add": list(add)} if add else {})}}
+    if run_as_user is not None:
+        ctx["runAsUser"] = run_as_user
+        if run_as_user == 0:
+            ctx["runAsNonRoot"] = False  # the pod's runAsNonRoot would refuse it at container start
+    return ctx
 
 
 # --- scheduling -------------------------------------------------------------------------------

@@ -4,12 +4,13 @@ Called by builders.rollout and builders.trainer, which add commands, ports, prob
 Pure, like every builder: labels, config-hash annotation, a token-less service account, non-root security,
 the role's image and scheduling fields, and the config, shm and cache volumes runtime containers mount.
 Last, the role's `podTemplate` overrides are merged in (`apply_pod_overrides`): labels, annotations and
-env by key or name (the user's win), volumes and mounts added, pod fields replaced.
+env by key or name (the user's win), volumes and mounts added, pod fields replaced; then what the fabrics need
+(`apply_fabric`): native sidecars, added capabilities and extended resources on the main container, the /dev/shm size.
 """
 
 from __future__ import annotations
 
-from kuberl.api.v1alpha1 import AcceleratorSpec, PodTemplateOverride, RLExperiment, SchedulingSpec
+from kuberl.api.v1alpha1 import AcceleratorSpec, PodTemplateOverride, RLExperiment, SchedulingSpec, Sidecar
 from kuberl.operator import labels as L
 from kuberl.operator import naming
 from kuberl.operator.builders.common import (
@@ -65,7 +66,47 @@ def apply_pod_overrides(template: Obj, override: PodTemplateOverride | None) -> 
         value = getattr(override, field)
         if value is not None:
             spec[pod_field] = value
+    return apply_fabric(template, override)
+
+
+def apply_fabric(template: Obj, override: PodTemplateOverride) -> Obj:
+    """What multi-node fabrics (EFA, GPUDirect-TCPX/TCPXO) ask of a pod, and only where asked: the sidecars as
+    native sidecars after any init container, the capabilities and extended resources on the main container
+    (the first: the trainer, or the rollout's engine; not its agent), the /dev/shm size limit.
+    Every capability not named stays dropped."""
+    spec = template["spec"]
+    if override.sidecars:
+        spec["initContainers"] = [*(spec.get("initContainers") or []), *(sidecar_container(s) for s in override.sidecars)]
+    main = spec["containers"][0]  # the builders put the accelerator's user first: the trainer, the engine (before its agent)
+    if override.capabilities:
+        main["securityContext"] = container_security_context(override.capabilities)
+    if override.extended_resources:
+        resources = main.setdefault("resources", {})
+        for part in ("requests", "limits"):  # extended resources and hugepages: requests == limits, or the API server refuses
+            resources[part] = {**resources.get(part, {}), **{k: str(v) for k, v in override.extended_resources.items()}}
+    if override.shm_size_limit is not None:
+        for volume in spec["volumes"]:
+            if volume["name"] == "dshm":
+                volume["emptyDir"]["sizeLimit"] = str(override.shm_size_limit)
     return template
+
+
+def sidecar_container(sidecar: Sidecar) -> Obj:
+    """A native sidecar (restartPolicy Always: it starts before the role's containers, restarts on its own and
+    does not hold a Job's pod from completing) under the restricted context plus its own capabilities and user."""
+    container: Obj = {"name": sidecar.name, "image": sidecar.image, "restartPolicy": "Always"}
+    if sidecar.image_pull_policy:
+        container["imagePullPolicy"] = sidecar.image_pull_policy
+    for field, value in (("command", sidecar.command), ("args", sidecar.args), ("env", [e.to_manifest() for e in sidecar.env]),
+                         ("volumeMounts", [dict(m) for m in sidecar.volume_mounts])):
+        if value:
+            container[field] = value
+    resources = sidecar.resources.to_manifest()
+    if resources.get("requests") or resources.get("limits"):
+        container["resources"] = {k: {n: str(q) for n, q in v.items()} for k, v in resources.items() if v}
+    container["securityContext"] = container_security_context(sidecar.capabilities, run_as_user=sidecar.run_as_user)
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    return container
 
 
 def runtime_pod_template(
