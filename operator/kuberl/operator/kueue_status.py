@@ -17,6 +17,7 @@ Kueue's own conditions are never overwritten.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 from typing import Any
@@ -153,7 +154,8 @@ def place_child(child: Obj) -> Obj:
     where = PLACEMENT.get((child["metadata"].get("namespace", ""), labels.get(L.EXPERIMENT_LABEL, "")), {}).get(labels.get(L.ROLE_LABEL, ""))
     if not where or not (where["nodeSelector"] or where["tolerations"]):
         return child
-    spec = template["spec"]
+    child = copy.deepcopy(child)
+    spec = child["spec"]["template"]["spec"]
     spec["nodeSelector"] = {**where["nodeSelector"], **(spec.get("nodeSelector") or {})}
     tolerations = list(spec.get("tolerations") or [])
     spec["tolerations"] = tolerations + [t for t in where["tolerations"] if t not in tolerations]
