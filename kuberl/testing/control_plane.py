@@ -62,6 +62,16 @@ NODE_POOLS: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str,
     "l4": (2, {"kuberl.test/pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-l4", "kuberl.io/pool": "l4",
                "nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.present": "true"},
            [GPU_TAINT], {"cpu": "96", "memory": "384Gi", "ephemeral-storage": "3Ti", "pods": "110", "nvidia.com/gpu": "8"}),
+    # Multi-node fabric pools (examples/gke-a3-tcpxo.yaml, examples/eks-p5-efa.yaml): GKE's A3 Mega (GPUDirect-TCPXO, 8 GPU
+    # NICs as multi-network interfaces: nothing the scheduler counts) and EKS's p5.48xlarge with the EFA device plugin's
+    # 32 vpc.amazonaws.com/efa and the 2 MiB hugepages the EFA installer reserves.
+    "a3mega": (2, {"kuberl.test/pool": "fabric", "cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb",
+                   "node.kubernetes.io/instance-type": "a3-megagpu-8g", "nvidia.com/gpu.present": "true"},
+               [GPU_TAINT], {"cpu": "208", "memory": "1872Gi", "ephemeral-storage": "6Ti", "pods": "110", "nvidia.com/gpu": "8"}),
+    "p5": (2, {"kuberl.test/pool": "fabric", "kuberl.io/pool": "p5", "node.kubernetes.io/instance-type": "p5.48xlarge",
+               "nvidia.com/gpu.present": "true"},
+           [GPU_TAINT], {"cpu": "192", "memory": "2000Gi", "ephemeral-storage": "7Ti", "pods": "100", "nvidia.com/gpu": "8",
+                         "vpc.amazonaws.com/efa": "32", "hugepages-2Mi": "10256Mi"}),
     "npu": (2, {"kuberl.test/pool": "npu", "accelerator": "huawei-Ascend910"},
             [NPU_TAINT], {"cpu": "192", "memory": "1536Gi", "ephemeral-storage": "2Ti", "pods": "110", "huawei.com/Ascend910": "8"}),
 }
