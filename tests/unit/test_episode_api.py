@@ -302,3 +302,14 @@ def test_make_workflow_builds_the_external_workflow_from_the_spec(tokenizer, mon
                                             "workflow": {"type": "agent", "external": {"claimTimeoutSeconds": 12}, "episodeTimeoutSeconds": 34}})
     wf = make_workflow(spec, tokenizer)
     assert isinstance(wf, ExternalAgentWorkflow) and (wf.claim_timeout, wf.timeout) == (12, 34)
+
+
+def test_held_out_evaluation_with_external_agents_is_a_configuration_error(tokenizer, monkeypatch):
+    from kuberl.runtime.evaluation import Evaluator
+
+    monkeypatch.setenv(episode_api.KEY_ENV, KEY)
+    spec = RLExperimentSpec.model_validate({"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+                                            "training": {"totalSteps": 1}, "evaluation": {"split": "test", "everySteps": 1},
+                                            "workflow": {"type": "agent", "external": {}}})
+    with pytest.raises(WorkflowError, match="spec.evaluation is not available with workflow.external"):
+        Evaluator.from_experiment(spec, tokenizer)

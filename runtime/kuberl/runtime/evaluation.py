@@ -179,7 +179,11 @@ class Evaluator:
         if spec.evaluation is None:
             return None
         from kuberl.runtime.data import load_eval_items
-        from kuberl.runtime.rollout.registry import build_workflow
+        from kuberl.runtime.rollout.registry import WorkflowError, build_workflow
+
+        if spec.workflow.external is not None:  # its episodes would need a second episode API, on the same port
+            raise WorkflowError("spec.evaluation is not available with workflow.external yet: held-out episodes are not offered to "
+                                "external agents; remove spec.evaluation, or evaluate the saved checkpoints separately")
         from kuberl.runtime.rollout.workflows import SamplingConfig
         from kuberl.runtime.stop_tokens import stop_set_for
 
