@@ -13,8 +13,8 @@
   That is the sandbox of a script installed through argocd-cm without
   resource.customizations.useOpenLibs, the strictest one, so Lua that fails there fails here.
 - argocd-cm.yaml carries byte-identical copies of those scripts under the keys Argo CD reads.
-- The Applications are validated against the upstream Application CRD's openAPIV3Schema
-  (tests/fixtures/argocd/upstream), unknown fields rejected.
+- The Applications are admitted by a real kube-apiserver serving the upstream Application CRD, unknown
+  fields rejected: tests/integration/test_argocd_admission.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGOCD = ROOT / "examples" / "argocd"
 CUSTOM = ARGOCD / "resource_customizations" / "kuberl.io" / "RLExperiment"
 ACTIONS = CUSTOM / "actions"
-UPSTREAM = ROOT / "tests" / "fixtures" / "argocd" / "upstream"
 GROUP_KIND = "kuberl.io/RLExperiment"
 
 # gitops-engine pkg/health HealthStatusCode values (isValidHealthStatusCode in util/lua/lua.go)
@@ -437,69 +436,6 @@ class TestArgoCDConfigMap:
         assert [set(d) for d in actions["definitions"]] == [{"name", "action.lua"}] * len(actions["definitions"])
         defs = {d["name"]: d["action.lua"] for d in actions["definitions"]}
         assert defs == {p.name: (p / "action.lua").read_text() for p in ACTIONS.iterdir() if (p / "action.lua").is_file()}
-
-
-# ---------------------------------------------------------------------------------------------
-# The Applications, against the upstream Application CRD
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def application_admission():
-    from kuberl.testing.kube_writes import CrdAdmission  # strict pruning walker + openAPIV3Schema check
-
-    crd = load_yaml(UPSTREAM / "application-crd.yaml")
-    assert (crd["spec"]["group"], crd["spec"]["names"]["kind"]) == ("argoproj.io", "Application")
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    return CrdAdmission(version["schema"]["openAPIV3Schema"])
-
-
-def application_errors(admission, app: dict) -> list[tuple[str, str]]:
-    """(field, message) for what the API server would reject with fieldValidation=Strict: fields the
-    structural schema does not declare (outside metadata), then the openAPIV3Schema (types, required,
-    enums, patterns) on the whole object."""
-    from kuberl.testing.kube_writes import prune_and_default
-
-    assert app["apiVersion"] == "argoproj.io/v1alpha1" and app["kind"] == "Application"
-    unknown: list[str] = []
-    prune_and_default({k: v for k, v in app.items() if k != "metadata"}, admission.schema, "", unknown)
-    errors = [(u.lstrip("."), "field not declared in schema") for u in unknown]
-    for err in admission.validator.iter_errors(app):
-        errors.append((".".join(str(p) for p in err.absolute_path) or "<root>", err.message))
-    return errors
-
-
-APPLICATIONS = ["application.yaml", "operator-application.yaml"]
-
-
-@pytest.mark.parametrize("name", APPLICATIONS)
-def test_application_is_valid_against_the_upstream_crd(application_admission, name):
-    assert application_errors(application_admission, load_yaml(ARGOCD / name)) == []
-
-
-@pytest.mark.parametrize("where,typo", [
-    (("spec",), "syncPolcy"),
-    (("spec", "syncPolicy", "automated"), "selfheal"),
-    (("spec", "source"), "targetRevison"),
-    (("spec", "ignoreDifferences", 0), "jsonPointer"),
-])
-def test_a_typo_is_rejected_by_the_upstream_crd(application_admission, where, typo):
-    app = load_yaml(ARGOCD / "application.yaml")
-    node = app
-    for part in where:
-        node = node[part]
-    node[typo] = True
-    errors = application_errors(application_admission, app)
-    assert any(path.endswith(typo) and "not declared" in msg for path, msg in errors), errors
-
-
-def test_a_wrong_type_and_a_missing_required_field_are_rejected(application_admission):
-    app = load_yaml(ARGOCD / "application.yaml")
-    app["spec"]["syncPolicy"]["automated"]["prune"] = "false"
-    del app["spec"]["destination"]
-    errors = application_errors(application_admission, app)
-    assert ("spec.syncPolicy.automated.prune", "'false' is not of type 'boolean'") in errors
-    assert any("'destination' is a required property" in msg for _, msg in errors), errors
 
 
 class TestApplications:
