@@ -24,6 +24,7 @@ import pytest
 from kuberl.testing.control_plane import ROOT, ControlPlane
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+FABRIC_EXAMPLES = ("gke-a3-tcpxo.yaml", "eks-p5-efa.yaml")  # capabilities, root sidecars, hostPath: the kuberl.io/fabric label
 
 
 def manifest(name: str, namespace: str, **roles: Any) -> dict[str, Any]:
@@ -150,12 +151,49 @@ def test_the_api_server_refuses_what_the_administrator_has_not_allowed_naming_th
     assert fine.returncode == 0, fine.stderr
     for example in sorted((ROOT / "examples").glob("*.yaml")):  # docs/operations.md: every example passes the defaults
         checked = c.kubectl("create", "--dry-run=server", "-n", ns, "--as=carol", "-f", str(example), check=False)
+        if example.name in FABRIC_EXAMPLES:  # but the fabric ones, which need an administrator's label (next test)
+            assert "kuberl.io/fabric=allowed" in checked.stderr, (example.name, checked.stderr)
+            continue
         assert "ValidatingAdmissionPolicy" not in checked.stderr, (example.name, checked.stderr)
     # An edit is checked too: a tenant cannot add later what creation would have refused.
     patched = c.kubectl("patch", "rlx", "scratch-only", "-n", ns, "--as=carol", "--type=merge", "-p",
                         json.dumps({"spec": {"rollout": {"podTemplate": {"volumes": [{"name": "docker", "hostPath": {"path": "/var/run/docker.sock"}}]}}}}),
                         check=False)
     assert patched.returncode != 0 and "spec.rollout.podTemplate.volumes: docker is hostPath" in patched.stderr, patched.stderr
+
+
+def test_fabric_needs_are_refused_until_an_administrator_labels_the_namespace(cluster: Cluster) -> None:
+    """Capabilities, root sidecars and hostPath (what EFA and GPUDirect-TCPXO ask for) pass the chart's default policy only in
+    a namespace labelled kuberl.io/fabric=allowed, which a tenant (edit) cannot label; the CRD refuses SYS_ADMIN everywhere."""
+    c = cluster
+    ns = c.namespace("tenant-fabric")
+    c.kubectl("create", "rolebinding", "dana-edit", "-n", ns, "--clusterrole=edit", "--user=dana")
+    c.wait("edit aggregated", lambda: c.kubectl("auth", "can-i", "create", "rlexperiments.kuberl.io", "-n", ns, "--as=dana",
+                                                check=False).stdout.strip() == "yes")
+    efa = manifest("efa", ns, trainer={"resources": {"requests": {"memory": "1Gi"}}, "podTemplate": {
+        "capabilities": ["IPC_LOCK"], "extendedResources": {"vpc.amazonaws.com/efa": 4, "hugepages-2Mi": "64Mi"}}})
+    daemon = manifest("daemon", ns, trainer={"podTemplate": {"sidecars": [
+        {"name": "rxdm", "image": "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.9", "capabilities": ["NET_ADMIN"], "runAsUser": 0}]}})
+    root_only = manifest("root-only", ns, rollout={"podTemplate": {"sidecars": [{"name": "helper", "image": "busybox:1", "runAsUser": 0}]}})
+    message = c.create(efa, as_user="dana", dry_run=True).stderr
+    assert f"spec.trainer.podTemplate: capabilities IPC_LOCK are not allowed in namespace {ns}" in message, message
+    assert "admissionPolicy.allowedCapabilities (now: none)" in message and "kuberl.io/fabric=allowed" in message
+    assert "capabilities NET_ADMIN are not allowed" in c.create(daemon, as_user="dana", dry_run=True).stderr
+    message = c.create(root_only, as_user="dana", dry_run=True).stderr
+    assert "spec.rollout.podTemplate.sidecars: helper would run as root" in message, message
+    labelled = c.kubectl("label", "namespace", ns, "kuberl.io/fabric=allowed", "--as=dana", check=False)
+    assert labelled.returncode != 0 and "forbidden" in labelled.stderr.lower(), labelled.stderr
+    c.kubectl("label", "namespace", ns, "kuberl.io/fabric=allowed")  # the administrator
+    c.wait("the label in force", lambda: c.create(efa, as_user="dana", dry_run=True).returncode == 0)
+    for obj in (daemon, root_only):
+        made = c.create(obj, as_user="dana", dry_run=True)
+        assert made.returncode == 0, made.stderr
+    for example in FABRIC_EXAMPLES:
+        checked = c.kubectl("create", "--dry-run=server", "-n", ns, "--as=dana", "-f", str(ROOT / "examples" / example), check=False)
+        assert checked.returncode == 0, (example, checked.stderr)
+    # What no fabric needs stays refused, label or not: by the CRD, for everyone.
+    sys_admin = c.create(manifest("sys-admin", ns, trainer={"podTemplate": {"capabilities": ["SYS_ADMIN"]}}), dry_run=True)
+    assert "SYS_ADMIN and every other capability are refused" in sys_admin.stderr, sys_admin.stderr
 
 
 def test_an_administrator_s_registries_and_service_accounts_are_the_only_ones_admitted(cluster: Cluster, tmp_path: Any) -> None:

@@ -88,7 +88,8 @@ class TestAdmissionPolicy:
     def test_the_values_become_the_policy_variables(self) -> None:
         policy = self.policy({"admissionPolicy": {"allowedServiceAccounts": ["trainer-wi"], "allowedImagePrefixes": ["registry.corp/"]}})
         variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-        assert variables == {"serviceAccounts": '["trainer-wi"]', "imagePrefixes": '["registry.corp/"]',
+        assert variables.pop("fabric").startswith("namespaceObject != null")
+        assert variables == {"serviceAccounts": '["trainer-wi"]', "imagePrefixes": '["registry.corp/"]', "capabilities": "[]",
                              "volumeTypes": '["configMap","csi","downwardAPI","emptyDir","ephemeral","persistentVolumeClaim","projected","secret"]'}
 
     def test_the_default_refuses_host_path_and_named_service_accounts_and_allows_any_image(self) -> None:
@@ -100,6 +101,21 @@ class TestAdmissionPolicy:
         for field in ("rollout.podTemplate.serviceAccountName", "trainer.podTemplate.serviceAccountName", "rollout.podTemplate.volumes",
                       "trainer.podTemplate.volumes", "rollout.image", "trainer.image", "bus.embedded.image"):
             assert any(f"'spec.{field}: " in c["messageExpression"] and f"object.spec.{field}" in c["expression"] for c in checks), field
+
+    def test_fabric_fields_are_checked_per_role_and_opened_by_the_value_or_the_namespace_label(self) -> None:
+        checks = self.policy({"admissionPolicy": {"allowedCapabilities": ["IPC_LOCK"]}})["spec"]
+        assert {v["name"]: v["expression"] for v in checks["variables"]}["capabilities"] == '["IPC_LOCK"]'
+        for role in ("rollout", "trainer"):
+            t = f"object.spec.{role}.podTemplate"
+            caps = [c for c in checks["validations"] if f"{t}.capabilities.all(" in c["expression"]]
+            assert len(caps) == 1 and f"{t}.sidecars.all(s, !has(s.capabilities)" in caps[0]["expression"]
+            assert "variables.fabric" in caps[0]["expression"] and "kuberl.io/fabric=allowed" in caps[0]["messageExpression"]
+            root = [c for c in checks["validations"] if "s.runAsUser != 0" in c["expression"] and t in c["expression"]]
+            assert len(root) == 1 and "variables.fabric" in root[0]["expression"]
+            images = [c for c in checks["validations"] if f"{t}.sidecars.all(s, variables.imagePrefixes" in c["expression"]]
+            assert len(images) == 1 and "admissionPolicy.allowedImagePrefixes" in images[0]["messageExpression"]
+            volumes = [c for c in checks["validations"] if f"{t}.volumes.all(" in c["expression"]]
+            assert len(volumes) == 1 and "(variables.fabric && k == 'hostPath')" in volumes[0]["expression"]
 
     def test_the_operator_itself_is_exempt_and_the_binding_takes_the_actions(self) -> None:
         objects = render({"admissionPolicy": {"validationActions": ["Warn", "Audit"]}})
@@ -116,6 +132,7 @@ class TestAdmissionPolicy:
         ({"allowedServiceAccounts": ["Not A Name"]}, "allowedServiceAccounts"),
         ({"allowedImagePrefixes": ["it's"]}, "allowedImagePrefixes"),
         ({"validationActions": ["Block"]}, "validationActions"),
+        ({"allowedCapabilities": ["SYS_ADMIN"]}, "allowedCapabilities"),
     ])
     def test_the_schema_refuses_what_the_policy_could_not_use(self, values: dict, field: str) -> None:
         with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as err:
