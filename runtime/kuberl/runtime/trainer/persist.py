@@ -255,10 +255,10 @@ class PersistMixin:
 
     def final_digest(self) -> str:
         """Collective: sha256 of the trained weights (weights.digest_state's bytes), which every rank logs at the end of a run
-        for the cross-check that the ranks agree. FSDP gathers one parameter at a time (full_weights_digest); megatron
-        gathers its state whole (to host memory)."""
+        for the cross-check that the ranks agree. Both backends gather one parameter at a time (full_weights_digest;
+        megatron/digest.py)."""
         if self.megatron:
-            return digest_state(self.megatron_full_params())
+            return self.megatron_digest()
         return full_weights_digest(self.model)
 
     def _saved(self, step: int) -> bool:

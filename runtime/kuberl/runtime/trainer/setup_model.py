@@ -110,8 +110,12 @@ class SetUpMixin:
         with spec_errors():  # dataset.path missing, a row without promptField/answerField...
             items = load_items(self.spec.dataset, self.spec.seed)
         self.total_steps = self._total_steps(len(items))
-        self.optimizer = build_optimizer(self.model, self.spec.algorithm)
-        self.scheduler = build_scheduler(self.optimizer, self.spec.algorithm.optimizer, self.total_steps * self.spec.algorithm.ppo_minibatches)
+        optimizer_steps = self.total_steps * self.spec.algorithm.ppo_minibatches
+        if self.megatron:  # megatron-core's distributed optimizer (megatron/optim.py)
+            self.optimizer, self.scheduler = self.megatron_optimizer(optimizer_steps)
+        else:
+            self.optimizer = build_optimizer(self.model, self.spec.algorithm)
+            self.scheduler = build_scheduler(self.optimizer, self.spec.algorithm.optimizer, optimizer_steps)
         self.book = TicketBook(
             self._num_items, self.B, self.eta, seed=self.spec.seed,
             shuffle=self.spec.dataset.shuffle, max_concurrent=self.spec.staleness.max_concurrent_rollouts,

@@ -13,9 +13,12 @@ by exactly one DP replica), whose gradients model.train_step sums (over data x c
 the same weights: CP rank 0 alone publishes and checkpoints. Published weights
 are gathered one parameter at a time: an all-gather within the TP group (an expert's also within its EP
 group), then (pipeline stages other than the first) sent to global rank 0, which writes them as HF tensors
-(convert.merge_tp + full_to_hf) into weights/v{N}. Checkpoints: each (tp, pp, ep) rank of expert-data-parallel
-replica 0 saves its own model and optimizer shard; resuming needs the same tensor, pipeline and expert sizes
-(any data-parallel size).
+(convert.merge_tp + full_to_hf) into weights/v{N}. The optimizer is megatron-core's distributed optimizer over
+megatron's DDP (optim.py): on a GPU the model computes in model.dtype (bf16/fp16) with float32 main weights; on the
+CPU in float32. trainer.gradientCheckpointing: megatron's full recomputation of every layer (model.RECOMPUTE).
+Checkpoints: each (tp, pp, ep) rank of expert-data-parallel replica 0 saves its own model shard, every rank its slice
+of the optimizer state (optim.save_shard); resuming needs the same tensor, pipeline and expert sizes (any
+data-parallel size). The final weight hash gathers one parameter at a time (digest.py).
 """
 
 from __future__ import annotations
@@ -48,8 +51,6 @@ def check_megatron_spec(spec: Any) -> None:
         raise ConfigError("algorithm.lora: LoRA adapters are trained by trainer.backend fsdp only; remove algorithm.lora or use fsdp")
     if spec.weight_sync.mode == "broadcast":
         raise ConfigError("weightSync.mode broadcast is not implemented for trainer.backend megatron: use weightSync.mode disk or bus")
-    if spec.trainer.gradient_checkpointing:
-        raise ConfigError("trainer.gradientCheckpointing is not implemented for trainer.backend megatron: set it to false")
     p = spec.trainer.parallelism
     if p.context > 1 and p.expert > 1:
         raise ConfigError(f"trainer.parallelism.context {p.context} with expert {p.expert}: context parallel of a mixture-of-experts model "
@@ -71,7 +72,7 @@ class MegatronMixin:
         from megatron.core import parallel_state as ps
 
         from kuberl.runtime.trainer.megatron import convert
-        from kuberl.runtime.trainer.megatron.model import build_model, init_parallel
+        from kuberl.runtime.trainer.megatron.model import RECOMPUTE, build_model, init_parallel
 
         p, world = self.spec.trainer.parallelism, self.info.world_size
         tp, pp, ep, cp = p.tensor, p.pipeline, p.expert, p.context
@@ -90,17 +91,57 @@ class MegatronMixin:
             raise ConfigError(f"trainer.parallelism.context {cp}: context parallel of a mixture-of-experts model ({shape.model_type}, {model}) "
                               "is not implemented for trainer.backend megatron; use context 1")
         init_parallel(tp, pp, ep, cp_size=cp, device=self.info.device, seed=self.spec.seed)
+        dtype = self._megatron_dtype()
+        self.gradient_checkpointing, why = self._megatron_recompute(shape)
+        if self.info.is_main:
+            log.info("trainer.gradientCheckpointing %s (%s)%s", "on" if self.gradient_checkpointing else "off", why,
+                     ": megatron recompute_granularity full, method uniform, 1 layer" if self.gradient_checkpointing else "")
         with spec_errors():  # a model type or head count megatron cannot cut (convert.model_shape / check_parallel)
-            self.mm = build_model(str(self.model_dir), device=self.info.device)
+            self.mm = build_model(str(self.model_dir), device=self.info.device, dtype=dtype, **(RECOMPUTE if self.gradient_checkpointing else {}))
             self.ref_mm = None
             if self.cfg.kl_coef > 0:  # the initial policy
-                self.ref_mm = build_model(str(self.model_dir), device=self.info.device)
+                self.ref_mm = build_model(str(self.model_dir), device=self.info.device, dtype=dtype)
                 self.ref_mm.module.eval().requires_grad_(False)
         self.model, self.ref_model = self.mm.module, None
         if self.info.is_main:
             log.info("megatron: tensor %d x pipeline %d x context %d x data %d (expert %d) over %d processes", ps.get_tensor_model_parallel_world_size(),
                      ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
                      ps.get_expert_model_parallel_world_size(), world)
+
+    def _megatron_dtype(self) -> torch.dtype:
+        """model.dtype on a GPU (bf16/fp16 compute, float32 main weights in the optimizer); float32 on the CPU, as the
+        FSDP path (bf16 matmuls there are slow or unsupported), said in a log line."""
+        want = getattr(torch, self.spec.model.dtype)
+        if self.info.device.type == "cpu":
+            if want != torch.float32 and self.info.is_main:
+                log.info("megatron: model.dtype %s computes in float32 on the CPU (mixed precision is for GPUs)", self.spec.model.dtype)
+            return torch.float32
+        return want
+
+    def _megatron_recompute(self, shape: Any) -> tuple[bool, str]:
+        """trainer.gradientCheckpointing, or unset: memory.step_memory_gib's estimate for the model (FSDP's, over the
+        trainer's ranks) against the accelerator's memory, as choose_gradient_checkpointing decides for FSDP."""
+        from kuberl.runtime.trainer.memory import CHECKPOINTING_FIT, memory_gib, step_memory_gib
+
+        t = self.spec.trainer
+        if t.gradient_checkpointing is not None:
+            return t.gradient_checkpointing, "set in the manifest"
+        total = memory_gib(self.info.device)
+        if total is None:
+            return False, f"unset: off on {self.info.device.type}"
+        need = step_memory_gib(_param_count(self.model_dir), shape.num_layers, shape.hidden, shape.vocab, t.micro_batch_tokens, self.info.world_size)
+        on = need > CHECKPOINTING_FIT * total[1]
+        return on, f"unset: a step without it estimated at {need:.1f} GiB of the {total[1]:.1f} GiB {self.info.device.type}"
+
+    def megatron_optimizer(self, total_optimizer_steps: int) -> tuple[Any, Any]:
+        """megatron's distributed optimizer over this rank's model (optim.build_optimizer) and the trainer's LR schedule on it."""
+        from kuberl.runtime.trainer.megatron.optim import MegatronLR, build_optimizer, master_dtypes
+
+        opt = build_optimizer(self.mm, self.spec.algorithm)
+        if self.info.is_main:
+            log.info("megatron: distributed optimizer over %d data-parallel rank(s); parameters %s, optimizer main weights %s",
+                     self._dp()[1], next(self.mm.module.parameters()).dtype, sorted(str(d) for d in master_dtypes(opt)))
+        return opt, MegatronLR(opt, self.spec.algorithm.optimizer, total_optimizer_steps)
 
     # ---- pi_prox and the update ------------------------------------------------------------------------------
 
@@ -330,6 +371,15 @@ class MegatronMixin:
         return write_weights_streamed(self._hf_sizes(dtype), tensors, self.weights_root, self.version, shard_bytes=self.spec.weight_sync.bucket_mb << 20,
                                       source_dir=self.model_dir, dtype=dtype, keep=3, stats=stats, durable=False)
 
+    def megatron_digest(self) -> str:
+        """Collective, every rank: weights.digest_state of the trained HF tensors, gathered one parameter at a time (digest.py)."""
+        from kuberl.runtime.trainer.megatron import convert
+        from kuberl.runtime.trainer.megatron.digest import StreamedHF
+        from kuberl.runtime.trainer.weights import digest_state
+
+        params = convert.megatron_names(dict(self.mm.module.named_parameters()), te=False)
+        return digest_state(StreamedHF(self.mm, self._publish_plan(), params, self._tp_full, self._ep_parts, self.info.device))
+
     def megatron_full_params(self) -> dict[str, torch.Tensor]:
         """Every rank: the full weights under HF names (gathered whole: for the final cross-check only)."""
         from kuberl.runtime.trainer.megatron.model import gather_hf_state
@@ -347,11 +397,18 @@ class MegatronMixin:
         return shard_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
                           ps.get_expert_model_parallel_world_size())
 
+    def _coords(self) -> tuple[int, int, int]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+
     def megatron_write_state(self, root: Path, step: int) -> None:
         """Collective: this checkpoint's tensors into `.tmp-step-N/` (persist.write_state's contract): each (tp, pp, ep) rank
-        of expert-DP replica 0 (DP replica 0 without experts; CP rank 0) its model and optimizer shard, every rank its RNG
-        state, rank 0 the schedule and the layout."""
+        of expert-DP replica 0 (DP replica 0 without experts; CP rank 0) its model shard, every rank its slice of the
+        optimizer state (optim.save_shard) and its RNG state, rank 0 the schedule and the layout."""
         from megatron.core import parallel_state as ps
+
+        from kuberl.runtime.trainer.megatron.optim import save_shard
 
         info = self.info
         if info.is_main:
@@ -363,7 +420,8 @@ class MegatronMixin:
         # expert-data-parallel replica hold different experts (at ep 1 the expert-DP group is the DP x CP group);
         # CP ranks hold the same weights and optimizer state (gradients summed over data x context parallel)
         if ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
-            ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict(), "optimizer": self.optimizer.state_dict()})
+            ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict()})
+        save_shard(self.optimizer, self.mm, tmp, info.rank, self._coords())
         if info.is_main:
             ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
             p = self.spec.trainer.parallelism
@@ -384,9 +442,24 @@ class MegatronMixin:
             raise ConfigError(f"checkpoint {path} was written with trainer.parallelism tensor {layout['tensor']}, pipeline {layout['pipeline']}, "
                               f"expert {expert}; this trainer runs tensor {p.tensor}, pipeline {p.pipeline}, expert {p.expert}: resume with the "
                               "same tensor, pipeline and expert sizes (data and context parallel may differ)")
+        from kuberl.runtime.trainer.megatron.optim import load_shards
+
         state = ck.read_torch(path, self._shard_file())
+        if "optimizer" in state:
+            raise ConfigError(f"checkpoint {path} holds a per-rank torch optimizer (written before trainer.backend megatron used megatron-core's "
+                              "distributed optimizer): it cannot be resumed; start a new experiment")
         self.mm.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.mm.compat():
+            load_shards(self.optimizer, self.mm, path, self._coords())
+
+
+def _param_count(model_dir: Any) -> int:
+    """The HF model's parameter count from its config alone (built on the meta device: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(model_dir))
+    return sum(p.numel() for p in model.parameters())
 
 
 def _hf_config(model_dir: Any) -> Any:

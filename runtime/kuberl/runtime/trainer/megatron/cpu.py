@@ -31,9 +31,15 @@ docs/design/megatron-cpu.md; RE-CHECK THIS LIST ON EVERY megatron-core UPGRADE):
   (`transformer/moe/token_dispatcher.py:445`) and syncs on CUDA events (`:862-902`): not shimmed; the CPU
   path uses the allgather dispatcher (convert_moe.config_kwargs), which needs nothing beyond the above.
 
-Not shimmed (fails on CPU, so the backend does not call it): `optimizer/clip_grads.py
-clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; the backend clips by
-the total norm itself (model.py `clip_grads`).
+* the mixed-precision and distributed optimizers (`optimizer/optimizer.py:671-699`,
+  `optimizer/distrib_optimizer.py:361-435`) and `clip_grads.py clip_grad_by_total_norm_fp32` tell a parameter's
+  dtype by its type string (`param.type() == 'torch.cuda.FloatTensor'`) and refuse anything else: inside the
+  mode a bare `Tensor.type()` answers the CUDA name of the same dtype ('torch.FloatTensor' -> 'torch.cuda.FloatTensor').
+  Their DDP buffers and reduce-scatters are device-agnostic once the allocations above are mapped (gloo has
+  reduce_scatter_tensor and all_gather_into_tensor in torch 2.13);
+* activation recomputation (`tensor_parallel/random.py` CheckpointFunction, `_get_all_rng_states`) saves and
+  restores the CUDA generator through `_get_cuda_rng_state`/`_set_cuda_rng_state`: `seed_cpu` makes them no-ops
+  (the CPU generator, which dropout uses here, is saved and restored beside them already).
 
 Everything here is global process state; it is installed only when the model runs on the CPU.
 """
@@ -68,6 +74,9 @@ class CudaToCpu(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # megatron's dtype test by type string
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         dev = kwargs.get("device")
         if dev is not None and (isinstance(dev, int) or str(dev).startswith("cuda")):
             kwargs = {**kwargs, "device": "cpu"}
@@ -113,7 +122,8 @@ def _install_cpu_rng_tracker_class():
 def seed_cpu(seed: int) -> None:
     """CPU twin of `tensor_parallel.model_parallel_cuda_manual_seed` (same seeds per tracker name).
 
-    Call after `parallel_state.initialize_model_parallel`.
+    Call after `parallel_state.initialize_model_parallel`. Also makes recomputation's save/restore of the CUDA
+    generator a no-op (module docstring).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
@@ -122,6 +132,8 @@ def seed_cpu(seed: int) -> None:
     tracker = _install_cpu_rng_tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     tp_rank = ps.get_tensor_model_parallel_rank()
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)

@@ -46,6 +46,7 @@ class MegatronModel:
     shape: convert.ModelShape
     device: torch.device
     te: bool  # built with the Transformer Engine layer spec (its parameter names differ, see convert.megatron_names)
+    ddp: Any = None  # megatron's DistributedDataParallel around it (optim.build_optimizer): what the schedules run when set
 
     @property
     def on_cpu(self) -> bool:
@@ -53,6 +54,16 @@ class MegatronModel:
 
     def compat(self) -> contextlib.AbstractContextManager:
         return cpu_compat(self.on_cpu)
+
+    @property
+    def runner(self) -> torch.nn.Module:
+        """The module the schedules call: DDP(Float16Module(GPTModel)) once an optimizer wrapped it, else the GPTModel."""
+        return self.ddp if self.ddp is not None else self.module
+
+
+# trainer.gradientCheckpointing on: megatron's full recomputation of every transformer layer (build_model overrides);
+# each layer keeps only its input for the backward, as transformers' gradient checkpointing does on the FSDP path.
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def init_parallel(tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, *, cp_size: int = 1, device: torch.device | str = "cpu",
@@ -254,7 +265,7 @@ def _schedule(mm: MegatronModel, batches: list[Rows], loss_func_for, forward_onl
         return out, loss_func_for(k, b)
 
     seq, rows = batches[0].input_ids.shape[1], batches[0].input_ids.shape[0]  # the schedule divides seq by the CP size
-    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=it, model=[mm.module], num_microbatches=len(batches),
+    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=it, model=[mm.runner], num_microbatches=len(batches),
                                        seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
 
 
@@ -356,6 +367,10 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
     `prox_from_update` (the trainer's prox_in_update: one minibatch, no dropout): log pi_prox is this forward's
     log pi_theta, detached, instead of the micro-batches' prox_logp; it comes back as `prox_logp`, one
     [rows, width] CPU tensor per micro-batch, on every pipeline stage.
+
+    With `mm.ddp` (optim.build_optimizer: megatron's DDP and distributed optimizer) the gradients go to DDP's float32
+    buffers, finalize_model_grads sums them and `optimizer.step()` clips (its OptimizerConfig.clip_grad; `grad_clip`
+    is not read) and steps; without it (a plain torch optimizer) grads.py sums and clips.
     """
     from kuberl.runtime.algorithms import ppo_actor_loss
 
@@ -369,6 +384,7 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
     batches = micro_rows(prompts, outputs, width, pad_id, plans, mm.device)
     n = len(batches)  # the schedule divides every loss by this (fillers included)
     cp = cp_size()  # and multiplies it by this (schedules.py:268): every CP rank's loss is the whole rows' (context.cp_sum)
+    scale = n / cp * _ddp_sum_factor(mm)
     fused: dict[int, torch.Tensor] = {}  # micro-batch -> its log pi_prox (last stage, prox_from_update)
 
     def loss_func_for(k, b):
@@ -386,13 +402,20 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
                 fused[k] = prox.cpu()
             loss, st = ppo_actor_loss(lp, prox, behave, adv, mask, cfg, ref_logp=ref, denominator=denominator)
             st = dict(st, entropy_x_tokens=float((ent * mask).sum()))
-            return loss * (n / cp), st  # the schedule divides by num_microbatches and multiplies by the CP size
+            return loss * scale, st  # the schedule divides by num_microbatches and multiplies by the CP size; DDP by dp
         return loss_func
 
     mm.module.train()
-    mm.module.zero_grad(set_to_none=True)
-    with mm.compat():
-        found = _schedule(mm, batches, loss_func_for, forward_only=False)
+    if mm.ddp is not None:
+        found, norm = _ddp_step(mm, optimizer, batches, loss_func_for)
+    else:
+        mm.module.zero_grad(set_to_none=True)
+        with mm.compat():
+            found = _schedule(mm, batches, loss_func_for, forward_only=False)
+        reduce_grads(mm)
+        norm = grad_norm_and_clip(mm, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     for st in found:
         if st.get("filler"):
@@ -403,12 +426,32 @@ def train_step(mm: MegatronModel, optimizer: torch.optim.Optimizer, micro_batche
                 sums[key] = sums.get(key, 0.0) + v
             elif not key.endswith("_max"):
                 sums[key + "_x_tokens"] = sums.get(key + "_x_tokens", 0.0) + v * tok
-    reduce_grads(mm)
-    norm = grad_norm_and_clip(mm, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     sums, prox = _last_stage_to_all((sums, [fused.get(k) for k in range(len(micro_batches))]))
     out: dict[str, Any] = dict(sums, grad_norm=norm)
     if prox_from_update:
         out["prox_logp"] = prox
     return out
+
+
+def _ddp_sum_factor(mm: MegatronModel) -> int:
+    """What a loss is multiplied by so that DDP's reduction sums: it scales gradients by 1/(data x context parallel
+    size) before summing them (megatron's DDP with average_in_collective off, experts included); 1 without DDP."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size(with_context_parallel=True) if mm.ddp is not None else 1
+
+
+def _ddp_step(mm: MegatronModel, optimizer: Any, batches: list[Rows], loss_func_for) -> tuple[list[Any], float]:
+    """Megatron-LM's step: zero DDP's grad buffers, run the schedule, finalize_model_grads (DP reduce-scatter, q/k-norm
+    grads over TP, a tied embedding over the pipeline), then megatron's optimizer step (grad norm, clip, Adam on the
+    float32 main weights, all-gather of the updated parameters). Returns the loss dicts and the grad norm before
+    clipping (nan when float16's loss scaler skipped the step on an overflow)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    mm.ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    with mm.compat():
+        found = _schedule(mm, batches, loss_func_for, forward_only=False)
+        finalize_model_grads([mm.ddp])
+        ok, norm, _ = optimizer.step()
+    return found, float(norm) if ok and norm is not None else float("nan")
