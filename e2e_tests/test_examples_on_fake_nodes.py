@@ -25,6 +25,13 @@ EXAMPLES = [(path, doc) for path in sorted((ROOT / "examples").glob("*.yaml")) f
             if doc.get("kind") == "RLExperiment"]
 
 
+def needs_fabric(exp: RLExperiment) -> bool:
+    """Capabilities, sidecars or hostPath volumes (examples/gke-a3-tcpxo.yaml, eks-p5-efa.yaml): the chart's admission
+    policy admits them where an administrator labelled the namespace kuberl.io/fabric=allowed, as the guides do."""
+    templates = [r.pod_template for r in (exp.spec.rollout, exp.spec.trainer) if r.pod_template]
+    return any(t.capabilities or t.sidecars or any("hostPath" in v for v in t.volumes) for t in templates)
+
+
 def needs(cluster: Cluster, exp: RLExperiment) -> list[dict[str, Any]]:
     """The Secrets and PVCs the example expects its user to have made."""
     out: list[dict[str, Any]] = []
@@ -43,8 +50,12 @@ def test_the_example_runs_on_fake_nodes_with_its_whole_spec_applied(cluster: Clu
     doc = json.loads(json.dumps(doc))
     doc["metadata"].pop("namespace", None)  # the tests' namespace
     name = doc["metadata"]["name"]
-    extra = needs(cluster, RLExperiment.model_validate(doc))
+    exp_model = RLExperiment.model_validate(doc)
+    extra = needs(cluster, exp_model)
+    fabric = needs_fabric(exp_model)
     try:
+        if fabric:
+            cluster.kubectl("label", "namespace", cluster.namespace, "kuberl.io/fabric=allowed", "--overwrite", namespaced=False)
         if extra:
             cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": extra}))
         cluster.kubectl("apply", "-f", "-", stdin=json.dumps(doc))
@@ -69,6 +80,8 @@ def test_the_example_runs_on_fake_nodes_with_its_whole_spec_applied(cluster: Clu
                                                                            f"involvedObject.uid={uid},type=Warning")["items"]]
         assert warnings == [], f"{path.name}: {warnings}"
     finally:
+        if fabric:
+            cluster.kubectl("label", "namespace", cluster.namespace, "kuberl.io/fabric-", check=False, namespaced=False)
         cluster.kubectl("delete", "rlx", name, "--ignore-not-found", "--wait=true", "--timeout=120s", check=False)
         # Names repeat across examples (three are gsm8k-grpo): the next one must not meet this one's children.
         cluster.wait(f"{name}'s children gone", lambda: not cluster.kubectl(
