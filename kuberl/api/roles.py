@@ -120,8 +120,8 @@ MEGATRON_TP_PP_DIVIDE = ("trainer.parallelism tensor*pipeline*context must divid
                          "parallel over the rest)")
 MEGATRON_ON_ASCEND = ("trainer.backend megatron on Ascend NPUs is not implemented (megatron-core runs there only through MindSpeed, "
                       "which KubeRL does not integrate): use trainer.backend fsdp with trainer.accelerator.type ascend")
-MEGATRON_FULL_WEIGHTS = ("trainer.backend megatron trains full weights without activation recomputation, published through weightSync.mode "
-                         "disk or bus: algorithm.lora, weightSync.mode broadcast and trainer.gradientCheckpointing need trainer.backend fsdp")
+MEGATRON_FULL_WEIGHTS = ("trainer.backend megatron trains full weights, published through weightSync.mode disk or bus: algorithm.lora and "
+                         "weightSync.mode broadcast need trainer.backend fsdp")
 
 
 MEGATRON_ASYNC_CHECKPOINT = ("checkpoint.asyncSave on needs trainer.backend fsdp: the megatron trainer writes its checkpoints in its own "
@@ -179,8 +179,9 @@ class TrainerSpec(SchedulingSpec):
     gradient_checkpointing: bool | None = Field(None, description=(
         "Recompute activations in the backward instead of keeping them: less memory (a Qwen2.5-1.5B step on one GPU: "
         "92 -> 33 GiB), ~19% slower. Unset: chosen at start, on when the step without it is estimated above 85% of the "
-        "accelerator's memory (from the model's size, microBatchTokens and the trainer's ranks), else off; off on CPU "
-        "and for trainer.backend megatron. The trainer logs what it chose."))
+        "accelerator's memory (from the model's size, microBatchTokens and the trainer's ranks), else off; off on CPU. "
+        "trainer.backend megatron recomputes every transformer layer (megatron's recompute_granularity full, method "
+        "uniform). The trainer logs what it chose."))
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field("auto", description=(
         "The transformers attention kernel the fsdp trainer runs. flash_attention_2: flash-attn (GPU, model.dtype bfloat16 or "
         "float16; the flash_attn package must import, as it does in the GPU images); packed micro-batches then run as one "

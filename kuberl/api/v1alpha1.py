@@ -328,10 +328,9 @@ class RLExperimentSpec(KubeModel):
         ("!has(self.trainer.attention) || self.trainer.attention in ['auto', 'sdpa'] || "
          f"(has(self.allocation) ? {_dim('trainer', 'c')} : (has(self.trainer.parallelism) && has(self.trainer.parallelism.context) ? "
          "self.trainer.parallelism.context : 1)) <= 1", ATTENTION_CONTEXT, ".trainer.attention"),
-        # The megatron trainer (with or without the shorthand): full weights through disk or the bus, no recomputation.
+        # The megatron trainer (with or without the shorthand): full weights through disk or the bus.
         ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
-          f"(!has(self.algorithm.lora) && (!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast') && "
-          f"!(has(self.trainer.gradientCheckpointing) && self.trainer.gradientCheckpointing))"),
+          f"(!has(self.algorithm.lora) && (!has(self.weightSync) || {_or('self.weightSync.mode', 'disk')} != 'broadcast'))"),
          MEGATRON_FULL_WEIGHTS, ".trainer.backend"),
         ((f"!(has(self.allocation) ? self.allocation.contains('+megatron:') : {_or('self.trainer.backend', 'fsdp')} == 'megatron') || "
           f"{_or('self.trainer.accelerator.type', 'nvidia')} != 'ascend'"),
@@ -403,8 +402,7 @@ class RLExperimentSpec(KubeModel):
             raise FieldError("spec.rollout.accelerator.count", r.accelerator.count,
                              "rollout.accelerator.count must equal tensorParallelSize * pipelineParallelSize")
         self.trainer.check()
-        if self.trainer.backend == "megatron" and (self.algorithm.lora is not None or self.weight_sync.mode == "broadcast"
-                                                   or self.trainer.gradient_checkpointing):
+        if self.trainer.backend == "megatron" and (self.algorithm.lora is not None or self.weight_sync.mode == "broadcast"):
             raise FieldError("spec.trainer.backend", "megatron", MEGATRON_FULL_WEIGHTS)
         if self.trainer.backend == "megatron" and self.trainer.accelerator.type == AcceleratorType.ASCEND:
             raise FieldError("spec.trainer.backend", "megatron", MEGATRON_ON_ASCEND)
