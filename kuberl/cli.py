@@ -1,4 +1,4 @@
-"""The `kuberl` command line: user commands (run, validate, crd, operator) and the in-pod role entry points.
+"""The `kuberl` command line: user commands (run, validate, render, crd, operator) and the in-pod role entry points.
 
 Each subcommand lives in its role's module and is imported only when called, so `kuberl validate`
 never loads torch and `kuberl trainer` never loads kopf. The operator renders exactly these commands
@@ -47,6 +47,14 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", help="Manifests to check as admission would")
 
 
+def _render_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", help="RLExperiment manifests")
+    p.add_argument("-n", "--namespace", default=None, help="Namespace of experiments that name none (default: default)")
+    p.add_argument("--runtime-image-repository", default=None,
+                   help="The operator's runtime image repository (default: $KUBERL_RUNTIME_IMAGE_REPOSITORY, else ghcr.io/kuberl)")
+    p.add_argument("--nats-image", default=None, help="The operator's NATS image (default: $KUBERL_NATS_IMAGE, else nats:2.15-alpine)")
+
+
 def _crd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, help="Write here instead of stdout (a file, or a folder for crds/)")
     p.add_argument("--check", action="store_true", help="Exit non-zero if --output differs from the generated CRD")
@@ -80,6 +88,7 @@ COMMANDS: dict[str, tuple[str, str, Adder]] = {
     "run": ("kuberl.runtime.launcher:main", "Run an RLExperiment on this machine (no cluster needed)", _run_args),
     "plot": ("kuberl.runtime.plot:main", "Draw a run's reward, entropy, staleness and eval curves to a PNG", _plot_args),
     "validate": ("kuberl.api.validation:main", "Check manifests as admission would (schema, CEL rules, model checks)", _validate_args),
+    "render": ("kuberl.operator.render:main", "Print the objects the operator would create for manifests (review, diff, scan)", _render_args),
     "crd": ("kuberl.api.crd:main", "Print the CustomResourceDefinition generated from the API models", _crd_args),
     "operator": ("kuberl.operator.main:main", "Run the kopf operator", _operator_args),
     "trainer": ("kuberl.runtime.trainer.main:main", "In-pod role: the trainer (torchrun launches one per rank)", _config_arg),
