@@ -92,7 +92,18 @@ def test_every_role_passes_pod_security_restricted(name: str) -> None:
     templates = pod_templates(build_children(EXPERIMENTS[name], bus_token="t0ken"))
     assert templates
     for workload, template in templates.items():
-        assert restricted_violations(template["spec"]) == [], workload
+        expected = FABRIC_TRAINER_VIOLATIONS.get(name, []) if workload.endswith("-trainer") else []
+        assert sorted(restricted_violations(template["spec"])) == sorted(expected), workload
+
+
+# The multi-node fabric examples' trainers ask, through podTemplate, for what "restricted" forbids (an administrator's
+# kuberl.io/fabric namespace label admits it); every other container of theirs stays restricted.
+FABRIC_TRAINER_VIOLATIONS = {
+    "gke-a3-tcpxo": [*(f"volume {v}: type hostPath is not allowed" for v in ("nvidia", "sys", "proc-sys", "aperture-devices")),
+                     "tcpxo-daemon: runAsNonRoot is not true", "tcpxo-daemon: runAsUser 0",
+                     "tcpxo-daemon: adds capabilities ['NET_ADMIN', 'NET_BIND_SERVICE']", "trainer: adds capabilities ['IPC_LOCK']"],
+    "eks-p5-efa": ["trainer: adds capabilities ['IPC_LOCK']"],
+}
 
 
 def test_the_checker_catches_what_restricted_forbids() -> None:
