@@ -263,7 +263,8 @@ class StrictKubernetesEmulator(KubeObjectStore):
         if ctype == "application/apply-patch+yaml":
             manager = q.get("fieldManager")
             if not manager:
-                raise ApiError(400, "BadRequest", "fieldManager is required for apply requests")
+                raise ks.invalid_options("PatchOptions", [("fieldManager", "Required value: is required for apply patch")])
+            q = {**q, ks.APPLY_QUERY: "1"}  # admission answers unknown fields as the real server's apply does
             if not isinstance(body, dict) or body.get("kind") != rt.kind or body.get("apiVersion") != rt.api_version:
                 raise ApiError(400, "BadRequest", f"an apply patch must name apiVersion {rt.api_version} and kind {rt.kind}")
             if body.get("metadata", {}).get("name") not in (None, name):

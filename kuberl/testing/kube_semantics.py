@@ -40,6 +40,29 @@ def invalid(rt: ResourceType, name: str, causes: list[tuple[str, str]]) -> ApiEr
                      "causes": [{"reason": "FieldValueInvalid", "field": f, "message": m} for f, m in causes]})
 
 
+def invalid_options(kind: str, causes: list[tuple[str, str]]) -> ApiError:
+    """A request's options refused (kube-apiserver: `PatchOptions.meta.k8s.io "" is invalid: ...`, 422)."""
+    text = "; ".join(f"{f}: {m}" for f, m in causes)
+    return ApiError(422, "Invalid", f'{kind}.meta.k8s.io "" is invalid: {text}',
+                    {"group": "meta.k8s.io", "kind": kind,
+                     "causes": [{"reason": "FieldValueRequired", "field": f, "message": m} for f, m in causes]})
+
+
+APPLY_QUERY = "__apply__"  # set by the emulator on a server-side apply's query (never sent by a client)
+
+
+def unknown_fields(rt: ResourceType, name: str, fields: list[str], apply: bool) -> ApiError:
+    """fieldValidation=Strict and fields the schema does not declare, as kube-apiserver 1.35 answers: a create, update or
+    patch fails decoding (400 BadRequest, every field named); a server-side apply fails building its typed patch (500,
+    the first field, with a leading dot)."""
+    if apply:
+        return ApiError(500, "", f"failed to create typed patch object (/{name}; {rt.api_version}, Kind={rt.kind}): "
+                        f".{fields[0].lstrip('.')}: field not declared in schema")
+    named = ", ".join(f'unknown field "{f.lstrip(".")}"' for f in fields)
+    version = rt.api_version.split("/")[-1]
+    return ApiError(400, "BadRequest", f'{rt.kind} in version "{version}" cannot be handled as a {rt.kind}: strict decoding error: {named}')
+
+
 @dataclass
 class ScaleSpec:
     """Where a /scale subresource reads and writes: JSON paths like .spec.replicas."""

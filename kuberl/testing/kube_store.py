@@ -185,7 +185,9 @@ class KubeObjectStore(kmock.KubernetesEmulator):
                 raise ks.invalid(rt, name, [(f"metadata.labels.{key}", f"invalid label value {value!r}")])
         admission = self._admission.get(rt.key)
         if admission is not None:
-            pruned, errors, unknown = admission.admit(obj, strict)
+            pruned, errors, unknown = admission.admit(obj, False)
+            if strict and unknown:
+                raise ks.unknown_fields(rt, name, unknown, q.get(ks.APPLY_QUERY) == "1")
             if errors:
                 raise ks.invalid(rt, name, errors)
             if unknown:
