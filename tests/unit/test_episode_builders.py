@@ -1,6 +1,8 @@
 """workflow.external on a cluster, as the builders render it: the episode key in its own Secret (read by secretKeyRef, in no
 other object), the rollout agent's episode port on the pod and the rollout Service, and the NetworkPolicy rule that admits
 it from the experiment's namespace and workflow.external.namespaces only. Without workflow.external none of it exists.
+That the operator generates the key once and keeps it is tested on the real control plane
+(tests/integration/test_operator_helm_upgrade.py, TestGeneratedKeys).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from kuberl.operator.builders.network import NAMESPACE_NAME_LABEL
 from kuberl.operator.builders.rollout import AGENT_CONTAINER, ENGINE_API_KEY_KEY
 from kuberl.runtime.rollout import episode_api
 from tests.unit.test_builders import ENGINE_KEY, K8S_VERSION, TOKEN, containers, env_of, make_experiment
-from tests.unit.test_operator_upgrade import emu, operator  # noqa: F401  (fixtures: the strict API emulator)
 
 KEY = "the-Episode_key"
 AGENT = {"workflow": {"type": "agent", "external": {"namespaces": ["agents", "team-a"]}}}
@@ -97,20 +98,3 @@ def test_a_key_with_whitespace_is_refused() -> None:
 def test_the_operator_names_the_env_vars_the_runtime_reads() -> None:
     assert (builder.EPISODE_PORT_ENV, builder.EPISODE_LISTEN_ENV, builder.EPISODE_ADVERTISE_ENV, builder.EPISODE_KEY_ENV) == (
         episode_api.PORT_ENV, episode_api.LISTEN_ENV, episode_api.ADVERTISE_ENV, episode_api.KEY_ENV)
-
-
-@pytest.mark.usefixtures("operator")
-def test_the_operator_generates_the_episode_key_once_and_keeps_it() -> None:
-    """apply_children against the strict API emulator: a random key on the first reconcile, the same on the next (external
-    agents that hold it keep working), and in no object but its Secret."""
-    from tests.unit.test_operator_upgrade import create, get, patch_experiment, reconcile, secret_values
-
-    create("ext")
-    patch_experiment("ext", {"spec": {"workflow": {"type": "agent", "external": {}}}})
-    reconcile("ext")
-    first = secret_values(get("Secret", "ext-episode-api"))[ENGINE_API_KEY_KEY]
-    assert len(first) >= 32
-    reconcile("ext")
-    assert secret_values(get("Secret", "ext-episode-api"))[ENGINE_API_KEY_KEY] == first
-    for kind, name in (("StatefulSet", "ext-rollout"), ("ConfigMap", "ext-config"), ("RLExperiment", "ext")):
-        assert first not in json.dumps(get(kind, name)), kind
