@@ -85,6 +85,7 @@ VOLUMES_PER_RWX_CLASS = 12
 # what a client (the operator) asked of the API; nothing else (the controllers' traffic would fill it).
 AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": [
     {"level": "Metadata", "resources": [{"group": "kuberl.io"}, {"group": "kueue.x-k8s.io"}]},
+    {"level": "Metadata", "verbs": ["list", "watch"], "resources": [{"group": "", "resources": ["nodes"]}]},  # who reads Nodes how
     {"level": "None"}]}
 
 
@@ -347,7 +348,8 @@ class ControlPlane:
         return http
 
     def audit_events(self) -> list[dict[str, Any]]:
-        """The audit log's events so far (AUDIT_POLICY: requests on kuberl.io and kueue.x-k8s.io resources), oldest first:
+        """The audit log's events so far (AUDIT_POLICY: requests on kuberl.io and kueue.x-k8s.io resources, lists and watches of
+        Nodes), oldest first:
         each has verb, user.username, objectRef (resource, namespace, name, subresource), responseStatus.code."""
         try:
             lines = self.audit_log.read_text().splitlines()

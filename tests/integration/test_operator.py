@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kuberl.testing.control_plane import ControlPlane
+from kuberl.testing.control_plane import NODE_POOLS, ControlPlane
 from kuberl.testing.operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -422,6 +422,20 @@ def test_more_accelerators_than_any_node_has_still_creates_the_pods_and_says_so(
     ready = api.wait("a Ready message with the note", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
                                                                      if c["type"] == "Ready" and "autoscaler" in c["message"]), None))
     assert api.phase(e) in ("Pending", "Initializing") and ready["status"] == "False"
+    # A node that can take the pods joins (a pool scaled up): the operator's Node watch sees it at the next tick (it used to
+    # list every Node once a minute), and the note goes. The operator never lists Nodes on its own: it watches them.
+    node = f"{e[:40]}-gpu16"
+    h100 = NODE_POOLS["h100"]
+    api.cp.add_nodes({node: (1, h100[1], h100[2], {**h100[3], "nvidia.com/gpu": "16"})})
+    try:
+        api.wait("the note gone once a 16-GPU node exists", lambda: not any(
+            "autoscaler" in (c.get("message") or "") for c in (api.experiment(e).get("status") or {}).get("conditions", [])), timeout=20)
+    finally:
+        api.cp.kubectl("delete", "node", f"{node}-0", "--wait=false")
+    operator = {ev["user"]["username"] for ev in api.cp.audit_events() if ev["user"]["username"].startswith("system:serviceaccount:kuberl-system:")}
+    reads = [(ev["verb"], (ev.get("objectRef") or {}).get("resource")) for ev in api.cp.audit_events()
+             if ev["user"]["username"] in operator and (ev.get("objectRef") or {}).get("resource") == "nodes"]
+    assert ("watch", "nodes") in reads and sum(verb == "list" for verb, _ in reads) <= 2, reads
 
 
 def test_an_allocation_the_spec_contradicts_is_refused_at_admission_and_the_fixed_one_runs(api: Api, experiment_name: str) -> None:

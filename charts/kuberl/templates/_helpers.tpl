@@ -41,10 +41,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* Cluster-scoped rules: always in the ClusterRole. */}}
 {{- define "kuberl.clusterRules" -}}
-# Accelerator capacity (nvidia.com/gpu, huawei.com/Ascend910), reported, never blocking.
+# Accelerator capacity (nvidia.com/gpu, huawei.com/Ascend910), reported, never blocking: a watch of the Nodes.
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list"]
+  verbs: ["get", "list", "watch"]
 # Why a checkpoint or bus volume stays Pending (a missing StorageClass, no default one), read only then.
 - apiGroups: ["storage.k8s.io"]
   resources: ["storageclasses"]

@@ -27,6 +27,7 @@ import kopf
 from kuberl.operator.labels import EXPERIMENT_LABEL
 
 POD_INDEX, STATEFULSET_INDEX, JOB_INDEX = "kuberl_pods", "kuberl_statefulsets", "kuberl_jobs"
+NODE_INDEX = "kuberl_nodes"
 WORKLOAD_INDEX = "kuberl_kueue_workloads"
 # Server-side label selector of the watches (kopf settings.watching.label_selectors).
 WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL,
@@ -61,6 +62,22 @@ def slim_kueue_workload(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": spec, "status": dict(body.get("status") or {})}
 
 
+def slim_node(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What capacity.capacity_advisories reads of a Node: its name and labels, unschedulable and taints, allocatable.
+    A Node as the API returns it carries its images and conditions (kilobytes each on a GPU node): none of that is kept."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+            "spec": {k: spec[k] for k in ("unschedulable", "taints") if k in spec},
+            "status": {"allocatable": dict((body.get("status") or {}).get("allocatable") or {})}}
+
+
+@kopf.index("nodes", id=NODE_INDEX)
+def kuberl_nodes(name: str, body: Any, **_: Any) -> dict[str, dict[str, Any]]:
+    """Every Node, slim: the accelerator capacity advisory reads them here instead of listing the Nodes (unpaginated)
+    every minute; a Node that joins or leaves shows at the next tick."""
+    return {name: slim_node(body)}
+
+
 @kopf.index("pods", labels=_LABELLED, id=POD_INDEX)
 def kuberl_pods(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return {(namespace, labels[EXPERIMENT_LABEL]): slim_pod(body)}
@@ -85,8 +102,12 @@ class Children:
     """Read access to the indexes (kopf.Index: key -> a store of values). `workloads` is None where no
     Workload index is bound (then kueue.gate reads the API)."""
 
-    def __init__(self, pods: Any, statefulsets: Any, jobs: Any, workloads: Any = None):
-        self._pods, self._sts, self._jobs, self._workloads = pods, statefulsets, jobs, workloads
+    def __init__(self, pods: Any, statefulsets: Any, jobs: Any, workloads: Any = None, nodes: Any = None):
+        self._pods, self._sts, self._jobs, self._workloads, self._nodes = pods, statefulsets, jobs, workloads, nodes
+
+    def nodes(self) -> list[dict[str, Any]] | None:
+        """Every Node (slim_node), or None where no Node index is bound (then observe lists them)."""
+        return None if self._nodes is None else [node for store in self._nodes.values() for node in store]
 
     @staticmethod
     def _one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -115,4 +136,5 @@ class Children:
 def bind(config: Any, kwargs: Mapping[str, Any]) -> None:
     """Point `config.cache` at kopf's indexes (passed to every handler as keyword arguments), once."""
     if config.cache is None and all(k in kwargs for k in (POD_INDEX, STATEFULSET_INDEX, JOB_INDEX)):
-        config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX], kwargs.get(WORKLOAD_INDEX))
+        config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX], kwargs.get(WORKLOAD_INDEX),
+                                kwargs.get(NODE_INDEX))

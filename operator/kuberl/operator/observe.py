@@ -62,19 +62,35 @@ async def _bus_endpoint(exp: RLExperiment) -> tuple[str, Credentials]:
 
 
 async def current_nodes() -> list[dict[str, Any]]:
-    """The Nodes as listed (cached for node_cache_seconds); only for the advisory capacity note."""
+    """The Nodes: from the operator's Node watch (cache.kuberl_nodes); without one bound (unit tests driving the
+    lifecycle), as listed, cached for node_cache_seconds. Only for the advisory capacity note."""
+    watched = CONFIG.cache.nodes() if CONFIG.cache is not None else None
+    if watched is not None:
+        return watched
     if CONFIG.nodes is None or time.monotonic() - CONFIG.nodes[0] > CONFIG.node_cache_seconds:
         CONFIG.nodes = (time.monotonic(), await kube().list("Node"))
     return CONFIG.nodes[1]
 
 
-async def capacity_notes(exp: RLExperiment) -> tuple[st.Problem, ...]:
+def _placement(exp: RLExperiment, memo: Any) -> dict[str, Any]:
+    """The rollout and trainer pod specs the capacity note checks, built once per spec and pins (memo): they change
+    only when the experiment does, and a GPU experiment's monitor tick used to build both templates every 5 s."""
+    key = (exp.metadata.generation, exp.spec.model_dump_json(), tuple(sorted((exp.metadata.annotations or {}).items())))
+    cached = memo.get("capacity_pods") if memo is not None else None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"],
+            "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
+    if memo is not None:
+        memo["capacity_pods"] = (key, pods)
+    return pods
+
+
+async def capacity_notes(exp: RLExperiment, memo: Any = None) -> tuple[st.Problem, ...]:
     """Advisory InsufficientAccelerators notes over the pod templates the builders render."""
     if not any(accelerator_resource(a) for a in (exp.spec.rollout.accelerator, exp.spec.trainer.accelerator)):
         return ()
-    pods = {"rollout": build_rollout_statefulset(exp)["spec"]["template"]["spec"],
-            "trainer": build_trainer_job(exp)["spec"]["template"]["spec"]}
-    return tuple(capacity_advisories(exp, pods, await current_nodes()))
+    return tuple(capacity_advisories(exp, _placement(exp, memo), await current_nodes()))
 
 
 async def prerequisites(exp: RLExperiment, memo: Any = None, *, recheck: bool = True) -> tuple[frozenset, frozenset, frozenset]:
@@ -135,7 +151,7 @@ async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck
         missing_secrets=missing_secrets, missing_secret_keys=missing_keys, missing_claims=missing_claims,
         pending_volumes=await volume_problems(exp) if unschedulable else (),
         pod_problems=pod_problems,
-        advisories=await capacity_notes(exp), trainer_restarts=restarts,
+        advisories=await capacity_notes(exp, memo), trainer_restarts=restarts,
         # The trainer's pods carry the experiment label too (the Job's template): one list serves both.
         configuration_error=st.configuration_error(trainer, pods))
 
