@@ -422,11 +422,12 @@ def test_more_accelerators_than_any_node_has_still_creates_the_pods_and_says_so(
     ready = api.wait("a Ready message with the note", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
                                                                      if c["type"] == "Ready" and "autoscaler" in c["message"]), None))
     assert api.phase(e) in ("Pending", "Initializing") and ready["status"] == "False"
-    # A node that can take the pods joins (a pool scaled up): the operator's Node watch sees it at the next tick (it used to
-    # list every Node once a minute), and the note goes. The operator never lists Nodes on its own: it watches them.
+    # A node with 16 GPUs joins (a pool scaled up): the operator's Node watch sees it at the next tick (it used to list
+    # every Node once a minute), and the note goes. Its CPU is too small for the pod, so the pod stays Pending and only the
+    # operator's view of the Nodes can clear the note. The operator never lists Nodes on its own: it watches them.
     node = f"{e[:40]}-gpu16"
     h100 = NODE_POOLS["h100"]
-    api.cp.add_nodes({node: (1, h100[1], h100[2], {**h100[3], "nvidia.com/gpu": "16"})})
+    api.cp.add_nodes({node: (1, h100[1], h100[2], {"cpu": "100m", "memory": "64Mi", "pods": "110", "nvidia.com/gpu": "16"})})
     try:
         api.wait("the note gone once a 16-GPU node exists", lambda: not any(
             "autoscaler" in (c.get("message") or "") for c in (api.experiment(e).get("status") or {}).get("conditions", [])), timeout=20)
