@@ -113,7 +113,7 @@ def train(out_dir: Path, model_dir: str, cfg, spec) -> dict:
     ck.mkdir(exist_ok=True)
     if dist.get_rank() == 0:
         torch.save(mm.module.state_dict(), ck / "model.pt")
-    save_shard(opt, mm, ck, dist.get_rank(), (0, 0, 0))
+    save_shard(opt, mm, ck, dist.get_rank(), (0, 0, 0), replica0=dist.get_rank() == 0)
     dist.barrier()
     step(mm, opt, cfg, 2)
     rec["third_after"] = hf(mm)

@@ -135,12 +135,14 @@ class MegatronMixin:
 
     def megatron_optimizer(self, total_optimizer_steps: int) -> tuple[Any, Any]:
         """megatron's distributed optimizer over this rank's model (optim.build_optimizer) and the trainer's LR schedule on it."""
-        from kuberl.runtime.trainer.megatron.optim import MegatronLR, build_optimizer, master_dtypes
+        from kuberl.runtime.trainer.megatron.optim import MegatronLR, build_optimizer, distributed, master_dtypes
 
         opt = build_optimizer(self.mm, self.spec.algorithm)
         if self.info.is_main:
-            log.info("megatron: distributed optimizer over %d data-parallel rank(s); parameters %s, optimizer main weights %s",
-                     self._dp()[1], next(self.mm.module.parameters()).dtype, sorted(str(d) for d in master_dtypes(opt)))
+            how = (f"distributed optimizer, its state sharded over {self._dp()[1]} data-parallel rank(s)" if distributed(self.spec.algorithm)
+                   else "non-distributed optimizer (megatron-core shards only adam and adamw)")
+            log.info("megatron: %s; parameters %s, optimizer main weights %s", how, next(self.mm.module.parameters()).dtype,
+                     sorted(str(d) for d in master_dtypes(opt)))
         return opt, MegatronLR(opt, self.spec.algorithm.optimizer, total_optimizer_steps)
 
     # ---- pi_prox and the update ------------------------------------------------------------------------------
@@ -421,7 +423,8 @@ class MegatronMixin:
         # CP ranks hold the same weights and optimizer state (gradients summed over data x context parallel)
         if ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
             ck.write_torch(tmp, self._shard_file(), {"model": self.mm.module.state_dict()})
-        save_shard(self.optimizer, self.mm, tmp, info.rank, self._coords())
+        save_shard(self.optimizer, self.mm, tmp, info.rank, self._coords(),
+                   replica0=ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
         if info.is_main:
             ck.write_torch(tmp, "scheduler.pt", self.scheduler.state_dict())
             p = self.spec.trainer.parallelism

@@ -14,13 +14,15 @@ distributed optimizer, with float32 master weights when the model computes in bf
   data-parallel (x context-parallel) group, each DP rank holds and steps the main weights and Adam moments of
   its 1/dp slice of the flattened parameters, then the updated parameters are all-gathered. Expert parameters
   the same over the expert-data-parallel group (a second, chained optimizer). At data parallel 1 the slice is
-  everything. Every rank's loss is its share of the minibatch sum, and DDP multiplies gradients by 1/dp before
+  everything. megatron-core shards Adam only: algorithm.optimizer.type sgd gets its non-distributed optimizer
+  (every DP rank the whole state, gradients all-reduced). Every rank's loss is its share of the minibatch sum, and DDP multiplies gradients by 1/dp before
   its sum (`average_in_collective` off): train_step scales the loss by dp to keep the sum.
 * Weight decay applies to every parameter (config_overrides={}), as the FSDP path's torch optimizer does
   (megatron's default would exempt biases and norms). adamw: decoupled decay (torch AdamW), adam: L2 (torch Adam).
 * Checkpoints (`save_shard` / `load_shards`): each rank writes its own slice of every parameter's main weight and
   optimizer moments with the slice's position in the flattened parameter, so a run resumes at another data-parallel
-  size (the same tensor, pipeline and expert sizes) by copying the overlapping ranges; nothing is gathered.
+  size (the same tensor, pipeline and expert sizes) by copying the overlapping ranges; nothing is gathered. The
+  non-distributed optimizer (sgd) writes its whole state from data-parallel replica 0, which any DP size loads.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kuberl.runtime.trainer.optim import lr_factor
 
 log = logging.getLogger("kuberl.trainer")
 
-OPTIM_FILE = "megatron-optim-rank{rank}.pt"
+OPTIM_FILE = "optimizer-megatron-rank{rank}.pt"  # not megatron-*.pt: the model shards (consolidate.shard_file)
 
 
 def build_optimizer(mm: Any, algorithm: Any) -> Any:
@@ -51,19 +53,26 @@ def build_optimizer(mm: Any, algorithm: Any) -> Any:
         raise ValueError(f"algorithm.optimizer.type: {o.type!r} is not adamw, adam or sgd")
     config = mm.module.config
     dtype = next(mm.module.parameters()).dtype
+    sharded = distributed(algorithm)
     half = dtype in (torch.bfloat16, torch.float16)
     with mm.compat():
         inner = Float16Module(config, mm.module) if half else mm.module
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False,
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=sharded, overlap_grad_reduce=False,
                                                    overlap_param_gather=False)
         mm.ddp = DistributedDataParallel(config, ddp_config, inner)
         oc = OptimizerConfig(optimizer="sgd" if o.type == "sgd" else "adam", lr=algorithm.learning_rate, weight_decay=o.weight_decay,
                              adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, sgd_momentum=o.beta1,
                              decoupled_weight_decay=o.type != "adam", bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                             params_dtype=dtype, use_distributed_optimizer=True, clip_grad=float(o.grad_clip or 0.0))
+                             params_dtype=dtype, use_distributed_optimizer=sharded, clip_grad=float(o.grad_clip or 0.0))
         opt = get_megatron_optimizer(oc, [mm.ddp], config_overrides={})
     config.grad_scale_func = opt.scale_loss  # the schedule scales each micro-batch loss (float16's loss scale; 1 otherwise)
     return opt
+
+
+def distributed(algorithm: Any) -> bool:
+    """Whether megatron-core shards this optimizer over the data-parallel ranks: Adam and AdamW (its DistributedOptimizer
+    refuses any other, 'due to checkpointing requirements')."""
+    return algorithm.optimizer.type != "sgd"
 
 
 def inner_optimizers(opt: Any) -> list[Any]:
@@ -118,12 +127,20 @@ def _slices(opt: Any, mm: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def save_shard(opt: Any, mm: Any, folder: Path, rank: int, coords: tuple[int, ...]) -> None:
+def _sharded(opt: Any) -> bool:
+    return all(hasattr(o, "model_param_group_index_map") for o in inner_optimizers(opt))  # DistributedOptimizer's
+
+
+def save_shard(opt: Any, mm: Any, folder: Path, rank: int, coords: tuple[int, ...], replica0: bool) -> None:
     """This rank's optimizer file in checkpoint `folder`: its parameter slices (_slices), the optimizer's param groups
-    and step (megatron's state_dict, the same on every rank) and `coords` (tensor, pipeline, expert rank)."""
+    and step (megatron's state_dict, the same on every rank) and `coords` (tensor, pipeline, expert rank). A
+    non-distributed optimizer's whole state instead, written only where `replica0` (DP replicas hold the same)."""
     from kuberl.runtime.trainer import checkpoint as ck
 
-    ck.write_torch(folder, OPTIM_FILE.format(rank=rank), {"coords": list(coords), "groups": opt.state_dict(), "slices": _slices(opt, mm)})
+    if _sharded(opt):
+        ck.write_torch(folder, OPTIM_FILE.format(rank=rank), {"coords": list(coords), "groups": opt.state_dict(), "slices": _slices(opt, mm)})
+    elif replica0:
+        ck.write_torch(folder, OPTIM_FILE.format(rank=rank), {"coords": list(coords), "whole": opt.state_dict()})
 
 
 @torch.no_grad()
@@ -135,6 +152,12 @@ def load_shards(opt: Any, mm: Any, folder: Path, coords: tuple[int, ...]) -> Non
     saved = [s for s in (torch.load(f, map_location="cpu", weights_only=False, mmap=True) for f in files) if tuple(s["coords"]) == tuple(coords)]
     if not saved:
         raise ValueError(f"{folder}: no {OPTIM_FILE.format(rank='*')} written at tensor/pipeline/expert rank {coords}")
+    if _sharded(opt) != ("slices" in saved[0]):
+        raise ValueError(f"{folder}: its optimizer state was written by a {'non-' if 'whole' in saved[0] else ''}distributed optimizer; "
+                         "resume with the same algorithm.optimizer.type")
+    if "whole" in saved[0]:
+        opt.load_state_dict(saved[0]["whole"])
+        return
     opt.load_state_dict(saved[0]["groups"])  # param groups and step; allocates the state megatron fills below
     for o in inner_optimizers(opt):
         for st in o.optimizer.state.values():  # megatron 0.16 gives every parameter ONE step tensor (torch Adam would
