@@ -505,6 +505,22 @@ def test_an_edit_the_api_server_refuses_for_the_job_keeps_the_running_trainer(ap
     assert "Recreated" in api.event_reasons(e)
 
 
+def test_a_pod_template_field_the_api_server_does_not_know_is_reported_not_retried_forever(api: Api, experiment_name: str) -> None:
+    """A misspelt field inside an extra volume (the CRD keeps volumes open, as core/v1 Volume is large): server-side apply
+    of the rollout StatefulSet answers 500 "failed to create typed patch object ... field not declared in schema" (no
+    400/422), which the operator took for a server fault and retried forever without a word. It is the spec's fault: an
+    ApplyFailed condition and event name the field; the other children are applied."""
+    e = experiment_name
+    volumes = [{"name": "scratch", "emptyDir": {"sizeLimt": "1Gi"}}]
+    api.call("POST", RLX, manifest(e, rollout={"podTemplate": {"volumes": volumes, "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}}))
+    cond = api.wait("Reconciled=False", lambda: next((c for c in (api.experiment(e).get("status") or {}).get("conditions", [])
+                                                        if c["type"] == "Reconciled" and c["status"] == "False"), None))
+    assert cond["reason"] == "ApplyFailed" and "sizeLimt" in cond["message"] and f"StatefulSet/{e}-rollout" in cond["message"], cond
+    assert api.wait("the trainer Job applied all the same", lambda: api.job(f"{e}-trainer"))
+    ev = api.wait("an ApplyFailed event", lambda: [x for x in api.events(e) if x["reason"] == "ApplyFailed"])
+    assert "sizeLimt" in ev[0]["message"], ev[0]
+
+
 def test_a_job_judged_failed_restarts_before_its_last_pod_is_gone_and_no_old_pod_meets_the_new_job(api: Api, experiment_name: str) -> None:
     """Rank 0 fails; the Job controller sets FailureTarget and deletes rank 1, whose pod stays terminating (a long grace
     period, a node that stopped answering). The operator reacts to FailureTarget at once, and creates the new Job only

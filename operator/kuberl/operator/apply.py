@@ -79,8 +79,8 @@ async def only_the_template_is_immutable(exc: Any, job: dict[str, Any]) -> bool:
 async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> tuple[bool, list[str]]:
     """Apply what can change of one child: immutable fields (StatefulSet volumeClaimTemplates, PVC
     accessModes, storageClassName, a smaller size) are kept from the live object and reported.
-    The cluster refusing the rest (422 Invalid, 403 e.g. a PVC grow on a non-expandable class)
-    is reported too, never raised: the other children still get the spec.
+    The cluster refusing the rest (422 Invalid, 403 e.g. a PVC grow on a non-expandable class, a field its schema
+    does not declare: KubeError.refused) is reported too, never raised: the other children still get the spec.
     Returns (created, one message per field or child not applied)."""
     from kuberl.operator.kube import KubeError
 
@@ -90,7 +90,7 @@ async def apply_kept(body: Any, child: dict[str, Any], *, own: bool = True) -> t
     try:
         created = await apply_child(body, kept, own=own, live=live)
     except KubeError as exc:
-        if exc.status not in (400, 403, 422):
+        if not exc.refused:  # a server fault: kopf retries the reconcile
             raise
         return False, [*notes, f"{kind}/{name}: {exc.message or exc.reason}"]
     return created, notes

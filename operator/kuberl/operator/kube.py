@@ -66,6 +66,13 @@ class KubeError(Exception):
         self.status, self.reason, self.message = status, reason, message
         self.causes = causes or []  # the Status's details.causes: {reason, message, field} per refused field
 
+    @property
+    def refused(self) -> bool:
+        """The object was refused for what it says (not a server fault to retry): 400, 403, 422, or the 500 a server-side
+        apply answers when the object has a field its schema does not declare ("failed to create typed patch object
+        ... field not declared in schema": e.g. a misspelt field in an open podTemplate volume)."""
+        return self.status in (400, 403, 422) or (self.status == 500 and "failed to create typed patch object" in (self.message or ""))
+
 
 def path_for(kind: str, namespace: str | None = None, name: str | None = None, subresource: str | None = None,
              api_version: str | None = None) -> str:
