@@ -138,6 +138,34 @@ def train(out_dir: Path, model_dir: str, cfg, spec) -> dict:
     masters = [p for o in hopt.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
     rec["bf16_master_numel"] = sum(p.numel() for p in masters)
     rec["bf16_params_are_rounded_masters"], rec["bf16_masters_finer"] = master_vs_params(hopt)
+    rec.update(experts(out_dir, cfg, spec))
+    return rec
+
+
+def experts(out_dir: Path, cfg, spec) -> dict:
+    """Expert parallel 2 (tiny Qwen3-MoE): megatron's chained optimizer (dense params sharded over DP 2, experts over
+    their expert-DP group) steps as the plain path; the streamed digest gathers the experts over the EP group."""
+    from megatron_models import tiny_model
+
+    from kuberl.runtime.trainer.megatron import convert
+    from kuberl.runtime.trainer.megatron.digest import StreamedHF
+    from kuberl.runtime.trainer.megatron.model import build_model, init_parallel
+    from kuberl.runtime.trainer.megatron.optim import build_optimizer
+    from kuberl.runtime.trainer.weights import digest_state
+
+    model_dir = str(out_dir / "qwen3-moe")
+    if dist.get_rank() == 0:
+        tiny_model("qwen3-moe").save_pretrained(model_dir)
+    dist.barrier()
+    init_parallel(1, 1, 2, device="cpu")
+    plain, mm = build_model(model_dir), build_model(model_dir)
+    rec = {"moe_plain_norm": step(plain, torch_adamw(plain, spec), cfg, 0)["grad_norm"], "moe_plain_after": hf(plain)}
+    opt = build_optimizer(mm, spec)
+    rec.update(moe_dist_norm=step(mm, opt, cfg, 0)["grad_norm"], moe_dist_after=hf(mm), moe_optimizers=len(opt.chained_optimizers))
+    backend = _Backend(mm)
+    rec["moe_digest_whole"] = digest_state(hf(mm))
+    rec["moe_digest_streamed"] = digest_state(StreamedHF(mm, backend.plan(), convert.megatron_names(dict(mm.module.named_parameters()), te=False),
+                                                         backend.tp_full, backend.ep_parts, torch.device("cpu")))
     return rec
 
 

@@ -1,7 +1,7 @@
 """The Megatron backend's optimizer at the sizes users run (megatron/optim.py, digest.py), on CPU ranks over gloo: megatron-core's
 DDP and distributed optimizer, float32 main weights under a bf16 model, activation recomputation, a checkpoint resumed at another
 data-parallel size, and the end-of-run digest one parameter at a time. One 2-rank and one 1-rank launch of
-megatron_optim_worker.py (a tiny Qwen3: q/k norms, whose gradients finalize_model_grads sums).
+megatron_optim_worker.py (a tiny Qwen3: q/k norms, whose gradients finalize_model_grads sums; a tiny Qwen3-MoE at expert 2).
 
 What runs on the CPU: megatron's DDP buffers, the reduce-scatter of gradients and all-gather of parameters (gloo has both),
 the distributed optimizer's sharded Adam and clipping, Float16Module in bf16 and the mixed-precision main weights (cpu.py maps
@@ -40,6 +40,14 @@ def test_distributed_optimizer_steps_as_the_plain_optimizer_with_half_the_state_
     assert max_diff(rec["dist_after"], rec["plain_after"]) < 1e-6
     # each of the 2 data-parallel ranks steps its slice of the flattened parameters (rank 0's here), not all of them
     assert 0 < rec["shard_sizes"][0] <= rec["model_size"] // 2 + 64
+
+
+def test_expert_parallel_chained_optimizer_steps_as_the_plain_optimizer_and_streams_its_digest(runs):
+    rec, _ = runs
+    assert rec["moe_optimizers"] == 2  # dense and experts
+    assert rec["moe_dist_norm"] == pytest.approx(rec["moe_plain_norm"], rel=1e-6)
+    assert max_diff(rec["moe_dist_after"], rec["moe_plain_after"]) < 1e-6
+    assert rec["moe_digest_streamed"] == rec["moe_digest_whole"]
 
 
 def test_checkpoint_written_at_data_parallel_2_resumes_at_1(runs):
