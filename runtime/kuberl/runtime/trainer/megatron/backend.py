@@ -382,15 +382,6 @@ class MegatronMixin:
         params = convert.megatron_names(dict(self.mm.module.named_parameters()), te=False)
         return digest_state(StreamedHF(self.mm, self._publish_plan(), params, self._tp_full, self._ep_parts, self.info.device))
 
-    def megatron_full_params(self) -> dict[str, torch.Tensor]:
-        """Every rank: the full weights under HF names (gathered whole: for the final cross-check only)."""
-        from kuberl.runtime.trainer.megatron.model import gather_hf_state
-
-        out = gather_hf_state(self.mm)
-        if self.mm.shape.tied:
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        return out
-
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
     def _shard_file(self) -> str:
