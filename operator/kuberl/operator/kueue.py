@@ -155,7 +155,8 @@ async def gate(body: Any, exp: RLExperiment, status: Any, memo: Any) -> RLExperi
     if now_admitted and memo.get("kueue_admitted") is False:
         await apply_children(body, out, dict(status or {}), memo)  # resume: Kueue let it in
     await release_if_stopped(exp, out, workload, memo)
-    await report_pods_ready(exp, workload, built, now_admitted, memo)
+    if (status or {}).get("phase") not in ("Succeeded", "Failed"):  # a finished run's pods stop: Finished follows, not a recovery
+        await report_pods_ready(exp, workload, built, now_admitted, memo)
     memo["kueue_admitted"] = now_admitted
     return out
 
