@@ -76,3 +76,14 @@ def test_bf16_model_keeps_float32_main_weights_in_the_optimizer(runs):
     assert rec["bf16_params_are_rounded_masters"] and rec["bf16_masters_finer"]
     assert rec["bf16_norm"] == rec["bf16_norm"]  # not nan: the step ran
     assert any(v.abs().max() > 0 for v in rec["bf16_update"].values())
+
+
+def test_the_trainer_accepts_gradient_checkpointing_with_megatron():
+    """trainer.gradientCheckpointing is megatron's recomputation now, no longer refused when the trainer starts."""
+    from types import SimpleNamespace
+
+    from kuberl.runtime.trainer.megatron.backend import check_megatron_spec
+
+    check_megatron_spec(SimpleNamespace(algorithm=SimpleNamespace(lora=None), weight_sync=SimpleNamespace(mode="disk"),
+                                        trainer=SimpleNamespace(gradient_checkpointing=True,
+                                                                parallelism=SimpleNamespace(context=1, expert=1, tensor=1, pipeline=1))))
