@@ -33,6 +33,10 @@ from kuberl.runtime.trainer.weights import load_weights
 pytestmark = [pytest.mark.integration, pytest.mark.megatron, pytest.mark.timeout(300)]
 
 B, N, STEPS = 2, 3, 3  # groups per step, samples per group, steps
+# Plain SGD, no clipping (the bound is never reached): the update is lr x the gradient itself.
+SGD = {"type": "sgd", "beta1": 0.0, "weightDecay": 0.0, "gradClip": 1e6}
+# AdamW (megatron-core's distributed optimizer); eps 1e-3 keeps the update a smooth function of the gradient.
+ADAMW = {"type": "adamw", "beta1": 0.9, "beta2": 0.99, "eps": 1e-3, "weightDecay": 0.01, "gradClip": 1e6}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_manifest(path: Path, name: str, model: Path, *, backend: str, world: int, tensor: int = 1, pipeline: int = 1,
-                   expert: int = 1, context: int = 1, minibatches: int = 1, kl: float = 0.0, every: int = 1) -> Path:
+                   expert: int = 1, context: int = 1, minibatches: int = 1, kl: float = 0.0, every: int = 1, optimizer: dict = SGD,
+                   lr: float = 0.1) -> Path:
     trainer = {"backend": backend, "accelerator": {"type": "cpu", "count": world}, "microBatchTokens": 64}
     if backend == "megatron":
         trainer["parallelism"] = {"tensor": tensor, "pipeline": pipeline, "expert": expert, "context": context}
@@ -54,10 +59,8 @@ def write_manifest(path: Path, name: str, model: Path, *, backend: str, world: i
             "model": {"path": str(model), "dtype": "float32"},
             "dataset": {"builtin": "repeat-digit", "size": 32},
             "workflow": {"reward": "repeat-digit"},
-            # Plain SGD, no clipping (the bound is never reached): the update is lr x the gradient itself.
-            "algorithm": {"name": "grpo", "samplesPerPrompt": N, "batchSize": B, "maxNewTokens": 8, "learningRate": 0.1,
-                          "ppoMinibatches": minibatches, "klCoef": kl,
-                          "optimizer": {"type": "sgd", "beta1": 0.0, "weightDecay": 0.0, "gradClip": 1e6}},
+            "algorithm": {"name": "grpo", "samplesPerPrompt": N, "batchSize": B, "maxNewTokens": 8, "learningRate": lr,
+                          "ppoMinibatches": minibatches, "klCoef": kl, "optimizer": optimizer},
             "staleness": {"maxHeadOffpolicyness": 0},
             "rollout": {"engine": "vllm", "concurrency": 4, "accelerator": {"type": "cpu", "count": 0}},
             "trainer": trainer,
@@ -161,13 +164,14 @@ async def train(tmp: Path, name: str, bus_url: str, model_dir: Path, agent: Scri
 _REFS: dict[tuple, Path] = {}
 
 
-async def reference(tmp_path_factory, bus_url: str, model_dir: Path, agent: ScriptedAgent, minibatches: int, kl: float) -> Path:
-    """The FSDP trainer on one rank, same batches (cached per model and algorithm variant)."""
-    key = (str(model_dir), minibatches, kl)
+async def reference(tmp_path_factory, bus_url: str, model_dir: Path, agent: ScriptedAgent, minibatches: int, kl: float,
+                    **optimizer) -> Path:
+    """The FSDP trainer on one rank, same batches (cached per model and algorithm variant; `optimizer`: write_manifest's)."""
+    key = (str(model_dir), minibatches, kl, repr(optimizer))
     if key not in _REFS:
-        name = f"ref-{model_dir.name}-mb{minibatches}-kl{int(kl * 100)}"
+        name = f"ref-{model_dir.name}-mb{minibatches}-kl{int(kl * 100)}" + ("-" + optimizer["optimizer"]["type"] if optimizer else "")
         _REFS[key] = await train(tmp_path_factory.mktemp(name), name, bus_url, model_dir, agent, backend="fsdp", world=1,
-                                 minibatches=minibatches, kl=kl)
+                                 minibatches=minibatches, kl=kl, **optimizer)
     return _REFS[key]
 
 
@@ -308,6 +312,18 @@ async def test_a_killed_megatron_trainer_resumes_from_its_checkpoint_and_ends_on
     path = write_manifest(tmp_path / "exp.yaml", f"mg-resume-{layout}", model_dir, backend="megatron", world=2, every=2, **{layout: 2})
     shards = ["megatron-tp0-pp0.pt", "megatron-tp1-pp0.pt"] if layout == "tensor" else ["megatron-tp0-pp0.pt"]
     await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, shards)
+
+
+async def test_megatron_distributed_adamw_resumes_from_every_ranks_optimizer_slice(tmp_path, tmp_path_factory, nats_server, model_dir):
+    """data 2 with AdamW: megatron-core's distributed optimizer (each rank steps and checkpoints half of the Adam state);
+    killed after its step-2 checkpoint it resumes from both ranks' slices and publishes the FSDP + AdamW reference's v3."""
+    agent = ScriptedAgent(model_dir)
+    adamw = {"optimizer": ADAMW, "lr": 0.01}
+    ref = await reference(tmp_path_factory, nats_server.url, model_dir, agent, 1, 0.0, **adamw)
+    path = write_manifest(tmp_path / "exp.yaml", "mg-resume-adamw", model_dir, backend="megatron", world=2, every=2, **adamw)
+    await kill_after_checkpoint_and_resume(path, nats_server.url, tmp_path / "work", agent, ref, ["megatron-tp0-pp0.pt"])
+    step2 = sorted(x.name for x in (tmp_path / "work" / "checkpoints" / "step-00000002").glob("optimizer-megatron-*.pt"))
+    assert step2 == ["optimizer-megatron-rank0.pt", "optimizer-megatron-rank1.pt"]
 
 
 def test_resuming_with_another_tensor_or_expert_parallel_size_is_refused(tmp_path):
