@@ -34,6 +34,7 @@ class Kube:
     kubeconfig: str
     control_plane: Any = None  # kuberl.testing.control_plane.ControlPlane, or None for $KUBECONFIG's cluster
     operator: Any = None  # kuberl.testing.operator_process.OperatorProcess once kuberl_installed started it
+    operator_kubeconfig: str = ""  # its ServiceAccount's kubeconfig (a second replica uses it too)
     env: dict[str, str] = field(default_factory=dict)  # KUBECONFIG, and PATH with the built kubectl and helm first
 
     @property
@@ -88,9 +89,11 @@ def kuberl_installed(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> It
     operator_kubeconfig = cp.kubeconfig_for(sa, OPERATOR_NAMESPACE, tmp / "operator.kubeconfig")
     # The chart's Deployment environment (POD_NAMESPACE: the bus NetworkPolicies admit the operator from there).
     env = {"POD_NAME": f"{RELEASE}-local-0", "POD_NAMESPACE": OPERATOR_NAMESPACE}
+    # As the chart's Deployment runs it: --leader-election (the Lease in its namespace, under the chart's Role).
     with OperatorProcess(operator_kubeconfig, tmp / "operator.log", interval=1.0, checkpoint_timeout=5.0,
-                         standalone=False, extra_env=env) as op:
+                         standalone=False, leader_election=True, extra_env=env) as op:
         kube.operator = op
+        kube.operator_kubeconfig = operator_kubeconfig
         yield kube
         assert op.alive, f"the operator died during the tests:\n{op.log_tail()}"
     kube.operator = None

@@ -65,6 +65,8 @@ def _operator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 = off)")
     p.add_argument("--health-port", type=int, default=8081, help="Liveness endpoint port (0 = off)")
     p.add_argument("--standalone", action="store_true", help="No peering (a single operator replica, e.g. for tests)")
+    p.add_argument("--leader-election", action="store_true",
+                   help="Work only while holding the Lease kuberl-operator in $POD_NAMESPACE (several replicas: one works, the others stand by)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -23,8 +23,9 @@ class OperatorProcess:
 
     def __init__(self, kubeconfig: str | Path, log_path: str | Path, *, interval: float = 1.0,
                  checkpoint_timeout: float = 10.0, retry: float = 2.0, extra_env: dict[str, str] | None = None,
-                 standalone: bool = True):
+                 standalone: bool = True, leader_election: bool = False):
         self.kubeconfig, self.log_path, self.standalone = str(kubeconfig), Path(log_path), standalone
+        self.leader_election = leader_election  # --leader-election: a Lease in $POD_NAMESPACE (extra_env), as the chart runs it
         self.metrics_port, self.health_port = free_port(), free_port()
         self.env = {**os.environ, "KUBECONFIG": self.kubeconfig, "KUBERL_OPERATOR_INTERVAL": str(interval),
                     "KUBERL_CHECKPOINT_TIMEOUT": str(checkpoint_timeout), "KUBERL_OPERATOR_RETRY": str(retry),
@@ -48,7 +49,7 @@ class OperatorProcess:
     def _start(self) -> None:
         # $KUBERL_TEST_OPERATOR_CMD runs another entry point (e.g. an installed `kuberl`) instead.
         prefix = os.environ.get("KUBERL_TEST_OPERATOR_CMD", "").split() or [sys.executable, "-m", "kuberl.cli"]
-        cmd = [*prefix, "operator", *(["--standalone"] if self.standalone else []),
+        cmd = [*prefix, "operator", *(["--standalone"] if self.standalone else []), *(["--leader-election"] if self.leader_election else []),
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

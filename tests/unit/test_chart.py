@@ -59,8 +59,10 @@ def chart_crds() -> dict[str, dict]:
     return out
 
 
+PEERING = {"peering": {"enabled": True}, "leaderElection": {"enabled": False}}  # kopf peering instead of the Lease
 VARIANTS = {
     "defaults": {},
+    "kopf peering": PEERING,
     "namespaced with servicemonitor": {"watchNamespaces": ["team-a", "team-b"], "metrics": {"serviceMonitor": {"enabled": True}}},
     "experiment podmonitor and dashboard": {"podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
                                             "grafanaDashboard": {"enabled": True, "namespace": "monitoring"}},
@@ -172,20 +174,27 @@ class TestOperatorDeployment:
         assert build_parser().parse_args(c["args"]).metrics_port == 0
         assert not [o for o in objects if o["kind"] in {"Service", "ServiceMonitor"}]
 
+    def test_the_default_elects_a_leader_by_lease_without_peering_objects(self):
+        objects = render()
+        args = build_parser().parse_args(one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert args.leader_election is True and args.standalone is False
+        assert not [o for o in objects if "Peering" in o["kind"]]
+        assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == ["kuberl-leader-election"]
+
     def test_peering_disabled_runs_standalone_without_peering_objects(self):
-        objects = render({"peering": {"enabled": False}})
+        objects = render({"peering": {"enabled": False}, "leaderElection": {"enabled": False}})
         c = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
         assert build_parser().parse_args(c["args"]).standalone is True
         assert not [o for o in objects if "Peering" in o["kind"]]
 
     def test_peering_is_cluster_wide_or_one_per_watched_namespace(self):
-        assert [o["kind"] for o in render() if "Peering" in o["kind"]] == ["ClusterKopfPeering"]
-        per_ns = [o for o in render({"watchNamespaces": ["x", "y"]}) if "Peering" in o["kind"]]
+        assert [o["kind"] for o in render(PEERING) if "Peering" in o["kind"]] == ["ClusterKopfPeering"]
+        per_ns = [o for o in render({**PEERING, "watchNamespaces": ["x", "y"]}) if "Peering" in o["kind"]]
         assert [(o["kind"], o["metadata"]["namespace"]) for o in per_ns] == [("KopfPeering", "x"), ("KopfPeering", "y")]
 
     def test_peering_objects_carry_the_name_the_operator_peers_under(self):
         from kuberl.operator.main import PEERING_NAME
-        for values in ({}, {"watchNamespaces": ["x"]}):
+        for values in (PEERING, {**PEERING, "watchNamespaces": ["x"]}):
             names = {o["metadata"]["name"] for o in render(values) if "Peering" in o["kind"]}
             assert names == {PEERING_NAME}
 
@@ -262,7 +271,6 @@ class TestRBAC:
             ("", "nodes", {"get", "list"}),
             ("", "namespaces", {"list", "watch"}),
             ("apiextensions.k8s.io", "customresourcedefinitions", {"get", "list", "watch"}),
-            ("kopf.dev", "clusterkopfpeerings", {"get", "list", "watch", "patch"}),
         ],
     )
     def test_grants_what_the_operator_needs(self, group, resource, verbs):
@@ -275,6 +283,8 @@ class TestRBAC:
         from kuberl.operator import kube
         have = {(g, r) for g, r, _ in granted(self.rules())}
         for kind, (api_version, plural, _) in kube.KINDS.items():
+            if kind == "Lease":  # the leader-election Role's, in the release namespace (test_chart_rbac)
+                continue
             group = api_version.rpartition("/")[0]
             assert (group, plural) in have, f"operator/kuberl/operator/kube.py uses {kind} ({group or 'core'}/{plural}); the ClusterRole has no rule"
 

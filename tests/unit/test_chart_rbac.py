@@ -11,6 +11,8 @@ import helm_python as helm  # kuberl[test]: a missing install fails, it is not s
 import kopf
 import kubernetes_validate
 import pytest
+
+from kuberl.operator.leader import LEASE_NAME
 from kopf._cogs.aiokits import aiotoggles
 from kopf._core.engines import peering
 from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, operator_rules, render
@@ -34,7 +36,7 @@ class TestNamespacedInstall:
         assert {v for _, _, v in granted(rules)} <= {"get", "list", "watch"}
 
     def test_each_watched_namespace_gets_a_role_and_a_binding_to_the_operator(self) -> None:
-        objects = render(self.VALUES)
+        objects = render({**self.VALUES, "peering": {"enabled": True}, "leaderElection": {"enabled": False}})
         roles, bindings = of_kind(objects, "Role"), of_kind(objects, "RoleBinding")
         assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
         sa = one(objects, "ServiceAccount")["metadata"]["name"]
@@ -61,10 +63,16 @@ class TestLeastPrivilege:
     @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
     def test_secrets_are_get_create_patch_only_and_no_rbac_or_lease_rights(self, values) -> None:
         objects = render(values)
-        have = granted(operator_rules(objects)) | set().union(*(granted(o["rules"]) for o in objects if o["kind"] == "Role"))
+        roles = [o for o in objects if o["kind"] == "Role" and not o["metadata"]["name"].endswith("-leader-election")]
+        have = granted(operator_rules(objects)) | set().union(*(granted(o["rules"]) for o in roles))
         assert {v for g, r, v in have if r == "secrets"} == {"get", "create", "patch"}
         assert not {g for g, _, _ in have} & {"rbac.authorization.k8s.io", "coordination.k8s.io"}
         assert not {r for _, r, _ in have} & {"statefulsets/scale", "leases", "roles", "rolebindings"}
+        # Leases: only the leader-election Role, in the release namespace, get/update of its one Lease, create.
+        election = one([o for o in objects if o["kind"] == "Role" and o["metadata"]["name"].endswith("-leader-election")], "Role")
+        assert election["metadata"]["namespace"] == NAMESPACE
+        assert sorted((tuple(r["verbs"]), tuple(r.get("resourceNames") or ())) for r in election["rules"]) == [
+            (("create",), ()), (("get", "update"), (LEASE_NAME,))]
 
 
 class TestReplicas:
@@ -80,16 +88,19 @@ class TestReplicas:
             return {e["name"]: e for e in c["env"]}
 
         assert env({"replicaCount": 2})["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-        assert env({"replicaCount": 2})[PEERING_MANDATORY_ENV]["value"] == "true"
-        assert PEERING_MANDATORY_ENV not in env({})
+        assert env({"replicaCount": 2})["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        peering = {"replicaCount": 2, "peering": {"enabled": True}, "leaderElection": {"enabled": False}}
+        assert env(peering)[PEERING_MANDATORY_ENV]["value"] == "true"
+        assert PEERING_MANDATORY_ENV not in env({}) and PEERING_MANDATORY_ENV not in env({"replicaCount": 2})  # the Lease decides
 
     def test_more_than_one_replica_without_peering_is_refused(self) -> None:
         with helm.Chart.load(CHART) as chart:
             with pytest.raises(helm.HelmError) as err:
-                chart.validate_schema(chart.merge_values({"replicaCount": 2, "peering": {"enabled": False}}))
+                chart.validate_schema(chart.merge_values({"replicaCount": 2, "leaderElection": {"enabled": False}}))
             assert "enabled" in str(err.value)
-            chart.validate_schema(chart.merge_values({"replicaCount": 2}))
-            chart.validate_schema(chart.merge_values({"replicaCount": 1, "peering": {"enabled": False}}))
+            chart.validate_schema(chart.merge_values({"replicaCount": 2}))  # leader election, the default
+            chart.validate_schema(chart.merge_values({"replicaCount": 2, "leaderElection": {"enabled": False}, "peering": {"enabled": True}}))
+            chart.validate_schema(chart.merge_values({"replicaCount": 1, "leaderElection": {"enabled": False}}))
 
     def test_kopf_pauses_exactly_one_of_two_replicas(self) -> None:
         """kopf's own peering decision, fed with both replicas' records as the peering object holds them."""

@@ -34,7 +34,7 @@ class TestNoClusterWideWrites:
 
     def test_each_tenant_namespace_gets_a_binding_to_the_namespaced_cluster_role(self) -> None:
         objects = render({"tenantNamespaces": ["team-a", "team-b"]})
-        bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+        bindings = [o for o in objects if o["kind"] == "RoleBinding" and not o["metadata"]["name"].endswith("-leader-election")]
         assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
         for b in bindings:
             assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kuberl-namespaced"}
@@ -54,9 +54,13 @@ class TestNoClusterWideWrites:
         assert env[access.CLUSTER_ROLE_ENV] == "kuberl-namespaced"
 
     def test_the_default_opens_the_default_namespace_only_and_watched_namespaces_use_their_roles(self) -> None:
-        assert [(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in render() if b["kind"] == "RoleBinding"] == [("default", "kuberl-namespaced")]
+        def writes(objects: list[dict]) -> list[tuple[str, str, str]]:  # RoleBindings but the leader election's own Lease
+            return [(b["metadata"]["namespace"], b["roleRef"]["kind"], b["roleRef"]["name"]) for b in objects
+                    if b["kind"] == "RoleBinding" and not b["metadata"]["name"].endswith("-leader-election")]
+
+        assert writes(render()) == [("default", "ClusterRole", "kuberl-namespaced")]
         watched = render({"watchNamespaces": ["a"], "tenantNamespaces": ["b"]})
-        assert [(b["metadata"]["namespace"], b["roleRef"]["kind"]) for b in watched if b["kind"] == "RoleBinding"] == [("a", "Role")]
+        assert [(ns, kind) for ns, kind, _ in writes(watched)] == [("a", "Role")]
         assert not [o for o in watched if o["metadata"]["name"] == "kuberl-namespaced"]
 
 

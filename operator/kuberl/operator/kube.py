@@ -31,6 +31,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Pod": ("v1", "pods", True),
     "Event": ("v1", "events", True),
     "Node": ("v1", "nodes", False),
+    "Lease": ("coordination.k8s.io/v1", "leases", True),  # leader election (kuberl.operator.leader)
     "Namespace": ("v1", "namespaces", False),
     "StorageClass": ("storage.k8s.io/v1", "storageclasses", False),  # why a PVC of ours stays Pending (observe.py)
     "StatefulSet": ("apps/v1", "statefulsets", True),

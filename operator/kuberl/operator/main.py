@@ -15,8 +15,10 @@ import asyncio
 import hashlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 PEERING_NAME = "kuberl"
 # The repository of the default runtime images (<repository>/runtime-<flavour>:<version>); unset or
@@ -125,16 +127,55 @@ def main(args: argparse.Namespace) -> int:
                            priority=peering_priority(os.environ.get("POD_NAME")),
                            mandatory=os.environ.get(PEERING_MANDATORY_ENV, "").lower() in ("1", "true", "yes"))
 
+    elector = None
+    if getattr(args, "leader_election", False):
+        from kuberl.operator.leader import Elector
+
+        if not os.environ.get("POD_NAMESPACE"):
+            print("kuberl operator: --leader-election needs $POD_NAMESPACE (the Lease's namespace)", file=sys.stderr)
+            return 2
+        elector = Elector(KubeClient.from_environment(), os.environ["POD_NAMESPACE"], os.environ.get("POD_NAME") or socket.gethostname())
+        args.standalone = True  # the Lease decides who works: no kopf peering besides
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     logging.getLogger("kuberl.operator").info(
         "starting: %s, metrics port %s, health port %s, %s, runtime images from %s",
         "cluster-wide" if clusterwide else f"namespaces {namespaces}", args.metrics_port or "off", args.health_port or "off",
+        f"leader election by Lease {elector.namespace}/{elector.name} as {elector.identity}" if elector else
         "standalone" if args.standalone else f"peering {PEERING_NAME}", runtime_images)
+
+    def operator() -> Any:
+        return kopf.operator(standalone=args.standalone, clusterwide=clusterwide, namespaces=namespaces,
+                             liveness_endpoint=liveness, peering_name=PEERING_NAME if not args.standalone else None)
+
     try:
-        asyncio.run(kopf.operator(
-            standalone=args.standalone, clusterwide=clusterwide, namespaces=namespaces,
-            liveness_endpoint=liveness, peering_name=PEERING_NAME if not args.standalone else None,
-        ))
+        asyncio.run(operator() if elector is None else elected(elector, operator, args.health_port))
     except KeyboardInterrupt:
         pass
+    except Exception as exc:  # kuberl.operator.leader.LeadershipLost: exit, restart as a standby
+        if type(exc).__name__ != "LeadershipLost":
+            raise
+        print(f"kuberl operator: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+async def elected(elector: Any, operator: Any, health_port: int) -> None:
+    """Wait for the Lease, answering liveness probes as a standby meanwhile (kopf, which serves them once it runs,
+    starts only when this replica leads); then run kopf while the Lease is held (kuberl.operator.leader.lead)."""
+    from aiohttp import web
+
+    from kuberl.operator.leader import lead
+
+    runner = None
+    if health_port:
+        app = web.Application()
+        app.router.add_get("/healthz", lambda _: web.json_response({"standby": elector.identity}))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "0.0.0.0", health_port, reuse_address=True).start()
+    try:
+        await elector.acquire()
+    finally:
+        if runner is not None:
+            await runner.cleanup()  # kopf binds the same port for its own liveness endpoint
+    await lead(elector, operator())
