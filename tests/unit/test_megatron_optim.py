@@ -87,3 +87,27 @@ def test_the_trainer_accepts_gradient_checkpointing_with_megatron():
     check_megatron_spec(SimpleNamespace(algorithm=SimpleNamespace(lora=None), weight_sync=SimpleNamespace(mode="disk"),
                                         trainer=SimpleNamespace(gradient_checkpointing=True,
                                                                 parallelism=SimpleNamespace(context=1, expert=1, tensor=1, pipeline=1))))
+
+
+@pytest.mark.parametrize(("manifest", "total_gib", "want"), [(None, 0.001, True), (None, 1000.0, False), (False, 0.001, False), (True, 1000.0, True)])
+def test_recomputation_unset_is_chosen_from_the_memory_estimate(tmp_path, monkeypatch, manifest, total_gib, want):
+    """trainer.gradientCheckpointing unset: on when memory.step_memory_gib's estimate of the step exceeds 85% of the
+    accelerator (here a pretend one), as the FSDP path chooses; set: the manifest's value."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron_backend"))
+    from megatron_models import tiny_config
+
+    from kuberl.runtime.trainer import memory
+    from kuberl.runtime.trainer.megatron import convert
+    from kuberl.runtime.trainer.megatron.backend import MegatronMixin
+
+    tiny_config("qwen2").save_pretrained(tmp_path)
+    monkeypatch.setattr(memory, "memory_gib", lambda device: (0.0, total_gib))
+    t = MegatronMixin()
+    t.spec = SimpleNamespace(trainer=SimpleNamespace(gradient_checkpointing=manifest, micro_batch_tokens=4096))
+    t.info, t.model_dir = SimpleNamespace(device=torch.device("cpu"), world_size=2), tmp_path
+    on, why = t._megatron_recompute(convert.model_shape(tiny_config("qwen2")))
+    assert on is want, why
+    assert ("set in the manifest" in why) == (manifest is not None)
