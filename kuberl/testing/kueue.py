@@ -37,7 +37,7 @@ from kuberl.testing.control_plane import ControlPlane, _die_with_parent
 VERSION = "v0.17.0"  # scripts/install-control-plane.sh KUEUE_VERSION
 NAMESPACE = "kueue-system"
 MANAGED_LABEL = "kuberl.test/kueue-managed"  # namespaces whose unlabelled Jobs Kueue manages (manageJobsWithoutQueueName)
-PODS_READY_TIMEOUT = "15s"  # waitForPodsReady: admitted workloads whose pods are not all Ready by then are evicted
+PODS_READY_TIMEOUT = "30s"  # waitForPodsReady: admitted workloads whose pods are not all Ready by then are evicted (room for a busy 2-core CI machine)
 EXTERNAL_FRAMEWORK = "RLExperiment.v1alpha1.kuberl.io"
 # CRDs served in two versions: Kueue's kustomization gives them the conversion webhook (config/components/crd/patches)
 CONVERTED = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")

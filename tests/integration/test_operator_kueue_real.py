@@ -72,7 +72,7 @@ class Api:
         r = self.http.get(self.cp.server + path)
         return r.json() if r.status_code == 200 else None
 
-    def until(self, what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
+    def until(self, what: str, fn: Callable[[], Any], timeout: float = 90) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = fn()
