@@ -95,8 +95,23 @@ def test_core_discovery_says_group_version_v1_and_serves_namespaces_for_kopf(ser
     assert {"rlexperiments", "rlexperiments/status", "rlexperiments/scale"} <= {r["name"] for r in rlx["resources"]}
 
 
+def settled(server: Server, path: str) -> dict[str, Any]:
+    """The object once nobody else writes it for a second: on the real server the session's operator, which leaves an
+    experiment managed elsewhere alone, still adds kopf's finalizer and bookkeeping to it first (a suite run caught
+    that write between this test's create and its no-op patch)."""
+    last: dict[str, Any] | None = None
+    for _ in range(60):
+        now = server.call("GET", path).json()
+        if last is not None and now["metadata"]["resourceVersion"] == last["metadata"]["resourceVersion"]:
+            return now
+        last = now
+        time.sleep(0.5)
+    raise AssertionError(f"{path} kept changing for 30 s")
+
+
 def test_resource_version_and_generation_follow_the_api_conventions(server: Server) -> None:
-    created = server.call("POST", RLX, experiment("rv-gen")).json()
+    server.call("POST", RLX, experiment("rv-gen"))
+    created = settled(server, f"{RLX}/rv-gen")
     rv0, gen0 = int(created["metadata"]["resourceVersion"]), created["metadata"]["generation"]
     same = server.call("PATCH", f"{RLX}/rv-gen", {"spec": {"rollout": {"replicas": 1}}}, "application/merge-patch+json").json()
     assert same["metadata"]["resourceVersion"] == str(rv0), "a no-op patch must not bump resourceVersion"

@@ -56,7 +56,7 @@ def test_a_standby_takes_over_from_a_killed_leader_within_the_lease_and_at_once_
         killed = time.monotonic()
         took = reconciled_within(cp, "leader-after-kill", LEASE_SECONDS + 30)
         after_kill = time.monotonic() - killed
-        assert lease(cp)["holderIdentity"] == "kuberl-local-1"
+        assert lease(cp)["holderIdentity"] == "kuberl-local-1" and standby.alive
         assert LEASE_SECONDS - RETRY_PERIOD <= after_kill <= LEASE_SECONDS + 20, f"took over {after_kill:.1f} s after the kill ({took:.1f} s)"
         first.restart()  # back as a standby: the Lease is held
         time.sleep(RETRY_PERIOD)

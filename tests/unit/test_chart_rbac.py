@@ -11,12 +11,11 @@ import helm_python as helm  # kuberl[test]: a missing install fails, it is not s
 import kopf
 import kubernetes_validate
 import pytest
-
-from kuberl.operator.leader import LEASE_NAME
 from kopf._cogs.aiokits import aiotoggles
 from kopf._core.engines import peering
 from test_chart import CHART, KUBE_VERSION, NAMESPACE, granted, one, operator_rules, render
 
+from kuberl.operator.leader import LEASE_NAME
 from kuberl.operator.main import PEERING_MANDATORY_ENV, configure_settings, peering_priority
 
 CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("storage.k8s.io", "storageclasses"), ("apiextensions.k8s.io", "customresourcedefinitions"),

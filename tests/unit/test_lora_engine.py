@@ -90,7 +90,7 @@ class TestAdmission:
         from kuberl.api.v1alpha1 import MEGATRON_FULL_WEIGHTS
 
         assert MEGATRON_FULL_WEIGHTS in cel_messages(manifest(**spec))
-        with pytest.raises(ValueError, match="algorithm.lora, weightSync.mode broadcast and trainer.gradientCheckpointing need trainer.backend fsdp"):
+        with pytest.raises(ValueError, match="algorithm.lora and weightSync.mode broadcast need trainer.backend fsdp"):
             RLExperiment.model_validate(manifest(**spec))
 
     def test_lora_with_vllm_and_fsdp_is_accepted_with_or_without_the_allocation(self):

@@ -117,7 +117,7 @@ def test_tool_code_reads_no_secret_of_the_agent_with_only_the_kernel_layers(tmp_
 def test_without_landlock_the_dumpable_flag_still_hides_the_agents_environment(tmp_path: Path) -> None:
     """One layer alone: a child with no Landlock (a kernel without it) cannot read the environment of the agent that
     protect_process() marked non-dumpable, though both are the same user with the same (no) capabilities, as in a pod."""
-    code = textwrap.dedent(f'''
+    code = textwrap.dedent('''
         import os, sys
         from kuberl.runtime.rollout import confine
         confine._drop_capabilities()  # the agent as in a pod: a user with no capabilities (root here would have them)
@@ -126,10 +126,10 @@ def test_without_landlock_the_dumpable_flag_still_hides_the_agents_environment(t
         pid = os.fork()
         if pid == 0:
             try:
-                data = open(f"/proc/{{os.getppid()}}/environ", "rb").read()
+                data = open(f"/proc/{os.getppid()}/environ", "rb").read()
                 os.write(w, b"GOT " + data)
             except OSError as exc:
-                os.write(w, f"denied {{exc.errno}}".encode())
+                os.write(w, f"denied {exc.errno}".encode())
             os._exit(0)
         os.close(w)
         os.waitpid(pid, 0)

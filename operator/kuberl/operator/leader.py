@@ -33,7 +33,7 @@ class LeadershipLost(Exception):
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Elector:
             try:
                 if await self.try_acquire_or_renew():
                     return
-            except (KubeError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, KubeError, OSError) as exc:
                 log.warning("leader election: %s", exc)
             await asyncio.sleep(self.retry)
 
@@ -117,7 +117,7 @@ class Elector:
                 if await self.try_acquire_or_renew():
                     renewed = time.monotonic()
                     continue
-            except (KubeError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, KubeError, OSError) as exc:
                 log.warning("leader election: renewing: %s", exc)
             if time.monotonic() - renewed > self.renew_deadline:
                 raise LeadershipLost(f"{self.identity} could not renew Lease {self.namespace}/{self.name} for {self.renew_deadline:.0f} s")
@@ -131,7 +131,7 @@ class Elector:
             lease["spec"] = {**lease["spec"], "holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": _now()}
             await self.kube.request("PUT", self._path(), body=lease)
             log.info("leader election: %s released Lease %s/%s", self.identity, self.namespace, self.name)
-        except (KubeError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KubeError, OSError) as exc:
             log.warning("leader election: releasing: %s", exc)
 
 
