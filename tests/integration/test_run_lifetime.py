@@ -162,3 +162,20 @@ def test_a_run_stopped_with_sigterm_ends_within_the_bound_with_nothing_left(tmp_
     out = (tmp_path / "launcher.log").read_text()
     assert "interrupted; stopping every role" in out and "Traceback" not in out, out[-3000:]
     print(f"{state}: the launcher exited {took:.2f}s after SIGTERM (roles' grace {STOP_GRACE_SECONDS:.0f}s)")
+
+
+def test_a_run_whose_every_group_fails_stops_by_itself_with_the_reason_and_exit_2(tmp_path):
+    """Every episode's reward raises: the run must not wait at step 0 forever with the reason only in the agent's log.
+    After max_failed_in_a_row failed groups (8 at 2 prompts a step) the trainer stops as a configuration error, the
+    launcher ends the run with exit 2 and prints the latest failure's reason."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))}
+    manifest = quickstart_manifest(tmp_path, "all-fail", **{"training.totalSteps": 50, "algorithm.batchSize": 2,
+                                                            "workflow.reward": "failing_reward:always_fails"})
+    workdir = tmp_path / "work"
+    run = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out[-3000:]
+    assert "all failed and none could be trained" in out and "this reward always fails" in out, out[-3000:]
+    assert not (workdir / "metrics.jsonl").exists() or read_metrics(workdir) == []  # no step was trained
+    assert processes_mentioning(str(workdir)) == []
