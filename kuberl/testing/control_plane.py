@@ -89,6 +89,19 @@ AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages":
     {"level": "None"}]}
 
 
+def stop_processes(procs: list[subprocess.Popen[Any]], grace: float = 15) -> None:
+    """Stop by PID: SIGTERM to all at once, then each gets `grace` seconds before SIGKILL."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def install(check_only: bool = False) -> Path:
     """The folder of the built binaries: scripts/install-control-plane.sh builds what is missing (cached)."""
     args = ["bash", str(INSTALL_SCRIPT), *(["--bin-dir"] if check_only else [])]
@@ -268,15 +281,7 @@ class ControlPlane:
         self.start_seconds = time.monotonic() - started
 
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_processes([proc for _, proc in reversed(self.procs)])
         self.procs.clear()
 
     # -- cluster contents -----------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import base64
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -32,7 +31,7 @@ from typing import Any, Self
 import yaml
 
 from kuberl.net import free_port
-from kuberl.testing.control_plane import ControlPlane, _die_with_parent
+from kuberl.testing.control_plane import ControlPlane, _die_with_parent, stop_processes
 
 VERSION = "v0.17.0"  # scripts/install-control-plane.sh KUEUE_VERSION
 NAMESPACE = "kueue-system"
@@ -224,13 +223,8 @@ class Kueue:
         for hook in self.hooks:
             self.cp.kubectl("delete", hook["kind"].lower(), hook["metadata"]["name"], "--ignore-not-found", check=False)
         self.hooks = []
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_processes([self.proc])
         self.proc = None
 
     def log_tail(self, lines: int = 40) -> str:

@@ -7,15 +7,16 @@ liveness endpoint, and stops it by PID (SIGTERM, then SIGKILL), keeping its log 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from kuberl.net import free_port
+from kuberl.testing.control_plane import stop_processes
 
 
 class OperatorProcess:
@@ -66,18 +67,25 @@ class OperatorProcess:
         raise RuntimeError(f"the operator did not become live within 60 s:\n{self.log_tail()}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_processes([self.proc])
         self._log.close()
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def wait(self, what: str, fn: Callable[[], Any], timeout: float = 60, period: float = 0.3) -> Any:
+        """Poll `fn` until it returns something true (returned); fails at once if this operator dies, and after
+        `timeout` seconds, either way with the operator's log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            assert self.alive, f"the operator died while waiting for {what}:\n{self.log_tail()}"
+            time.sleep(period)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n--- operator log ---\n{self.log_tail()}")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:

@@ -8,9 +8,7 @@ sample an episode produced), appending each as a JSON line under $KUBERL_TEST_RE
 
 from __future__ import annotations
 
-from typing import Any
-
-from framework_recording import _append
+from framework_recording import record_episodes
 
 from kuberl.runtime.rewards import REWARDS
 from kuberl.runtime.rollout.episode_api import ExternalAgentWorkflow
@@ -18,14 +16,4 @@ from kuberl.runtime.rollout.episode_api import ExternalAgentWorkflow
 __all__ = ["repeat_digit"]
 
 repeat_digit = REWARDS["repeat-digit"]
-_run_episode = ExternalAgentWorkflow.run_episode
-
-
-async def _recorded_episode(self: ExternalAgentWorkflow, engine: Any, item: Any, episode: str) -> Any:
-    samples = await _run_episode(self, engine, item, episode)
-    for s in samples:
-        _append("samples", {"episode": episode, **s.model_dump()})
-    return samples
-
-
-ExternalAgentWorkflow.run_episode = _recorded_episode  # type: ignore[method-assign]
+record_episodes(ExternalAgentWorkflow)

@@ -30,7 +30,6 @@ def _append(name: str, row: dict[str, Any]) -> None:
 
 
 _generate = VLLMEngine.generate
-_run_episode = AgentWorkflow.run_episode
 
 
 async def _recorded_generate(self: VLLMEngine, req: Any) -> Any:
@@ -39,12 +38,18 @@ async def _recorded_generate(self: VLLMEngine, req: Any) -> Any:
     return res
 
 
-async def _recorded_episode(self: AgentWorkflow, engine: Any, item: Any, episode: str) -> Any:
-    samples = await _run_episode(self, engine, item, episode)
-    for s in samples:
-        _append("samples", {"episode": episode, **s.model_dump()})
-    return samples
+def record_episodes(workflow: type) -> None:
+    """Wrap `workflow.run_episode` so that every sample an episode produces is appended under "samples"."""
+    run_episode = workflow.run_episode
+
+    async def recorded(self: Any, engine: Any, item: Any, episode: str) -> Any:
+        samples = await run_episode(self, engine, item, episode)
+        for s in samples:
+            _append("samples", {"episode": episode, **s.model_dump()})
+        return samples
+
+    workflow.run_episode = recorded
 
 
 VLLMEngine.generate = _recorded_generate  # type: ignore[method-assign]
-AgentWorkflow.run_episode = _recorded_episode  # type: ignore[method-assign]
+record_episodes(AgentWorkflow)

@@ -44,14 +44,7 @@ class Api:
         return self.call("PATCH", path, patch, "application/merge-patch+json")
 
     def wait(self, what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = fn()
-            if value:
-                return value
-            assert self.operator.alive, f"the operator died while waiting for {what}:\n{self.operator.log_tail()}"
-            time.sleep(0.3)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n--- operator log ---\n{self.operator.log_tail()}")
+        return self.operator.wait(what, fn, timeout)
 
     def experiment(self, name: str) -> Any:
         return self.get(f"{RLX}/{name}")

@@ -49,14 +49,7 @@ class Api:
         return r.json() if r.status_code == 200 else None
 
     def until(self, what: str, fn: Any, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = fn()
-            if value:
-                return value
-            assert self.op.alive, f"the operator died:\n{self.op.log_tail()}"
-            time.sleep(0.5)
-        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n--- operator log ---\n{self.op.log_tail()}")
+        return self.op.wait(what, fn, timeout, period=0.5)
 
     def operator_requests(self, resource: str) -> list[str]:
         """The verbs of the operator's requests on Workloads (the API server's audit log; the operator is the chart's

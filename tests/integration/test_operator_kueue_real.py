@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from kubernetes.utils.quantity import parse_quantity
 
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator import kueue as operator_kueue
@@ -37,17 +38,6 @@ def manifest(name: str, namespace: str, queue: str, priority: str | None = None)
                      "checkpoint": {"size": "1Gi"}}}
 
 
-SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def quantity(q: str | int) -> float:
-    text = str(q)
-    for suffix in sorted(SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * SUFFIXES[suffix]
-    return float(text)
-
-
 def one_experiment_quota(namespace: str) -> dict[str, int]:
     """What one experiment's Workload asks for, per resource (millicores / bytes): the queue holds one, not two."""
     built = operator_kueue.build_workload(RLExperiment.model_validate(manifest("sizing", namespace, "q")))
@@ -55,7 +45,7 @@ def one_experiment_quota(namespace: str) -> dict[str, int]:
     for ps in built["spec"]["podSets"]:
         for c in ps["template"]["spec"]["containers"] + ps["template"]["spec"].get("initContainers", []):
             for res, qty in ((c.get("resources") or {}).get("requests") or {}).items():
-                total[res] = total.get(res, 0) + ps["count"] * int(quantity(qty) * (1000 if res == "cpu" else 1))
+                total[res] = total.get(res, 0) + ps["count"] * int(parse_quantity(qty) * (1000 if res == "cpu" else 1))
     return total
 
 

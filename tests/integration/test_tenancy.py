@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,14 +60,7 @@ class Cluster:
         return name
 
     def wait(self, what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = fn()
-            if value:
-                return value
-            assert self.op.alive, f"the operator died while waiting for {what}:\n{self.op.log_tail()}"
-            time.sleep(0.5)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n--- operator log ---\n{self.op.log_tail()}")
+        return self.op.wait(what, fn, timeout, period=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -190,16 +190,45 @@ class CharEngine(ScriptedEngine):
         return res
 
 
-def run_episode(tok, engine, agent, samp, **kw):
-    wf = AgentWorkflow(agent, tok, samp, exact_match_reward, reward_name="exact-match", timeout_seconds=30.0, name="t", **kw)
-
+def episode_of(wf, engine, item=None):
+    """One episode of the workflow `wf` on `engine` (its proxy closed after): the samples."""
     async def go():
         try:
-            return await wf.arun_episode(engine, Item(0, "question", "answer"), EpisodeContext(ticket_id="t"))
+            return await wf.arun_episode(engine, item or Item(0, "question", "answer"), EpisodeContext(ticket_id="t"))
         finally:
             await wf.aclose()
 
     return asyncio.run(go())
+
+
+def run_episode(tok, engine, agent, samp, **kw):
+    wf = AgentWorkflow(agent, tok, samp, exact_match_reward, reward_name="exact-match", timeout_seconds=30.0, name="t", **kw)
+    return episode_of(wf, engine)
+
+
+def proxy_call(tok, reply, create, errors=openai.APIStatusError):
+    """One call through a fresh proxy in front of a ScriptedEngine answering `reply`: `create(client)` makes it.
+    Returns (engine, the result or the `errors` exception, the session)."""
+    from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
+
+    engine = ScriptedEngine(tok, reply)
+
+    async def go():
+        proxy = OpenAIProxy(engine, tok, sampling(tok))
+        await proxy.start()
+        try:
+            session = proxy.open_session()
+            client = openai.AsyncOpenAI(base_url=proxy.base_url(session), api_key=session.key, max_retries=0)
+            try:
+                out = await create(client)
+            except errors as exc:
+                out = exc
+            await client.close()
+            return out, session
+        finally:
+            await proxy.stop()
+
+    return engine, *asyncio.run(go())
 
 
 def test_a_continued_conversation_keeps_the_generated_tokens_and_renders_as_the_chat_template(tokenizer):
@@ -552,26 +581,8 @@ class TestRequestFields:
     the field, never silently changed."""
 
     def call(self, tok, reply, **kwargs):
-        from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
-
-        engine = ScriptedEngine(tok, reply)
-
-        async def go():
-            proxy = OpenAIProxy(engine, tok, sampling(tok))
-            await proxy.start()
-            try:
-                session = proxy.open_session()
-                client = openai.AsyncOpenAI(base_url=proxy.base_url(session), api_key=session.key, max_retries=0)
-                try:
-                    out = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "q"}], **kwargs)
-                except openai.BadRequestError as exc:
-                    out = exc
-                await client.close()
-                return out, session
-            finally:
-                await proxy.stop()
-
-        return engine, *asyncio.run(go())
+        return proxy_call(tok, reply, lambda client: client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "q"}], **kwargs), errors=openai.BadRequestError)
 
     def test_stop_ends_the_answer_there_and_the_trained_tokens_keep_what_was_generated(self, tokenizer):
         engine, out, session = self.call(tokenizer, lambda ids: "Thought: add\nObservation: 5", stop=["Observation:"])

@@ -9,8 +9,6 @@ the sample the concatenation of the last prompt and its answer), and the SDK's d
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner
 
@@ -18,9 +16,8 @@ from kuberl.runtime.data import Item
 from kuberl.runtime.rewards import repeat_digit_reward
 from kuberl.runtime.rollout import responses_api
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
-from kuberl.runtime.rollout.workflows import EpisodeContext
 from tests.integration import framework_agents as fa
-from tests.unit.test_agent_workflow import ScriptedEngine, generated_segments, sampling
+from tests.unit.test_agent_workflow import ScriptedEngine, episode_of, generated_segments, sampling
 
 ITEM = Item(0, "Repeat the digit 4: 44444", "444")
 CHECK_CALL = '<tool_call>{"name": "check", "arguments": {"answer": "44"}}</tool_call>'
@@ -62,14 +59,7 @@ def checking_engine(tok):
 
 def run(tok, engine, agent):
     wf = AgentWorkflow(agent, tok, sampling(tok), repeat_digit_reward, reward_name="repeat-digit", timeout_seconds=60.0, name=agent.__name__)
-
-    async def go():
-        try:
-            return await wf.arun_episode(engine, ITEM, EpisodeContext(ticket_id="t"))
-        finally:
-            await wf.aclose()
-
-    (sample,) = asyncio.run(go())
+    (sample,) = episode_of(wf, engine, ITEM)
     return wf, sample
 
 

@@ -20,8 +20,7 @@ from kuberl.runtime.rollout import responses_api as R
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 from kuberl.runtime.rollout.openai_proxy import OpenAIProxy
 from kuberl.runtime.rollout.proxy_fields import FieldRefused
-from kuberl.runtime.rollout.workflows import EpisodeContext
-from tests.unit.test_agent_workflow import ADD_TOOL, ScriptedEngine, sampling
+from tests.unit.test_agent_workflow import ADD_TOOL, ScriptedEngine, episode_of, proxy_call, sampling
 
 FLAT_ADD = {"type": "function", "name": "add", "description": "a + b", "parameters": ADD_TOOL["function"]["parameters"]}
 ITEM = Item(0, "What is 2 + 3?", "5")
@@ -194,14 +193,7 @@ async def responses_stream_agent(client, item):
 def episode(tok, agent):
     engine = add_engine(tok)
     wf = AgentWorkflow(agent, tok, sampling(tok), exact_match_reward, reward_name="exact-match", timeout_seconds=30.0, name="t")
-
-    async def go():
-        try:
-            return await wf.arun_episode(engine, ITEM, EpisodeContext(ticket_id="t"))
-        finally:
-            await wf.aclose()
-
-    (sample,) = asyncio.run(go())
+    (sample,) = episode_of(wf, engine, ITEM)
     return engine, sample
 
 
@@ -221,24 +213,7 @@ def test_one_conversation_through_chat_and_through_responses_gives_the_same_trai
 
 def call(tok, reply, **kwargs):
     """One /v1/responses call against a fresh proxy: (engine, the Response or the error, the session)."""
-    engine = ScriptedEngine(tok, reply)
-
-    async def go():
-        proxy = OpenAIProxy(engine, tok, sampling(tok))
-        await proxy.start()
-        try:
-            session = proxy.open_session()
-            client = openai.AsyncOpenAI(base_url=proxy.base_url(session), api_key=session.key, max_retries=0)
-            try:
-                out = await client.responses.create(model="policy", **kwargs)
-            except openai.APIStatusError as exc:
-                out = exc
-            await client.close()
-            return out, session
-        finally:
-            await proxy.stop()
-
-    return engine, *asyncio.run(go())
+    return proxy_call(tok, reply, lambda client: client.responses.create(model="policy", **kwargs))
 
 
 def test_max_output_tokens_caps_the_generation_and_the_cut_answer_is_recorded(tokenizer):

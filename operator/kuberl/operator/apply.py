@@ -128,18 +128,20 @@ async def bus_token_for_children(exp: RLExperiment) -> str | None:
     return decode_secret_value(secret, "token") or secrets.token_urlsafe(32)
 
 
-async def engine_key_for_children(exp: RLExperiment) -> str:
-    """The engines' API key: the one already in the engine Secret, else a new random one (generated once)."""
-    secret = await kube().get("Secret", exp.namespace, naming.engine_secret_name(exp))
+async def _kept_key(namespace: str, secret_name: str) -> str:
+    """The API key already in that Secret, else a new random one: generated once, then kept."""
+    secret = await kube().get("Secret", namespace, secret_name)
     return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
+
+
+async def engine_key_for_children(exp: RLExperiment) -> str:
+    """The engines' API key (the engine Secret's)."""
+    return await _kept_key(exp.namespace, naming.engine_secret_name(exp))
 
 
 async def episode_key_for_children(exp: RLExperiment) -> str | None:
-    """workflow.external: the episode key, the one already in the episode Secret, else a new random one (generated once)."""
-    if exp.spec.workflow.external is None:
-        return None
-    secret = await kube().get("Secret", exp.namespace, naming.episode_secret_name(exp))
-    return decode_secret_value(secret, ENGINE_API_KEY_KEY) or secrets.token_urlsafe(32)
+    """workflow.external: the episode key (the episode Secret's)."""
+    return None if exp.spec.workflow.external is None else await _kept_key(exp.namespace, naming.episode_secret_name(exp))
 
 
 async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], memo: Any,

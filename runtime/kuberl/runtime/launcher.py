@@ -31,7 +31,7 @@ import yaml
 from kuberl.api import RLExperiment, load_experiment
 from kuberl.net import reserve_port
 from kuberl.runtime.errors import CONFIG_ERROR_EXIT, TERMINATION_LOG_ENV, ConfigError, spec_errors
-from kuberl.runtime.launcher_progress import _fmt, eval_text, plot_rewards, progress_info, watch_progress  # noqa: F401 (re-exported)
+from kuberl.runtime.launcher_progress import eval_text, fmt_number, plot_rewards, progress_info, watch_progress  # noqa: F401 (re-exported)
 from kuberl.runtime.lifetime import STOP_GRACE_SECONDS, Lifeline
 from kuberl.runtime.resources import available_cpus, plan_local_cpus
 from kuberl.runtime.resources import role_env as role_cpu_env
@@ -469,7 +469,7 @@ def _finish(run: LocalRun, workdir: Path, report: dict | None, failure: str | No
     png = None if interrupted else plot_rewards(workdir / "metrics.jsonl", workdir / "reward.png")
     if report:
         print(f"kuberl run: step {report.get('step')}/{report.get('total_steps')}, policy version {report.get('policy_version')}, "
-              f"last reward {_fmt(report.get('reward_mean'))}")
+              f"last reward {fmt_number(report.get('reward_mean'))}")
         if ev := eval_text(report.get("eval")):
             print(f"kuberl run: {ev}")
     if png:

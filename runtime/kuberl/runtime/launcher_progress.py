@@ -26,8 +26,8 @@ PROGRESS_READ_SECONDS = 3.0
 def progress_info(report: dict) -> str:
     """The live line's text after the step count: version, reward, speed, staleness, evaluation, and failed groups with
     the latest reason (a run whose episodes all fail shows why at once, not only in the agents' logs)."""
-    info = (f"v{report.get('policy_version', 0)} reward {_fmt(report.get('reward_mean'))} "
-            f"{_fmt(report.get('samples_per_second'))} samples/s staleness {_fmt(report.get('staleness_mean'))}")
+    info = (f"v{report.get('policy_version', 0)} reward {fmt_number(report.get('reward_mean'))} "
+            f"{fmt_number(report.get('samples_per_second'))} samples/s staleness {fmt_number(report.get('staleness_mean'))}")
     if ev := eval_text(report.get("eval")):
         info += f" | {ev}"
     if report.get("failed_groups"):
@@ -106,12 +106,12 @@ def eval_text(ev: dict | None) -> str:
     """The last held-out evaluation (progress `eval`, spec.evaluation) in one line; "" when there is none."""
     if not isinstance(ev, dict):
         return ""
-    ks = " ".join(f"pass@{k} {_fmt(v)}" for k, v in sorted((ev.get("pass_at_k") or {}).items(), key=lambda kv: int(kv[0])))
-    return (f"eval (step {ev.get('step')}, v{ev.get('policy_version')}, {ev.get('items')} items): reward {_fmt(ev.get('reward_mean'))} "
-            f"greedy {_fmt(ev.get('greedy_reward_mean'))} pass@1 greedy {_fmt(ev.get('pass_at_1_greedy'))} {ks}").rstrip()
+    ks = " ".join(f"pass@{k} {fmt_number(v)}" for k, v in sorted((ev.get("pass_at_k") or {}).items(), key=lambda kv: int(kv[0])))
+    return (f"eval (step {ev.get('step')}, v{ev.get('policy_version')}, {ev.get('items')} items): reward {fmt_number(ev.get('reward_mean'))} "
+            f"greedy {fmt_number(ev.get('greedy_reward_mean'))} pass@1 greedy {fmt_number(ev.get('pass_at_1_greedy'))} {ks}").rstrip()
 
 
-def _fmt(x: float | None) -> str:
+def fmt_number(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 

@@ -60,32 +60,29 @@ def agent_probes() -> Obj:
     }
 
 
-def build_engine_secret(exp: RLExperiment, api_key: str) -> Obj:
-    """Secret `{exp}-engine-credentials`: key `apiKey`, the engines' API key (runtime.inference.engine_auth).
-    The handlers generate it once and keep it; pods read it through secretKeyRef, never literally."""
+def _key_secret(exp: RLExperiment, name: str, what: str, api_key: str) -> Obj:
+    """An Opaque Secret holding one API key under `apiKey` (pods read it through secretKeyRef, never literally)."""
     if not api_key or any(c.isspace() for c in api_key):
-        raise ValueError("engine API key must be a non-empty string without whitespace")
+        raise ValueError(f"{what} API key must be a non-empty string without whitespace")
     return pinning.stamp({
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": metadata(exp, naming.engine_secret_name(exp), L.Component.ROLLOUT),
+        "metadata": metadata(exp, name, L.Component.ROLLOUT),
         "type": "Opaque",
         "stringData": {ENGINE_API_KEY_KEY: api_key},
     }, exp)
+
+
+def build_engine_secret(exp: RLExperiment, api_key: str) -> Obj:
+    """Secret `{exp}-engine-credentials`: key `apiKey`, the engines' API key (runtime.inference.engine_auth).
+    The handlers generate it once and keep it."""
+    return _key_secret(exp, naming.engine_secret_name(exp), "engine", api_key)
 
 
 def build_episode_secret(exp: RLExperiment, api_key: str) -> Obj:
     """Secret `{exp}-episode-api`: key `apiKey`, the experiment's episode key (workflow.external). Generated once and kept
     by the handlers; the rollout agents read it through secretKeyRef; users read it to start their external agents."""
-    if not api_key or any(c.isspace() for c in api_key):
-        raise ValueError("episode API key must be a non-empty string without whitespace")
-    return pinning.stamp({
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": metadata(exp, naming.episode_secret_name(exp), L.Component.ROLLOUT),
-        "type": "Opaque",
-        "stringData": {ENGINE_API_KEY_KEY: api_key},
-    }, exp)
+    return _key_secret(exp, naming.episode_secret_name(exp), "episode", api_key)
 
 
 def episode_api(exp: RLExperiment) -> tuple[list[Obj], list[Obj]]:
