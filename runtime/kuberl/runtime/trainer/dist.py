@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +104,7 @@ def shards(info: DistInfo, param_dtype: torch.dtype | None = None) -> bool:
 
 
 def load_sharded(model_dir: str, info: DistInfo, param_dtype: torch.dtype | None, *, attention: str | None = None,
-                 prepare: Any = None) -> torch.nn.Module:
+                 prepare: Any = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> torch.nn.Module:
     """The checkpoint at `model_dir` as an FSDP2 model, each rank holding only its shard, in float32 master weights.
 
     The model is built on the meta device on every rank, `prepare(model)` (context parallel's attention switch) and
@@ -112,16 +112,28 @@ def load_sharded(model_dir: str, info: DistInfo, param_dtype: torch.dtype | None
     host memory, once per node) and broadcasts it tensor by tensor into everyone's shards (torch's
     set_model_state_dict, broadcast_from_rank0); buffers (the rotary tables, not in the checkpoint) come from rank 0
     too. Loading the whole model on every rank, then on its GPU, then sharding took world_size copies of host memory
-    and the whole model on each GPU before any was freed: out of memory well below the sizes FSDP trains."""
+    and the whole model on each GPU before any was freed: out of memory well below the sizes FSDP trains.
+
+    wrap: adapters (PEFT LoRA: `wrap(model)` returns the PeftModel, whose `get_base_model()` is what is sharded, the
+    adapters inside its decoder layers with it). Every rank wraps its meta model under the meta device (the adapters
+    take no memory and draw no random numbers there); rank 0 also wraps the loaded model first, drawing the adapters'
+    initial values from the seed as an unsharded load does, and broadcasts them with the base weights, so every rank
+    starts from the same adapters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if info.is_main else None  # its weights only
+    full = None
+    if info.is_main:  # its weights only (and the adapters' initial values)
+        full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        full = wrap(full) if wrap is not None else full
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
                                                  attn_implementation=attention)
     if prepare is not None:
         prepare(model)
-    shard_model(model, info, param_dtype)
+    if wrap is not None:
+        with torch.device("meta"):
+            model = wrap(model)
+    shard_model(model.get_base_model() if wrap is not None else model, info, param_dtype)
     model.to_empty(device=info.device)
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

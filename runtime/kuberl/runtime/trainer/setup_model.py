@@ -80,18 +80,18 @@ class SetUpMixin:
             if self.context_parallel is not None:
                 enable_context_parallel(m, self.context_parallel)  # the heads must divide: ConfigError (exit 2) naming the field
 
+        def adapt(m: torch.nn.Module) -> torch.nn.Module:
+            with spec_errors():  # a targetModules name the model does not have
+                return wrap_lora(m, lora)
+
         def load(adapters: bool = False) -> torch.nn.Module:
-            if not adapters and D.shards(self.info, param_dtype):  # FSDP2: each rank allocates only its shard
-                return D.load_sharded(self.model_dir, self.info, param_dtype, attention=attention, prepare=prepare)
-            # One rank in float32 (nothing to shard), or LoRA adapters (PEFT wraps a loaded model; the base is sharded after).
+            wrap = adapt if adapters else None
+            if D.shards(self.info, param_dtype):  # FSDP2: each rank allocates only its shard (of the base and the adapters)
+                return D.load_sharded(self.model_dir, self.info, param_dtype, attention=attention, prepare=prepare, wrap=wrap)
+            # One rank in float32: nothing to shard.
             m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attention).to(self.info.device)
             prepare(m)
-            if not adapters:
-                return m
-            with spec_errors():  # a targetModules name the model does not have
-                peft_model = wrap_lora(m, lora)
-            D.shard_model(peft_model.get_base_model(), self.info, param_dtype)  # in place: shards the decoder layers
-            return peft_model
+            return wrap(m) if wrap is not None else m
 
         if self.megatron:  # megatron-core GPTModel shards (megatron/backend.py)
             self.setup_megatron_model()
