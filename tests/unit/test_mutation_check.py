@@ -65,3 +65,12 @@ def test_a_mutant_whose_text_is_gone_is_reported_by_name(tmp_path):
 def test_list_prints_every_mutant_without_running_tests():
     out = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
     assert out.count("\n    tests: ") == len(load_script().MUTANTS)
+
+
+def test_the_mutation_tier_skips_its_baseline_only_when_the_session_runs_every_selected_test_itself() -> None:
+    from tests.mutation.test_mutants import run_here
+
+    collected = ["tests/unit/a.py::TestX::test_one", "tests/unit/a.py::test_two[p]", "tests/unit/b.py::test_three"]
+    assert run_here(("tests/unit/a.py::TestX", "tests/unit/a.py::test_two", "tests/unit/b.py::test_three"), collected)
+    assert not run_here(("tests/unit/a.py::TestX", "tests/unit/c.py::test_four"), collected)  # c.py is not in this session
+    assert not run_here(("tests/unit/a.py::TestXY",), collected)  # a prefix of a name is not the test
