@@ -3,7 +3,7 @@
 rows -> messages -> rows round trip (one per step, group_ids left out), the publisher never blocking or
 raising while the bus fails and catching up after, a fresh start deleting the stream, the names and the
 kubectl port-forward command the cluster path uses, and the plot command's errors. The real nats-server:
-tests/integration/test_metrics_stream.py; the emulated API server: e2e_tests/test_kuberl_plot_cluster.py.
+tests/integration/test_metrics_stream.py; the real control plane: e2e_tests/test_kuberl_plot_cluster.py.
 """
 
 from __future__ import annotations
