@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kuberl.testing.control_plane import SESSION_STOPS, STOPPED_EARLY, stop_session_services
 from kuberl.testing.kueue_fixtures import kueue  # noqa: F401  (Kueue's real manager, once per session)
 
 ROOT = Path(__file__).resolve().parent
@@ -66,6 +67,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     from kuberl.testing.control_plane import ControlPlane
 
     with ControlPlane(tmp_path_factory.mktemp("control-plane")) as cp:
+        SESSION_STOPS.append(cp.stop)
         env = {**os.environ, "KUBECONFIG": cp.kubeconfig, "PATH": f"{cp.bin}{os.pathsep}{os.environ.get('PATH', '')}",
                "HELM_CACHE_HOME": str(cp.dir / "helm-cache"), "HELM_CONFIG_HOME": str(cp.dir / "helm-config"),
                "HELM_DATA_HOME": str(cp.dir / "helm-data")}
@@ -94,6 +96,18 @@ def kuberl_installed(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> It
                          standalone=False, leader_election=True, extra_env=env) as op:
         kube.operator = op
         kube.operator_kubeconfig = operator_kubeconfig
+        SESSION_STOPS.append(op.__exit__)
         yield kube
-        assert op.alive, f"the operator died during the tests:\n{op.log_tail()}"
+        assert op.alive or STOPPED_EARLY, f"the operator died during the tests:\n{op.log_tail()}"
     kube.operator = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist's loadgroup every test of the control-plane group runs on one worker, one after another: after the
+    last of them (its own teardown done) stop Kueue, the operator and the control plane rather than at the end of
+    the session. Without loadgroup (a developer's run of some files) they stay up until the session ends."""
+    yield
+    group = item.nodeid.rpartition("@")[2]
+    if "@" in item.nodeid and group == "kube" and SESSION_STOPS and (nextitem is None or not nextitem.nodeid.endswith("@kube")):
+        stop_session_services()

@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -87,6 +87,20 @@ AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages":
     {"level": "Metadata", "resources": [{"group": "kuberl.io"}, {"group": "kueue.x-k8s.io"}]},
     {"level": "Metadata", "verbs": ["list", "watch"], "resources": [{"group": "", "resources": ["nodes"]}]},  # who reads Nodes how
     {"level": "None"}]}
+
+
+# What the session's control-plane fixtures started, stopped in reverse once the last test that uses them has run
+# (the root conftest.py's hook, under xdist's loadgroup, where those tests run one after another on one worker): an idle
+# API server and operator otherwise keep a third of a core busy until the whole session ends.
+SESSION_STOPS: list[Callable[[], None]] = []
+STOPPED_EARLY: list[bool] = []  # non-empty once stop_session_services ran
+
+
+def stop_session_services() -> None:
+    """Stop what SESSION_STOPS holds, last registered first (Kueue, the operator, then the control plane)."""
+    while SESSION_STOPS:
+        SESSION_STOPS.pop()()
+    STOPPED_EARLY.append(True)
 
 
 def stop_processes(procs: list[subprocess.Popen[Any]], grace: float = 15) -> None:
@@ -168,8 +182,11 @@ def kubeconfig_text(server: str, ca: Path, user: str, token: str) -> str:
 class ControlPlane:
     """Start with `with ControlPlane(workdir) as cp:`; see the module docstring."""
 
-    def __init__(self, workdir: str | Path, bin_dir: Path | None = None, *, nodes: bool = True):
+    def __init__(self, workdir: str | Path, bin_dir: Path | None = None, *, nodes: bool = True,
+                 audit_rules: Sequence[dict[str, Any]] = ()):
         self.dir = Path(workdir)
+        # Audit policy rules ahead of AUDIT_POLICY's (bench/bench_operator_scale.py: every request of the operator's account).
+        self.audit_rules = list(audit_rules)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bin = bin_dir or install()
         self.make_nodes = nodes
@@ -233,7 +250,7 @@ class ControlPlane:
         pki = _pki(self.dir)
         (self.dir / "tokens.csv").write_text(f"{self.admin_token},kuberl-admin,kuberl-admin,system:masters\n")
         (self.dir / "tokens.csv").chmod(0o600)
-        (self.dir / "audit-policy.yaml").write_text(json.dumps(AUDIT_POLICY))
+        (self.dir / "audit-policy.yaml").write_text(json.dumps({**AUDIT_POLICY, "rules": [*self.audit_rules, *AUDIT_POLICY["rules"]]}))
         self._spawn("etcd", ["etcd", "--data-dir", str(self.dir / "etcd"), "--name", "default",
                              "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
                              "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
