@@ -1,19 +1,22 @@
-"""An agent in its own process, trained through the episode API: `python external_agent.py WORKDIR FUNCTION OUT`.
+"""Agents in their own process, trained through the episode API: `python external_agent.py WORKDIR FUNCTIONS OUT`.
 
 It is what a user runs next to `kuberl run` (or against a rollout pod): it reads where the episode API is and its key
 from WORKDIR/episode-api.json (written by `kuberl run`), and with WORKERS episodes at a time opens an episode, runs
-the framework agent FUNCTION of framework_agents.py (the OpenAI Agents SDK or LangChain, unchanged) on an openai
-client made from the episode's base URL and key, and closes it empty, for workflow.reward to score the final answer.
-Each episode it closed is a JSON line in OUT (its group, index, pid). It runs until terminated (SIGTERM).
+a framework agent of framework_agents.py (the OpenAI Agents SDK or LangChain, unchanged) on an openai client made
+from the episode's base URL and key, and closes it empty, for workflow.reward to score the final answer. FUNCTIONS
+names one agent function or several, comma-separated: the episodes are dealt to them in turn. Each episode it closed
+is a JSON line in OUT (its group, index, pid, the function). It runs until terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,12 +40,14 @@ async def open_episode(http: aiohttp.ClientSession, url: str, key: str) -> dict 
         return None
 
 
-async def episode_loop(http: aiohttp.ClientSession, url: str, key: str, agent, out: Path) -> None:
-    """Open, run, close, until terminated."""
+async def episode_loop(http: aiohttp.ClientSession, url: str, key: str, agents: Iterator[str], out: Path) -> None:
+    """Open, run (the next agent function in turn), close, until terminated."""
     while True:
         ep = await open_episode(http, url, key)
         if ep is None:
             continue
+        function = next(agents)
+        agent = getattr(framework_agents, function)
         client = openai.AsyncOpenAI(base_url=ep["base_url"], api_key=ep["api_key"], max_retries=0)
         close: dict = {}
         try:
@@ -54,18 +59,18 @@ async def episode_loop(http: aiohttp.ClientSession, url: str, key: str, agent, o
         async with http.post(f"{url}/{ep['episode_id']}/close", json=close, headers={"Authorization": f"Bearer {ep['api_key']}"}) as r:
             closed = r.status
         with open(out, "a") as fh:
-            fh.write(json.dumps({"group": ep["group"], "pid": os.getpid(), "closed": closed, **close}) + "\n")
+            fh.write(json.dumps({"group": ep["group"], "pid": os.getpid(), "function": function, "closed": closed, **close}) + "\n")
 
 
-async def main(workdir: Path, function: str, out: Path) -> None:
+async def main(workdir: Path, functions: str, out: Path) -> None:
     where = workdir / "episode-api.json"
     while not where.is_file():  # `kuberl run` writes it once its roles are started
         await asyncio.sleep(0.2)
     info = json.loads(where.read_text())
     key = Path(info["key_file"]).read_text().strip()
-    agent = getattr(framework_agents, function)
+    agents = itertools.cycle(functions.split(","))  # shared by the workers: episodes go to each function in turn
     async with aiohttp.ClientSession() as http:
-        loops = [asyncio.create_task(episode_loop(http, info["urls"][0], key, agent, out)) for _ in range(WORKERS)]
+        loops = [asyncio.create_task(episode_loop(http, info["urls"][0], key, agents, out)) for _ in range(WORKERS)]
         done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
         for t in loops:
             t.cancel()

@@ -1,8 +1,9 @@
-"""`kuberl run` trains an agent that runs in its own process, through the episode API (workflow.external).
+"""`kuberl run` trains agents that run in their own process, through the episode API (workflow.external).
 
-external_agent.py is that process: an OpenAI Agents SDK agent (framework_agents.sdk_responses_agent, unchanged) that
-takes episodes from the run's episode API (URL and key from the workdir, as `kuberl run` prints them), runs against
-each episode's base URL and key, and closes each for workflow.reward to score. The rollout agent records what vLLM
+external_agent.py is that process: it takes episodes from the run's episode API (URL and key from the workdir, as
+`kuberl run` prints them) and deals them in turn to the three framework agents of framework_agents.py, unchanged (the
+OpenAI Agents SDK with its Responses model and with its Chat Completions model, LangChain's ChatOpenAI), each run
+against its episode's base URL and key; it closes each episode for workflow.reward to score. The rollout agent records what vLLM
 returned and every trained sample (external_recording.py, loaded as the run's reward): every sample must be the
 episode's calls token for token, as for in-pod agents (test_framework_agents_run.py's checks).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_framework_agents_run import generated_runs, rows
+from tests.integration.test_framework_agents_run import FRAMEWORKS, generated_runs, rows
 from tests.integration.test_run import ROOT, processes_mentioning, quickstart_manifest, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -46,7 +47,7 @@ def external_run(tmp_path_factory: pytest.TempPathFactory):
     episodes = tmp / "episodes.jsonl"
     env = {**os.environ, "KUBERL_TEST_RECORD": str(record),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    agent = subprocess.Popen([sys.executable, str(HERE / "external_agent.py"), str(workdir), "sdk_responses_agent", str(episodes)],
+    agent = subprocess.Popen([sys.executable, str(HERE / "external_agent.py"), str(workdir), ",".join(FRAMEWORKS), str(episodes)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         proc = subprocess.run([sys.executable, "-m", "kuberl.cli", "run", str(manifest), "--workdir", str(workdir)],
@@ -76,16 +77,17 @@ def test_the_external_agent_trains_every_step(external_run):
     assert all(c["closed"] == 200 and "error" not in c for c in closed), closed
 
 
-def test_every_episode_is_its_calls_token_for_token(external_run):
+@pytest.mark.parametrize("agent", FRAMEWORKS)
+def test_every_episode_is_its_calls_token_for_token(external_run, agent):
     _, _, record, episodes, _, _ = external_run
     served = {}
     for r in rows(record, "engine"):
         served.setdefault(tuple(r["prompt"]), []).append((r["output"], r["logprobs"]))
-    samples = rows(record, "samples")
-    closed = {f"{c['group']['id']}/{c['group']['index']}" for c in map(json.loads, episodes.read_text().splitlines())}
-    assert len(samples) >= STEPS * BATCH * GROUP
+    closed = [json.loads(line) for line in episodes.read_text().splitlines()]
+    mine = {f"{c['group']['id']}/{c['group']['index']}" for c in closed if c["function"] == agent}
+    samples = [s for s in rows(record, "samples") if s["episode"] in mine]  # episodes this framework ran and closed
+    assert len(samples) >= STEPS * BATCH * GROUP // len(FRAMEWORKS), (agent, len(samples))
     for s in samples:
-        assert s["episode"] in closed  # an episode the external process ran and closed
         full = s["input_ids"] + s["output_ids"]
         runs = generated_runs(s)
         assert len(runs) >= 2 and s["num_turns"] == len(runs), s["episode"]  # the answer and the follow-up, at least
