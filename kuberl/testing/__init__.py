@@ -1,8 +1,7 @@
 """Test support shipped with KubeRL.
 
 control_plane: a real Kubernetes control plane (kube-apiserver, etcd, controller manager, scheduler, KWOK nodes) built
-from the upstream Go modules; what tests/integration and e2e_tests run against (`python -m kuberl.testing.control_plane`).
-kmock_strict: the older emulated API server, kept for tests/unit/test_kueue.py and bench/bench_operator_scale.py;
-tests/integration/test_emulator_parity.py holds it to the real API server's answers
-(`python -m kuberl.testing.kmock_strict --kubeconfig /tmp/kubeconfig`).
+from the upstream Go modules; what tests/integration, e2e_tests and bench/bench_operator_scale.py run against
+(`python -m kuberl.testing.control_plane`). kueue: Kueue's real manager on it. admission_fuzz and admission_parity: the
+generated manifests that the real API server and `kuberl validate` must judge alike.
 """

@@ -80,7 +80,7 @@ def reconcile_slots() -> asyncio.Semaphore:
     """At most CONFIG.max_reconciles reconciles apply children at once (per event loop): when the
     operator starts with 1,000 experiments, their ~30 requests each queue here instead of all at once
     in the HTTP pool, where they ran into the 60 s request timeout and kopf's retries (measured
-    against the emulated API server with bench/bench_operator_scale.py --n 1000)."""
+    against the emulated API server the project used then, with bench/bench_operator_scale.py --n 1000)."""
     loop = asyncio.get_running_loop()
     if loop not in _slots:
         _slots.clear()

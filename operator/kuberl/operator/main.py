@@ -63,7 +63,8 @@ def configure_settings(settings: object, *, standalone: bool, clusterwide: bool,
 
     for resource, selector in WATCHED.items():  # the children's watch caches: only labelled objects
         settings.watching.label_selectors[resource] = selector
-    # Without the peering CRD (e.g. a bare emulator) run alone, with a warning; several replicas must not.
+    # Without the peering CRD (e.g. a cluster where only the CRD of experiments was applied) run alone, with a warning;
+    # several replicas must not.
     settings.peering.mandatory = mandatory
     # Keep kopf's bookkeeping in annotations: the status schema (a structural CRD) prunes unknown fields.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kuberl.io")
