@@ -24,7 +24,7 @@ ENGINE_FILES = frozenset({
     "test_evaluation_run.py", "test_external_agent_run.py", "test_faults.py", "test_framework_agents_run.py", "test_kuberl_run_backends.py",
     "test_launcher_progress.py",
     "test_lora_run.py", "test_lora_vllm.py", "test_metrics_stream.py", "test_ray_launcher.py", "test_rollout.py",
-    "test_run.py", "test_run_lifetime.py", "test_trainer.py", "test_vllm.py", "test_vllm_parity.py", "test_weight_broadcast.py",
+    "test_run.py", "test_run_lifetime.py", "test_sandbox_run.py", "test_trainer.py", "test_vllm.py", "test_vllm_parity.py", "test_weight_broadcast.py",
 })
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kuberl.api.base import DNS1123_LABEL, KubeModel, SecretKeyRef, VolumeRef, _cel, _or
+from kuberl.api.base import DNS1123_LABEL, KubeModel, ResourceRequirements, SecretKeyRef, VolumeRef, _cel, _or
 
 
 class ModelSpec(KubeModel):
@@ -126,13 +126,50 @@ _IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 _TYPE = _or("self.type", "rlvr")
 
 
-class SandboxSpec(KubeModel):
-    """Limits of the sandboxed Python tool (tool-integrated reasoning): one process per call, no network."""
+SANDBOX_RUNTIME_CLASS = "workflow.sandbox.runtimeClassName needs workflow.sandbox.placement pod (it is the sandbox pods' runtime class)"
+# A RuntimeClass name is a DNS-1123 subdomain.
+_DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
+
+class SandboxPlacement(StrEnum):
+    PROCESS = "process"  # a confined subprocess of the rollout agent, in the rollout pod
+    POD = "pod"  # on a cluster: pods of their own ({experiment}-sandbox), reached over HTTP; `kuberl run`: a server process of its own
+
+
+class SandboxSpec(KubeModel):
+    """Limits of the sandboxed Python tool (tool-integrated reasoning): one process per call, no network. Where it runs:
+    placement process (a confined subprocess of the rollout agent) or pod (a sandbox server in pods of its own, which
+    runs each call in the same confined subprocess; docs/agents.md#where-the-sandbox-runs)."""
+
+    model_config = _cel(
+        (f"!has(self.runtimeClassName) || {_or('self.placement', 'process')} == 'pod'", SANDBOX_RUNTIME_CLASS, ".runtimeClassName"),
+    )
     timeout_seconds: float = Field(5.0, gt=0.0, le=300.0, description="Wall-clock limit per code run; the process is killed past it.")
     cpu_seconds: int = Field(5, ge=1, le=300, description="CPU-time limit per code run (RLIMIT_CPU).")
     memory_mib: int = Field(512, ge=32, le=65536, description="Address-space limit per code run, MiB (RLIMIT_AS).")
     max_output_chars: int = Field(2000, ge=64, le=100000, description="Characters of stdout/stderr fed back to the model.")
+    placement: SandboxPlacement = Field(
+        SandboxPlacement.PROCESS,
+        description="process: a confined subprocess of the rollout agent, in the rollout pod. pod: on a cluster, a Deployment "
+                    "`{name}-sandbox` of its own (no service-account token, no Secret, no egress; only the rollout pods may call it) "
+                    "that runs each call in the same confined subprocess; with `kuberl run`, a sandbox server process of its own.",
+    )
+    runtime_class_name: str | None = Field(
+        None, min_length=1, max_length=253, pattern=_DNS1123_SUBDOMAIN,
+        description="placement pod: the sandbox pods' RuntimeClass, e.g. gvisor (a RuntimeClass the cluster has, "
+                    "handler runsc): a user-space kernel between tool code and the node's.",
+    )
+    replicas: int = Field(1, ge=1, le=256, description="placement pod: sandbox server pods (the rollout agents' calls are spread over them).")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="placement pod: CPU and memory requests/limits of a sandbox pod (default: requests cpu 1, memory 1Gi).",
+    )
+
+    @model_validator(mode="after")
+    def _placement(self) -> SandboxSpec:
+        if self.runtime_class_name is not None and self.placement != SandboxPlacement.POD:
+            raise ValueError(SANDBOX_RUNTIME_CLASS)
+        return self
 
 
 AGENT_NEEDS_ENTRY = "workflow.type agent needs workflow.agent (package.module:function) or workflow.external (agents in their own processes)"

@@ -45,7 +45,14 @@ from kuberl.api.v1alpha1 import (
     allocation_disagrees,
 )
 from kuberl.api.validation import check_cel, crd_schema, iter_rules, prune_and_default
-from kuberl.api.workflow import AGENT_NEEDS_ENTRY, AGENT_ONE_ENTRY, PROMPT_ONE_FORM, PROMPT_PLACEHOLDER, PROMPT_SYSTEM_CHAT
+from kuberl.api.workflow import (
+    AGENT_NEEDS_ENTRY,
+    AGENT_ONE_ENTRY,
+    PROMPT_ONE_FORM,
+    PROMPT_PLACEHOLDER,
+    PROMPT_SYSTEM_CHAT,
+    SANDBOX_RUNTIME_CLASS,
+)
 
 
 def make_spec(**overrides) -> dict:
@@ -429,6 +436,11 @@ AGREEMENT_CASES = [
     ("agent workflow with individual samples", {"workflow": {"type": "agent", "agent": "my.agent:run", "exportStyle": "individual"}}, None),
     ("an export style without the agent workflow", {"workflow": {"type": "rlvr", "exportStyle": "individual"}},
      "workflow.exportStyle needs workflow.type agent"),
+    ("a sandbox in pods of its own", {"workflow": {"sandbox": {"placement": "pod", "replicas": 2}}}, None),
+    ("a sandbox pod under gVisor", {"workflow": {"sandbox": {"placement": "pod", "runtimeClassName": "gvisor"}}}, None),
+    ("a runtime class for the sandbox process", {"workflow": {"sandbox": {"runtimeClassName": "gvisor"}}}, SANDBOX_RUNTIME_CLASS),
+    ("a runtime class with placement process", {"workflow": {"sandbox": {"placement": "process", "runtimeClassName": "gvisor"}}},
+     SANDBOX_RUNTIME_CLASS),
     ("ascend rollout without an image", {"rollout": {"accelerator": {"type": "ascend"}}}, ASCEND_IMAGE_MESSAGE),
     ("ascend rollout with an image", {"rollout": {"image": "r/vllm-ascend:1", "accelerator": {"type": "ascend"}}}, None),
     ("pod template overrides", {"trainer": {"podTemplate": {"labels": {"team": "a"}, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],

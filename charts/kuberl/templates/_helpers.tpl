@@ -130,6 +130,10 @@ in each tenant namespace. kuberl.operator.access checks these before it applies 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
+# The tool sandbox's Deployment (workflow.sandbox.placement pod); its pods get no token and no Secret.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch"]
 # The trainer Job is deleted and re-created when its immutable template must change or after a failure.
 - apiGroups: ["apps"]
   resources: ["statefulsets"]

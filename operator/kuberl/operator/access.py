@@ -22,7 +22,7 @@ from kuberl.operator.context import CONFIG, kube
 WRITES: tuple[tuple[str, str, str], ...] = (
     *((g, r, v) for g, r in (("", "configmaps"), ("", "secrets"), ("", "services"), ("", "serviceaccounts"),
                              ("", "persistentvolumeclaims"), ("networking.k8s.io", "networkpolicies"),
-                             ("policy", "poddisruptionbudgets")) for v in ("get", "create", "patch")),
+                             ("policy", "poddisruptionbudgets"), ("apps", "deployments")) for v in ("get", "create", "patch")),
     ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
     ("batch", "jobs", "create"), ("batch", "jobs", "patch"), ("batch", "jobs", "delete"),
 )

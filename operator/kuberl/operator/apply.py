@@ -13,7 +13,7 @@ from typing import Any
 
 from kuberl.api.v1alpha1 import Phase, RLExperiment
 from kuberl.operator import bus_users, naming
-from kuberl.operator.builders import build_bus_statefulset, build_children, build_rollout_statefulset
+from kuberl.operator.builders import build_bus_statefulset, build_children, build_rollout_statefulset, build_sandbox_deployment
 from kuberl.operator.builders.immutable import keep_immutable_fields
 from kuberl.operator.builders.pinning import keep_pinned
 from kuberl.operator.builders.rollout import ENGINE_API_KEY_KEY
@@ -169,6 +169,8 @@ async def apply_children(body: Any, exp: RLExperiment, status: dict[str, Any], m
             continue  # a finished trainer is not started again
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.rollout_name(exp):
             child = build_rollout_statefulset(effective, replicas=0)
+        if done and child["kind"] == "Deployment" and child["metadata"]["name"] == naming.sandbox_name(exp):
+            child = build_sandbox_deployment(effective, stopped=True)  # the tool sandbox follows the rollout
         if done and child["kind"] == "StatefulSet" and child["metadata"]["name"] == naming.bus_name(exp):
             child = build_bus_statefulset(effective, finished="Failed" if status.get("phase") == Phase.FAILED else "Succeeded")
         own = not (retained and child["kind"] == "PersistentVolumeClaim" and child["metadata"]["name"] == naming.checkpoint_pvc_name(exp))

@@ -35,6 +35,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Namespace": ("v1", "namespaces", False),
     "StorageClass": ("storage.k8s.io/v1", "storageclasses", False),  # why a PVC of ours stays Pending (observe.py)
     "StatefulSet": ("apps/v1", "statefulsets", True),
+    "Deployment": ("apps/v1", "deployments", True),  # the tool sandbox (workflow.sandbox.placement pod)
     "Job": ("batch/v1", "jobs", True),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies", True),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),

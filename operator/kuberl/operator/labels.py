@@ -16,6 +16,9 @@ from kuberl.operator.naming import BUS_RUN_ANNOTATION, ExperimentRef, experiment
 EXPERIMENT_LABEL = "kuberl.io/experiment"
 # kuberl.io/role: bus | rollout | trainer, on pods and the objects that select them.
 ROLE_LABEL = "kuberl.io/role"
+# kuberl.io/sandbox: name of the RLExperiment, on its sandbox pods (workflow.sandbox.placement pod) *instead of*
+# kuberl.io/experiment: the policies that admit "this experiment's pods" (the bus, the engines) must not admit tool code.
+SANDBOX_LABEL = "kuberl.io/sandbox"
 # Recommended labels (kubernetes.io/docs/concepts/overview/working-with-objects/common-labels).
 APP_NAME_LABEL = "app.kubernetes.io/name"
 APP_INSTANCE_LABEL = "app.kubernetes.io/instance"
@@ -77,6 +80,7 @@ class Component(StrEnum):
     STORAGE = "storage"  # the checkpoint PVC
     RBAC = "rbac"  # ServiceAccount, Role, RoleBinding
     NETWORK = "network"  # NetworkPolicy
+    SANDBOX = "sandbox"  # the sandbox server's Deployment and Service (workflow.sandbox.placement pod)
 
 
 def selector_labels(exp: ExperimentRef, role: Role | str) -> dict[str, str]:
@@ -87,6 +91,17 @@ def selector_labels(exp: ExperimentRef, role: Role | str) -> dict[str, str]:
 def selector_string(exp: ExperimentRef, role: Role | str) -> str:
     """`selector_labels` as a label-selector string (status.selector for the /scale subresource)."""
     return ",".join(f"{k}={v}" for k, v in selector_labels(exp, role).items())
+
+
+def sandbox_selector(exp: ExperimentRef) -> dict[str, str]:
+    """Selects an experiment's sandbox pods (which carry no kuberl.io/experiment label: SANDBOX_LABEL)."""
+    return {SANDBOX_LABEL: experiment_name(exp)}
+
+
+def sandbox_pod_labels(exp: ExperimentRef) -> dict[str, str]:
+    """The sandbox pods' labels: the recommended ones and SANDBOX_LABEL, without kuberl.io/experiment."""
+    labels = {k: v for k, v in child_labels(exp, Component.SANDBOX).items() if k != EXPERIMENT_LABEL}
+    return {**labels, **sandbox_selector(exp)}
 
 
 def experiment_labels(exp: ExperimentRef) -> dict[str, str]:

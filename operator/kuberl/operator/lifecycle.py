@@ -30,7 +30,8 @@ from kuberl.operator.apply import (  # noqa: F401  (re-exported: the handlers, k
     engine_key_for_children,
     recreate_job,
 )
-from kuberl.operator.builders import build_bus_statefulset, build_rollout_statefulset, build_trainer_job
+from kuberl.operator.builders import build_bus_statefulset, build_rollout_statefulset, build_sandbox_deployment, build_trainer_job
+from kuberl.operator.builders.sandbox import sandbox_in_pods
 from kuberl.operator.context import CONFIG, OperatorConfig, env_count, event, kube, now  # noqa: F401  (re-exported)
 from kuberl.operator.labels import EventReason
 from kuberl.operator.observe import (  # noqa: F401  (re-exported: pins and tests use them from here)
@@ -206,12 +207,14 @@ async def lifecycle(body: Any, exp: RLExperiment, status: dict[str, Any], memo: 
 
 async def scale_rollout_to_zero(body: Any, exp: RLExperiment, observed: st.ObservedChildren,
                                 reason: EventReason | None = None, why: str = "") -> bool:
-    """Rollout to 0 replicas (the StatefulSet stays, as for any finished experiment), with a Normal event
-    `reason` saying why; True if it changed."""
+    """Rollout to 0 replicas (the StatefulSet stays, as for any finished experiment), and the tool sandbox's Deployment
+    with it (workflow.sandbox.placement pod), with a Normal event `reason` saying why; True if it changed."""
     rollout = observed.rollout
     if not rollout or not ((rollout.get("spec") or {}).get("replicas") or 0):
         return False
     await apply_child(body, build_rollout_statefulset(exp, replicas=0))
+    if sandbox_in_pods(exp):
+        await apply_child(body, build_sandbox_deployment(exp, stopped=True))
     if reason is not None:
         await event(body, "Normal", reason.value, why)
     return True

@@ -18,6 +18,7 @@ BUS_MONITOR_PORT = 8222
 ENGINE_PORT = 8000
 AGENT_HEALTH_PORT = 8001  # the rollout agent's probe endpoints (/healthz, /readyz) and its Prometheus /metrics
 EPISODE_PORT = 8002  # workflow.external: the rollout agent's episode API and the proxy its external agents call
+SANDBOX_PORT = 8003  # workflow.sandbox.placement pod: the sandbox server (runtime/rollout/sandbox_server.py)
 TRAINER_MASTER_PORT = 29500
 
 # Length limits that bind child names. A StatefulSet's pods carry the label
@@ -136,6 +137,16 @@ def rollout_network_policy_name(exp: ExperimentRef) -> str:
 def trainer_network_policy_name(exp: ExperimentRef) -> str:
     """NetworkPolicy guarding the trainer pods (and the PodDisruptionBudget of the trainer)."""
     return _child(exp, "trainer", OBJECT_NAME_MAX)
+
+
+def sandbox_name(exp: ExperimentRef) -> str:
+    """workflow.sandbox.placement pod: the sandbox Deployment, its Service and its NetworkPolicy."""
+    return _child(exp, "sandbox", SERVICE_NAME_MAX)
+
+
+def sandbox_url(exp: RLExperiment | Mapping[str, Any]) -> str:
+    """The sandbox server's URL the rollout agents call: its Service, `http://{exp}-sandbox.{ns}.svc:8003`."""
+    return f"http://{sandbox_name(exp)}.{experiment_namespace(exp)}.svc:{SANDBOX_PORT}"
 
 
 BUS_RUN_ANNOTATION = "kuberl.io/bus-run"  # labels.BUS_RUN_ANNOTATION (labels imports this module)

@@ -221,6 +221,29 @@ class LocalRun:
             argv = [*cli, *trainer_cmd]
         self.roles.append(Role("trainer", argv, self.role_env("trainer", **devices.get("trainer", {})), logs / "trainer.log", lifeline=self.lifeline))
 
+    def add_sandbox(self) -> None:
+        """workflow.sandbox.placement pod: the sandbox server (kuberl.runtime.rollout.sandbox_server) as a role of its own on a
+        loopback port held for the run, and every rollout agent pointed at it ($KUBERL_SANDBOX_URL): the path the
+        operator's sandbox pods take, without a cluster. Its environment is a bare one, as a sandbox pod's: none of the
+        launcher's (a hub token, bus credentials), so tool code it runs could not find them even outside its confinement."""
+        if self.exp.spec.workflow.sandbox.placement != "pod":
+            return
+        from kuberl.runtime.rollout.sandbox_server import SANDBOX_URL_ENV
+
+        self.ports.append(reserve_port())
+        port = self.ports[-1].getsockname()[1]
+        home = self.workdir / "sandbox"
+        home.mkdir(parents=True, exist_ok=True)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(home), "PYTHONUNBUFFERED": "1",
+               TERMINATION_LOG_ENV: str(self.workdir / "logs" / "sandbox.termination-log")}
+        if os.environ.get("PYTHONPATH"):  # where kuberl itself may come from
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        argv = [sys.executable, "-m", "kuberl.runtime.rollout.sandbox_server", "--host", "127.0.0.1", "--port", str(port)]
+        self.roles.insert(0, Role("sandbox", argv, env, self.workdir / "logs" / "sandbox.log", lifeline=self.lifeline))
+        for role in self.roles:
+            if role.name.startswith("rollout-"):
+                role.env[SANDBOX_URL_ENV] = f"http://127.0.0.1:{port}"
+
     @property
     def trainer(self) -> Role:
         return next(r for r in self.roles if r.name == "trainer")
@@ -241,7 +264,7 @@ class LocalRun:
         come (every episode failing) finishes no step, and its checkpoint on SIGTERM would never start; checkpoints are
         written atomically, so one cut short is simply not there (the run resumes from the one before)."""
         # The trainer first (it checkpoints after its step), then the agents (they give their tickets back), then engines.
-        order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2}[r.name.split("-")[0]])
+        order = sorted(self.roles, key=lambda r: {"trainer": 0, "rollout": 1, "engine": 2, "sandbox": 3}[r.name.split("-")[0]])
         for role in order:
             role.terminate()
         deadline = time.monotonic() + grace
@@ -319,6 +342,7 @@ def main(args) -> int:
         run = LocalRun(exp, manifest, workdir, bus_url, lifeline=lifeline)
         try:
             run.plan(gpus=local_gpu_count())
+            run.add_sandbox()  # workflow.sandbox.placement pod: the sandbox server, a process of its own
         except SystemExit:
             if server is not None:
                 server.stop()

@@ -30,6 +30,12 @@ from kuberl.operator.builders.rollout import (
     build_rollout_statefulset,
     rollout_replicas,
 )
+from kuberl.operator.builders.sandbox import (
+    build_sandbox_children,
+    build_sandbox_deployment,
+    build_sandbox_network_policy,
+    build_sandbox_service,
+)
 from kuberl.operator.builders.storage import (
     build_checkpoint_pvc,
     checkpoint_access_mode,
@@ -56,6 +62,10 @@ __all__ = [
     "build_rollout_network_policy",
     "build_rollout_service",
     "build_rollout_statefulset",
+    "build_sandbox_children",
+    "build_sandbox_deployment",
+    "build_sandbox_network_policy",
+    "build_sandbox_service",
     "build_trainer_job",
     "build_trainer_network_policy",
     "build_trainer_pdb",
@@ -76,7 +86,8 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
     """Every child of `exp`, in apply order (what others depend on first).
 
     Order: ServiceAccount, ConfigMap, bus Secret, checkpoint PVC, bus Services, bus NetworkPolicy, bus
-    StatefulSet, rollout Service + NetworkPolicy + StatefulSet, trainer Service + NetworkPolicy +
+    StatefulSet, with workflow.sandbox.placement pod the sandbox NetworkPolicy + Service + Deployment (before the
+    rollout pods that call it), rollout Service + NetworkPolicy + StatefulSet, trainer Service + NetworkPolicy +
     PodDisruptionBudget + Job (each policy before the pods it guards). The bus Secret is included only when
     `bus_token` is given (embedded bus): the handlers generate the token once, create the Secret, and
     never rebuild it with a new token. The engine Secret (the engines' API key, read by the rollout pods)
@@ -104,6 +115,7 @@ def build_children(exp: RLExperiment, *, bus_token: str | None = None, rollout_r
         children.append(build_engine_secret(exp, engine_api_key))
     if episode_api_key is not None and exp.spec.workflow.external is not None:
         children.append(build_episode_secret(exp, episode_api_key))
+    children += build_sandbox_children(exp)
     children += [build_rollout_service(exp), build_rollout_network_policy(exp), build_rollout_statefulset(exp, rollout_replicas)]
     children += [build_trainer_service(exp), build_trainer_network_policy(exp), build_trainer_pdb(exp), build_trainer_job(exp)]
     return children

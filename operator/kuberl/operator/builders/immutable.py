@@ -23,6 +23,7 @@ IMMUTABLE_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], ...]] = {
         ("spec", "podManagementPolicy"),
         ("spec", "volumeClaimTemplates"),
     ),
+    ("apps/v1", "Deployment"): (("spec", "selector"),),
     ("v1", "PersistentVolumeClaim"): (
         ("spec", "accessModes"),
         ("spec", "storageClassName"),

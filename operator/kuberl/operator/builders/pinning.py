@@ -30,6 +30,7 @@ OPERATIONAL_FIELDS: dict[str, tuple[str, ...]] = {
 # (apiVersion, kind) -> the part kept from the live object while the child is pinned.
 PINNED_PARTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("apps/v1", "StatefulSet"): ("spec", "template"),
+    ("apps/v1", "Deployment"): ("spec", "template"),  # the sandbox server (workflow.sandbox.placement pod)
     ("batch/v1", "Job"): ("spec", "template"),
     ("v1", "ConfigMap"): ("data",),  # experiment.yaml: a restarted pod must read what its peers read
     ("v1", "Secret"): ("data",),  # the bus credentials and nats.conf the NATS servers run with

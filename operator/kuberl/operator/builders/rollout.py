@@ -23,6 +23,7 @@ from kuberl.operator.builders.common import (
     with_spec_hash,
 )
 from kuberl.operator.builders.pod import runtime_container, runtime_pod_template
+from kuberl.operator.builders.sandbox import sandbox_env
 
 # The operator never imports the runtime: these name the env vars that kuberl.runtime.inference.engine_auth
 # (API_KEY_ENV) and kuberl.runtime.rollout.health (HEALTH_PORT_ENV) read; tests/unit/test_rollout_pod_security.py
@@ -167,6 +168,7 @@ def build_rollout_statefulset(exp: RLExperiment, replicas: int | None = None) ->
             engine_key_env(exp),
             {"name": HEALTH_PORT_ENV, "value": str(naming.AGENT_HEALTH_PORT)},
             *episode_env,
+            *sandbox_env(exp),  # workflow.sandbox.placement pod: where tool calls go
         ],
         # disk: read-only view of the trainer's weights; bus: the agent writes downloaded weights.
         mounts=[{"name": "workdir", "mountPath": WORKDIR, "readOnly": read_only}, *data_mounts],

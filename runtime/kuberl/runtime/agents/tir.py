@@ -1,7 +1,8 @@
 """Tool-integrated reasoning for math (AReaL's TIR): the model may call a `python` tool mid-answer.
 
 Each tool call runs in the sandbox (runtime/kuberl/runtime/rollout/sandbox.py: own process, no network,
-CPU/memory/time limits from workflow.sandbox) and its output, or a clear error, goes back to the
+CPU/memory/time limits from workflow.sandbox; with workflow.sandbox.placement pod, on the sandbox server,
+sandbox_server.py, through ctx.sandbox_client) and its output, or a clear error, goes back to the
 model as the tool's message; the conversation goes on until the model answers without a tool call
 or MAX_TOOL_CALLS is reached. The final answer is scored by workflow.reward (e.g. math). An episode
 that ends on a failed tool call (timeout, exception) with no answer after it scores 0.
@@ -15,6 +16,7 @@ import logging
 from typing import Any
 
 from kuberl.runtime.rollout.sandbox import SandboxResult, run_python
+from kuberl.runtime.rollout.sandbox_server import SandboxClient
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +44,23 @@ def tool_code(arguments: str) -> str | None:
     return code if isinstance(code, str) and code.strip() else None
 
 
-async def run_tool(name: str, arguments: str, sandbox: Any) -> SandboxResult | str:
-    """Execute one tool call; a str is an error about the call itself (unknown tool, bad arguments)."""
+async def run_tool(name: str, arguments: str, sandbox: Any, client: SandboxClient | None = None) -> SandboxResult | str:
+    """Execute one tool call, on the sandbox server when `client` is given (placement pod), else in a local subprocess;
+    a str is an error about the call itself (unknown tool, bad arguments)."""
     if name != "python":
         return f"Error: unknown tool {name!r}; the only tool is python"
     code = tool_code(arguments)
     if code is None:
         return 'Error: the python tool needs arguments {"code": "<python source>"}'
+    if client is not None:
+        return await client.run(code, sandbox)
     return await run_python(code, sandbox)
 
 
 async def math_with_python(client: Any, item: Any, ctx: Any = None) -> float | None:
     """One TIR episode; returns 0.0 if it ended on a failed tool call, else None (workflow.reward scores the answer)."""
     sandbox = getattr(ctx, "sandbox", None)
+    sandbox_client = getattr(ctx, "sandbox_client", None)  # placement pod: the sandbox server
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item.prompt}]
     last_failed = False
     for _ in range(MAX_TOOL_CALLS + 1):
@@ -65,7 +71,7 @@ async def math_with_python(client: Any, item: Any, ctx: Any = None) -> float | N
             return None
         last_failed = False
         for call in msg.tool_calls:
-            result = await run_tool(call.function.name, call.function.arguments, sandbox)
+            result = await run_tool(call.function.name, call.function.arguments, sandbox, sandbox_client)
             if isinstance(result, str):
                 text, failed = result, True
             else:

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from kuberl.runtime.reward_pool import RewardPool
 from kuberl.runtime.rewards import RewardFn
 from kuberl.runtime.rollout.openai_proxy import CallRecord, OpenAIProxy
 from kuberl.runtime.rollout.registry import WorkflowError, WorkflowSetup, import_path
+from kuberl.runtime.rollout.sandbox import SandboxResult, run_python
+from kuberl.runtime.rollout.sandbox_server import SANDBOX_URL_ENV, SandboxClient
 from kuberl.runtime.rollout.workflows import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -44,13 +47,21 @@ SYNC_AGENT_THREADS = 64  # sync agents run in threads of their own (the default 
 
 @dataclass
 class AgentContext:
-    """What an agent function may ask for with a `ctx` parameter."""
+    """What an agent function may ask for with a `ctx` parameter. `await ctx.run_python(code)` runs code in the tool
+    sandbox wherever workflow.sandbox.placement puts it (a subprocess here, or the sandbox server: `sandbox_client`)."""
 
     base_url: str
     api_key: str
     episode: str
     timeout_seconds: float
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)
+    sandbox_client: SandboxClient | None = None  # placement pod: the sandbox server's client
+
+    async def run_python(self, code: str) -> SandboxResult:
+        """Run `code` in the sandbox with workflow.sandbox's limits; never raises for the code's or the server's faults."""
+        if self.sandbox_client is not None:
+            return await self.sandbox_client.run(code, self.sandbox)
+        return await run_python(code, self.sandbox)
 
 
 class EpisodeFailed(Exception):
@@ -146,7 +157,8 @@ class AgentWorkflow:
 
     def __init__(self, agent_fn: Any | None, tokenizer: Any, sampling: SamplingConfig, reward_fn: RewardFn, *, reward_name: str = "reward",
                  timeout_seconds: float = 600.0, sandbox: SandboxSpec | None = None, name: str = "agent",
-                 export_style: str = "concat", turn_discount: float = 1.0, scorer: RewardPool | None = None) -> None:
+                 export_style: str = "concat", turn_discount: float = 1.0, scorer: RewardPool | None = None,
+                 sandbox_url: str | None = None) -> None:
         self.agent_fn = agent_fn
         self.name = name
         self.is_async, self.wants_ctx = True, False
@@ -163,6 +175,7 @@ class AgentWorkflow:
         self.scorer = scorer  # workflow.reward off the event loop, with workflow.rewardTimeoutSeconds
         self.timeout = timeout_seconds
         self.sandbox = sandbox or SandboxSpec()
+        self.sandbox_client = self._sandbox_client(self.sandbox, sandbox_url)
         if export_style not in ("concat", "individual"):
             raise WorkflowError(f"workflow.exportStyle: {export_style!r} is not concat or individual")
         if not 0.0 < turn_discount <= 1.0:
@@ -187,13 +200,28 @@ class AgentWorkflow:
             raise WorkflowError(f"workflow.agent: {name} must take (client, item) and may take ctx; it takes ({', '.join(params)})")
         self.wants_ctx = "ctx" in params
 
+    @staticmethod
+    def _sandbox_client(sandbox: SandboxSpec, url: str | None) -> SandboxClient | None:
+        """placement pod: the client of the sandbox server at `url`, else None (a subprocess per call); a configuration error
+        when placement pod comes without a URL."""
+        if sandbox.placement != "pod":
+            return None
+        if not url:
+            raise WorkflowError(f"workflow.sandbox.placement pod needs the sandbox server's URL in ${SANDBOX_URL_ENV} (the operator sets "
+                                "it to the Service {name}-sandbox, `kuberl run` to its own sandbox server; `kuberl run --ray` has none: "
+                                "use placement process there)")
+        try:
+            return SandboxClient(url)
+        except ValueError as exc:
+            raise WorkflowError(f"${SANDBOX_URL_ENV}: {exc}") from exc
+
     @classmethod
     def from_setup(cls, setup: WorkflowSetup) -> AgentWorkflow:
         w = setup.spec.workflow
         fn = import_path(w.agent or "", "workflow.agent")
         return cls(fn, setup.tokenizer, setup.sampling, setup.reward_fn, reward_name=w.reward, timeout_seconds=w.episode_timeout_seconds,
                    sandbox=w.sandbox, name=w.agent or "agent", export_style=str(w.export_style or "concat"), turn_discount=w.turn_discount,
-                   scorer=setup.scorer)
+                   scorer=setup.scorer, sandbox_url=os.environ.get(SANDBOX_URL_ENV) or None)
 
     async def _proxy_for(self, engine: InferenceEngine) -> OpenAIProxy:
         async with self._proxy_lock:
@@ -236,6 +264,8 @@ class AgentWorkflow:
             self._sync_http = None
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.sandbox_client is not None:
+            await self.sandbox_client.aclose()
 
     # -- one episode ---------------------------------------------------------------------------
 
@@ -261,7 +291,8 @@ class AgentWorkflow:
         proxy = await self._proxy_for(engine)
         session = proxy.open_session()
         base_url = proxy.base_url(session)
-        ctx = AgentContext(base_url=base_url, api_key=session.key, episode=episode, timeout_seconds=self.timeout, sandbox=self.sandbox)
+        ctx = AgentContext(base_url=base_url, api_key=session.key, episode=episode, timeout_seconds=self.timeout, sandbox=self.sandbox,
+                           sandbox_client=self.sandbox_client)
         self.stats.episodes += 1
         try:
             try:
