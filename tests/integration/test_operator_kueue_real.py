@@ -29,18 +29,21 @@ FLAVOR = {"apiVersion": V, "kind": "ResourceFlavor", "metadata": {"name": "kuber
 PRIORITIES = [{"apiVersion": V, "kind": "WorkloadPriorityClass", "metadata": {"name": n}, "value": v} for n, v in (("rl-low", 100), ("rl-high", 1000))]
 
 
-def manifest(name: str, namespace: str, queue: str, priority: str | None = None) -> dict[str, Any]:
+def manifest(name: str, namespace: str, queue: str, priority: str | None = None, sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
     labels = {"kueue.x-k8s.io/queue-name": queue, **({"kueue.x-k8s.io/priority-class": priority} if priority else {})}
+    spec = {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+            "rollout": {"replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
+            "trainer": {"accelerator": {"type": "cpu", "count": 1}, "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
+            "checkpoint": {"size": "1Gi"}}
+    if sandbox:
+        spec["workflow"] = {"reward": "repeat-digit", "sandbox": sandbox}
     return {"apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
-                     "rollout": {"replicas": 1, "accelerator": {"type": "cpu", "count": 0}},
-                     "trainer": {"accelerator": {"type": "cpu", "count": 1}, "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
-                     "checkpoint": {"size": "1Gi"}}}
+            "spec": spec}
 
 
-def one_experiment_quota(namespace: str) -> dict[str, int]:
+def one_experiment_quota(namespace: str, sandbox: dict[str, Any] | None = None) -> dict[str, int]:
     """What one experiment's Workload asks for, per resource (millicores / bytes): the queue holds one, not two."""
-    built = operator_kueue.build_workload(RLExperiment.model_validate(manifest("sizing", namespace, "q")))
+    built = operator_kueue.build_workload(RLExperiment.model_validate(manifest("sizing", namespace, "q", sandbox=sandbox)))
     total: dict[str, int] = {}
     for ps in built["spec"]["podSets"]:
         for c in ps["template"]["spec"]["containers"] + ps["template"]["spec"].get("initContainers", []):
@@ -74,8 +77,8 @@ class Api:
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n--- operator ---\n{self.op.log_tail()}\n"
                              f"--- kueue ---\n{self.kq.log_tail(15)}")
 
-    def create(self, name: str, queue: str, priority: str | None = None) -> None:
-        self.call("POST", f"/apis/kuberl.io/v1alpha1/namespaces/{self.ns}/rlexperiments", manifest(name, self.ns, queue, priority))
+    def create(self, name: str, queue: str, priority: str | None = None, sandbox: dict[str, Any] | None = None) -> None:
+        self.call("POST", f"/apis/kuberl.io/v1alpha1/namespaces/{self.ns}/rlexperiments", manifest(name, self.ns, queue, priority, sandbox))
 
     def workload(self, exp: str) -> Any:
         return self.get(f"/apis/{V}/namespaces/{self.ns}/workloads/{exp}-workload")
@@ -114,14 +117,18 @@ def queue(kube: Any, kq: Kueue, name: str, *, managed: bool = False, slots: floa
     labels = {MANAGED_LABEL: "true"} if managed else {}
     cp.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
     kube.allow_operator(name)  # the operator writes only where a RoleBinding lets it (chart tenantNamespaces)
-    quota = one_experiment_quota(name)
-    resources = [{"name": r, "nominalQuota": f"{int(v * slots)}m" if r == "cpu" else str(int(v * slots))} for r, v in sorted(quota.items())]
-    cp.apply({"apiVersion": V, "kind": "ClusterQueue", "metadata": {"name": name},
-              "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}},
-                       "preemption": {"withinClusterQueue": "LowerPriority"},
-                       "resourceGroups": [{"coveredResources": sorted(quota), "flavors": [{"name": FLAVOR["metadata"]["name"], "resources": resources}]}]}},
+    cp.apply(cluster_queue(name, one_experiment_quota(name), slots),
              {"apiVersion": V, "kind": "LocalQueue", "metadata": {"name": name, "namespace": name}, "spec": {"clusterQueue": name}})
     return Api(kube, kq, name)
+
+
+def cluster_queue(name: str, quota: dict[str, int], slots: float) -> dict[str, Any]:
+    """The ClusterQueue `name` (for the namespace `name`) holding `slots` times `quota`, on the test flavour."""
+    resources = [{"name": r, "nominalQuota": f"{int(v * slots)}m" if r == "cpu" else str(int(v * slots))} for r, v in sorted(quota.items())]
+    return {"apiVersion": V, "kind": "ClusterQueue", "metadata": {"name": name},
+            "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}},
+                     "preemption": {"withinClusterQueue": "LowerPriority"},
+                     "resourceGroups": [{"coveredResources": sorted(quota), "flavors": [{"name": FLAVOR["metadata"]["name"], "resources": resources}]}]}}
 
 
 @pytest.fixture
@@ -202,3 +209,37 @@ def test_the_operator_uses_the_workload_version_kueue_stores(api: Api) -> None:
                 if (e.get("objectRef") or {}).get("resource") == "workloads" and (e.get("objectRef") or {}).get("namespace") == api.ns
                 and e["user"]["username"].startswith("system:serviceaccount:kuberl-system:")}
     assert versions == {"v1beta2"}, versions
+
+
+def test_the_sandbox_pods_are_counted_held_back_until_admitted_and_placed_on_the_flavours_nodes(api: Api) -> None:
+    """workflow.sandbox.placement pod: the sandbox's pods are a PodSet of the Workload. A queue with room for 1.5
+    experiments without a sandbox has none for this one with its 1-CPU sandbox (counted, it does not fit: Kueue keeps it
+    pending, and no sandbox pod runs meanwhile); grown to fit it, Kueue admits it, the sandbox pod runs on the admitted
+    flavour's nodes, and PodsReady counts it."""
+    sandbox = {"placement": "pod", "replicas": 1}  # the default resources: 1 CPU, 1Gi
+    api.create("boxed", api.ns, sandbox=sandbox)
+    api.until("the Workload pending: with its sandbox the experiment does not fit", lambda: api.condition("boxed", "QuotaReserved").get("reason") == "Pending")
+    assert {ps["name"]: ps["count"] for ps in api.workload("boxed")["spec"]["podSets"]} == {"bus": 1, "rollout": 1, "trainer": 1, "sandbox": 1}
+    deployment = api.until("the sandbox Deployment", lambda: api.get(f"/apis/apps/v1/namespaces/{api.ns}/deployments/boxed-sandbox"))
+    time.sleep(3)
+    assert not api.admitted("boxed") and deployment["spec"]["replicas"] == 0
+    assert not api.get(f"/api/v1/namespaces/{api.ns}/pods?labelSelector=kuberl.io/sandbox=boxed")["items"]
+
+    api.cp.apply(cluster_queue(api.ns, one_experiment_quota(api.ns, sandbox), 1.5))
+    api.until("admitted and running once the queue has room", lambda: api.admitted("boxed") and api.trainer_running("boxed"), 90)
+    deployment = api.until("the sandbox Deployment scaled up", lambda: (d := api.get(f"/apis/apps/v1/namespaces/{api.ns}/deployments/boxed-sandbox"))
+                           and d["spec"]["replicas"] == 1 and d)
+    template = deployment["spec"]["template"]["spec"]
+    assert template.get("nodeSelector", {}).get("kuberl.test/pool") == "cpu", template.get("nodeSelector")
+    assert FLAVOR["spec"]["tolerations"][0] in template.get("tolerations", [])
+
+    def running_sandbox() -> list[dict[str, Any]] | None:
+        pods = api.get(f"/api/v1/namespaces/{api.ns}/pods?labelSelector=kuberl.io/sandbox=boxed")["items"]
+        return [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")] or None
+
+    [pod] = api.until("the sandbox pod running", running_sandbox)
+    assert pod["spec"]["nodeName"].startswith("cpu-"), pod["spec"]["nodeName"]
+    ready = api.until("PodsReady True, the sandbox pod counted", lambda: api.condition("boxed", "PodsReady").get("status") == "True"
+                      and api.condition("boxed", "PodsReady"))
+    assert ready["reason"] == "Started", ready
+    assert api.condition("boxed", "Evicted").get("status") != "True"

@@ -5,7 +5,8 @@ The API server refuses a runtimeClassName without placement pod (the CRD's CEL r
 with only the chart's RBAC, creates the sandbox Deployment, Service and NetworkPolicy (owned by the experiment, taken
 as they are by the API server), the Deployment controller and the scheduler put its pod on a KWOK node under the
 RuntimeClass, which KWOK runs; the rollout agent is given the Service's URL; the sandbox stops with the rollout when
-training completes; deleting the experiment takes them along.
+training completes; deleting the experiment takes them along. A sandbox pod that crash-loops or cannot pull its image
+shows in the experiment's conditions and events as the roles' pods do.
 """
 
 from __future__ import annotations
@@ -95,3 +96,42 @@ def test_placement_pod_runs_the_sandbox_in_its_own_locked_down_pod(api: Api, exp
     api.wait("the sandbox Deployment and Service gone with the experiment (garbage collector)",
              lambda: api.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}") is None
              and api.get(f"/api/v1/namespaces/{NS}/services/{name}") is None, timeout=120)
+
+
+def test_a_sandbox_pod_that_cannot_start_shows_in_the_experiments_conditions_and_events(api: Api, experiment_name: str) -> None:
+    """The sandbox's pods carry kuberl.io/sandbox, not kuberl.io/experiment (the bus and engine policies must not admit
+    them), yet the operator watches them too: a crash loop makes the experiment Degraded, an image it cannot pull is a
+    condition and a Warning event, each naming the sandbox pod, as for the roles' pods."""
+    e = experiment_name
+    sandbox = {"placement": "pod", "replicas": 1, "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}
+    api.call("POST", RLX, manifest(e, workflow={**TIR, "sandbox": sandbox}))
+    name = f"{e}-sandbox"
+
+    def ready_pods() -> list[str] | None:
+        pods = [p["metadata"]["name"] for p in api.pods(f"kuberl.io/sandbox={e}") if p["status"].get("phase") == "Running"
+                and any(c.get("type") == "Ready" and c.get("status") == "True" for c in p["status"].get("conditions") or [])]
+        return pods or None
+
+    [crashing] = api.wait("the sandbox pod Running and Ready", ready_pods, timeout=120)
+    # The server dies at once each time it starts: exit 1, and the kubelet backs off restarting it (KWOK's pod-exit stage).
+    api.cp.exit(NS, [crashing], 1, "sandbox server died on purpose")
+
+    def condition(kind: str, reason: str, pod: str) -> dict[str, Any] | None:
+        conditions = ((api.experiment(e) or {}).get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == kind and c["reason"] == reason and pod in (c.get("message") or "")), None)
+
+    degraded = api.wait("Degraded: the sandbox pod keeps crashing", lambda: condition("Degraded", "CrashLoopBackOff", crashing))
+    assert degraded["status"] == "True", degraded
+
+    # A new image that cannot be pulled (its pods told so through the template's annotations, which KWOK reads; the
+    # operator's server-side apply leaves another manager's annotations alone): the new pod waits in ImagePullBackOff.
+    api.merge(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"spec": {"template": {"metadata": {"annotations": {
+        "kwok.kuberl.io/waiting-reason": "ImagePullBackOff", "kwok.kuberl.io/message": "Back-off pulling image"}}}}})
+    events = api.wait("an ImagePullFailed event naming a sandbox pod",
+                      lambda: [x for x in api.events(e) if x["reason"] == "ImagePullFailed" and f"pod {name}-" in x["message"]], timeout=90)
+    assert "container sandbox" in events[0]["message"], events[0]
+    pulling = events[0]["message"].split()[1]
+    assert pulling != crashing and pulling.startswith(f"{name}-")
+    ready = api.wait("the Ready condition naming the sandbox pod's image", lambda: condition("Ready", "ImagePullFailed", pulling))
+    assert ready["status"] == "False", ready
+    api.call("DELETE", f"{RLX}/{e}", ok=(200, 202))

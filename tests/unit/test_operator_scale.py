@@ -142,17 +142,20 @@ class TestBusReader:
 
 
 class TestWatches:
-    def test_the_children_and_workload_watches_are_filtered_on_the_experiment_label_by_the_server(self) -> None:
+    def test_the_children_and_workload_watches_are_filtered_by_the_server(self) -> None:
         from kopf._cogs.structs.references import Resource
 
         from kuberl.operator.main import configure_settings
 
         settings = kopf.OperatorSettings()
         configure_settings(settings, standalone=True, clusterwide=True)
-        for group, version, plural in (("", "v1", "pods"), ("apps", "v1", "statefulsets"), ("batch", "v1", "jobs"),
-                                       ("kueue.x-k8s.io", "v1beta1", "workloads")):
+        for group, version, plural in (("apps", "v1", "statefulsets"), ("batch", "v1", "jobs"), ("kueue.x-k8s.io", "v1beta1", "workloads")):
             resource = Resource(group=group, version=version, plural=plural)
             assert list(settings.watching.label_selectors.collect(resource)) == ["kuberl.io/experiment"], plural
+        # Pods: the roles' (kuberl.io/experiment) and the tool sandbox's (kuberl.io/sandbox) both carry managed-by
+        # (tests/unit/test_sandbox_pod.py checks every pod template against it).
+        pods = Resource(group="", version="v1", plural="pods")
+        assert list(settings.watching.label_selectors.collect(pods)) == ["app.kubernetes.io/managed-by=kuberl-operator"]
         assert not list(settings.watching.label_selectors.collect(Resource(group="kuberl.io", version="v1alpha1", plural="rlexperiments")))
 
 

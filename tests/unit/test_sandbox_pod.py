@@ -227,6 +227,159 @@ def test_the_operator_may_write_deployments_and_the_chart_grants_it() -> None:
     assert kube.KINDS["Deployment"] == ("apps/v1", "deployments", True)
 
 
+# --- the operator watching the sandbox's pods, and what it needs in a namespace -----------------------------------------
+CPU = {"rollout__accelerator": {"type": "cpu", "count": 0}, "trainer__accelerator": {"type": "cpu", "count": 1}}
+
+
+def on_cpu(**sandbox: Any):
+    return make_experiment(workflow__sandbox=sandbox, **CPU) if sandbox else make_experiment(**CPU)
+
+
+def selected(selector: str, labels: dict) -> bool:
+    """Whether a label selector of `key` and `key=value` terms (what the operator's watches and LISTs use) selects `labels`."""
+    for term in selector.split(","):
+        key, eq, value = term.partition("=")
+        if (labels.get(key) != value) if eq else (key not in labels):
+            return False
+    return True
+
+
+def sandbox_pod(exp, waiting: str | None = None, *, unschedulable: bool = False) -> dict:
+    status: dict[str, Any] = {"phase": "Pending", "conditions": []}
+    if waiting:
+        status["containerStatuses"] = [{"name": SANDBOX_CONTAINER, "image": "ghcr.io/kuberl/runtime-cpu:0",
+                                        "state": {"waiting": {"reason": waiting, "message": f"{waiting} on purpose"}}}]
+    if unschedulable:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": "0/3 nodes are available: 3 Insufficient cpu."}]
+    template = build_sandbox_deployment(exp)["spec"]["template"]
+    return {"metadata": {"name": "exp-sandbox-5d8f9-abcde", "namespace": exp.namespace, "labels": template["metadata"]["labels"]},
+            "spec": {"containers": [{"name": c["name"], "image": c["image"]} for c in template["spec"]["containers"]]}, "status": status}
+
+
+RUNNING = {"StatefulSet": {"spec": {"replicas": 1}, "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}},
+           "Job": {"spec": {"parallelism": 1}, "status": {"active": 1, "ready": 1}}}
+
+
+class ListingKube:
+    """The API as observe reads it for these experiments (no user Secret or PVC referenced): the roles' StatefulSets and
+    trainer Job up, the pods given; every LIST is recorded."""
+
+    def __init__(self, pods: list[dict]):
+        self.pods, self.lists = pods, []
+
+    async def get(self, kind: str, namespace: Any, name: str, subresource: Any = None) -> dict | None:
+        return {"kind": kind, "metadata": {"name": name, "namespace": namespace}, **RUNNING[kind]} if kind in RUNNING else None
+
+    async def list(self, kind: str, namespace: Any = None, label_selector: str | None = None) -> list[dict]:
+        self.lists.append((kind, label_selector))
+        return [p for p in self.pods if kind == "Pod" and selected(label_selector or "", p["metadata"]["labels"])]
+
+    async def pvc_exists(self, namespace: str, name: str) -> bool:
+        return True
+
+
+@pytest.fixture
+def permitted(monkeypatch: pytest.MonkeyPatch):
+    """observe's namespace check answers from `denied` (what a SelfSubjectRulesReview would leave uncovered)."""
+    denied: list[tuple[str, str, str]] = []
+
+    async def review(namespace: str) -> tuple:
+        return tuple(denied)
+
+    async def identity() -> str:
+        return "system:serviceaccount:kuberl-system:kuberl"
+
+    monkeypatch.setattr(access, "_review", review)
+    monkeypatch.setattr(access, "_checked", {})
+    monkeypatch.setattr(access, "operator_identity", identity)
+    return denied
+
+
+def observed_status(monkeypatch: pytest.MonkeyPatch, exp, api: ListingKube, cache: Any = None) -> tuple[Any, dict]:
+    import asyncio
+    import datetime as dt
+
+    from kuberl.operator import observe
+    from kuberl.operator.context import CONFIG
+    from kuberl.operator.status import compute_status
+
+    monkeypatch.setattr(CONFIG, "kube", api)
+    monkeypatch.setattr(CONFIG, "cache", cache)
+    observed = asyncio.run(observe.observe(exp, 0))
+    status = compute_status(exp, observed, None, dt.datetime(2026, 12, 1, tzinfo=dt.UTC))
+    return observed, {c["type"]: c for c in status["conditions"]}
+
+
+@pytest.mark.parametrize("failing, condition, reason", [
+    ({"waiting": "ImagePullBackOff"}, "Ready", "ImagePullFailed"),
+    ({"waiting": "CreateContainerConfigError"}, "Ready", "ContainerConfigError"),
+    ({"waiting": "CrashLoopBackOff"}, "Degraded", "CrashLoopBackOff"),
+    ({"unschedulable": True}, "Progressing", "Unschedulable"),
+])
+@pytest.mark.parametrize("source", ["api", "watch cache"])
+def test_a_sandbox_pod_that_cannot_start_shows_in_the_experiments_conditions(
+        monkeypatch: pytest.MonkeyPatch, permitted: list, failing: dict, condition: str, reason: str, source: str) -> None:
+    import asyncio
+
+    from kuberl.operator.cache import Children
+
+    exp = on_cpu(placement="pod")
+    pod = sandbox_pod(exp, **failing)
+    api = ListingKube([pod])
+    cache = None
+    if source == "watch cache":
+        up = {(exp.namespace, n): [asyncio.run(api.get(k, exp.namespace, n))] for k, n in (
+            ("StatefulSet", naming.bus_name(exp)), ("StatefulSet", naming.rollout_name(exp)), ("Job", naming.trainer_name(exp)))}
+        cache = Children({}, up, up, sandbox_pods={(exp.namespace, "exp"): [pod]})
+    observed, conditions = observed_status(monkeypatch, exp, api, cache)
+    assert [p.pod for p in observed.pod_problems] == [pod["metadata"]["name"]]
+    assert conditions[condition]["reason"] == reason, conditions[condition]
+    assert pod["metadata"]["name"] in conditions[condition]["message"]
+    assert conditions["Ready"]["status"] == "False"
+    sandbox_lists = [sel for kind, sel in api.lists if kind == "Pod" and L.SANDBOX_LABEL in (sel or "")]
+    assert sandbox_lists == ([] if cache else [f"{L.SANDBOX_LABEL}=exp"])  # the watch cache reads no API
+
+
+def test_placement_process_reads_no_sandbox_pods(monkeypatch: pytest.MonkeyPatch, permitted: list) -> None:
+    exp = on_cpu()
+    api = ListingKube([sandbox_pod(on_cpu(placement="pod"), "ImagePullBackOff")])  # a stray pod of that name: not this one's
+    observed, _ = observed_status(monkeypatch, exp, api)
+    assert observed.pod_problems == ()
+    assert not [sel for _, sel in api.lists if L.SANDBOX_LABEL in (sel or "")]
+
+
+def test_the_pod_watch_brings_the_sandbox_pods_and_their_index_keys_them_by_their_own_label() -> None:
+    from kuberl.operator import cache
+
+    exp = in_pods()
+    sandbox = build_sandbox_deployment(exp)["spec"]["template"]["metadata"]["labels"]
+    roles = [c["spec"]["template"]["metadata"]["labels"] for c in build_children(exp, bus_token=TOKEN) if c["kind"] in ("StatefulSet", "Job")]
+    assert len(roles) == 3
+    for labels in (sandbox, *roles):  # kopf runs one watch per resource: one server-side selector for every pod the operator makes
+        assert selected(cache.WATCHED["pods"], labels), labels
+    assert not set(cache._LABELLED) & set(sandbox)  # kuberl_pods (the roles' index, kuberl.io/experiment) leaves them out
+    assert set(cache._SANDBOXED) <= set(sandbox) and not any(set(cache._SANDBOXED) & set(r) for r in roles)
+    pod = {"metadata": {"name": "exp-sandbox-x", "namespace": "team-a", "labels": sandbox}, "spec": {}, "status": {"phase": "Running"}}
+    assert cache.kuberl_sandbox_pods(namespace="team-a", labels=sandbox, body=pod) == {("team-a", "exp"): cache.slim_pod(pod)}
+
+
+def test_deployments_are_needed_only_by_an_experiment_that_runs_its_sandbox_in_pods(monkeypatch: pytest.MonkeyPatch, permitted: list) -> None:
+    """A namespace whose hand-written Role grants everything but Deployments: the process-placement experiment runs, the
+    pod-placement one is held back naming deployments.apps."""
+    permitted.extend(sorted(access.SANDBOX_WRITES))
+    assert access.needed_by(on_cpu(), permitted) == ()
+    assert set(access.needed_by(on_cpu(placement="pod"), permitted)) == access.SANDBOX_WRITES
+    other = [("", "secrets", "create"), *permitted]
+    assert access.needed_by(on_cpu(), other) == (("", "secrets", "create"),)  # what every experiment needs still blocks
+    observed, _ = observed_status(monkeypatch, on_cpu(), ListingKube([]))
+    assert observed.blockers == ()
+    observed, conditions = observed_status(monkeypatch, on_cpu(placement="pod"), ListingKube([]))
+    [(reason, message)] = observed.blockers
+    assert reason == L.Reason.NAMESPACE_NOT_PERMITTED.value and "deployments.apps refused" in message, message
+    assert conditions["Ready"]["reason"] == L.Reason.NAMESPACE_NOT_PERMITTED.value
+
+
 # --- `kuberl run` -------------------------------------------------------------------------------
 
 

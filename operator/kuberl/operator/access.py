@@ -5,7 +5,9 @@ that make pods) only in namespaces where a RoleBinding grants it the ClusterRole
 (charts/kuberl/templates/clusterrole.yaml). An experiment in any other namespace must say so, and how to fix it,
 before the operator tries anything there: one SelfSubjectRulesReview per namespace (cached), checked against
 WRITES, gives a NamespaceNotPermitted problem that keeps pods from being created (a condition, an event, a retry;
-never a crash loop of 403s). Called by kuberl.operator.observe.
+never a crash loop of 403s). An experiment is held back only by what it needs (`needed_by`): Deployments only with
+workflow.sandbox.placement pod, so a namespace whose Role predates the sandbox still runs the others. Called by
+kuberl.operator.observe.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.operator.builders.sandbox import sandbox_in_pods
 from kuberl.operator.context import CONFIG, kube
 
 # (apiGroup, resource, verb): what the operator does in an experiment's namespace beyond reading; the chart's
@@ -26,6 +30,8 @@ WRITES: tuple[tuple[str, str, str], ...] = (
     ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
     ("batch", "jobs", "create"), ("batch", "jobs", "patch"), ("batch", "jobs", "delete"),
 )
+# What only an experiment with workflow.sandbox.placement pod writes (its sandbox's Deployment).
+SANDBOX_WRITES = frozenset(("apps", "deployments", v) for v in ("get", "create", "patch"))
 CLUSTER_ROLE_ENV = "KUBERL_NAMESPACED_CLUSTERROLE"  # set by the chart: "<release>-namespaced"
 DEFAULT_CLUSTER_ROLE = "kuberl-namespaced"
 RULES_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews"
@@ -64,6 +70,13 @@ async def _review(namespace: str) -> tuple[tuple[str, str, str], ...]:
         if not ((await kube().request("POST", ACCESS_REVIEW, body=review) or {}).get("status") or {}).get("allowed"):
             denied.append((group, resource, verb))
     return tuple(denied)
+
+
+def needed_by(exp: RLExperiment, denied: Iterable[tuple[str, str, str]]) -> tuple[tuple[str, str, str], ...]:
+    """Of the writes denied in its namespace, those this experiment needs: SANDBOX_WRITES only when it runs its tool
+    sandbox in pods (a hand-written Role without Deployments blocks those experiments, not every one)."""
+    sandbox = sandbox_in_pods(exp)
+    return tuple(w for w in denied if sandbox or w not in SANDBOX_WRITES)
 
 
 RECHECK_FRESH_SECONDS = 5.0

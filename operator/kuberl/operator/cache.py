@@ -1,8 +1,12 @@
 """Watch-backed caches of the experiments' workloads, pods and Kueue Workloads (kopf indexes), so a monitor tick reads no API.
 
 kopf keeps each index current from one watch per resource (server-side filtered on the
-kuberl.io/experiment label: main.configure_settings) and invokes no resource handler before every
+kuberl.io/experiment label: main.configure_settings; pods on `app.kubernetes.io/managed-by: kuberl-operator`, which
+the roles' pods and the tool sandbox's pods all carry) and invokes no resource handler before every
 index is filled, so a cache never reads "absent" for a child that exists when the operator starts.
+The sandbox's pods (workflow.sandbox.placement pod) carry `kuberl.io/sandbox` instead of `kuberl.io/experiment`
+(the bus and engine NetworkPolicies admit the latter): they have an index of their own, keyed by that label, read
+where the operator reports pod problems (observe) and the Workload's PodsReady (kueue).
 Values are trimmed to what kuberl.operator.observed and status read (no pod templates, no managedFields):
 the memory per experiment stays a few kB. `bind` hands the index objects (kopf passes them to every
 handler as keyword arguments) to `CONFIG.cache`; lifecycle.observe reads them there, and falls back to
@@ -24,15 +28,19 @@ from typing import Any
 
 import kopf
 
-from kuberl.operator.labels import EXPERIMENT_LABEL
+from kuberl.operator.labels import APP_MANAGED_BY_LABEL, EXPERIMENT_LABEL, MANAGED_BY, SANDBOX_LABEL
 
 POD_INDEX, STATEFULSET_INDEX, JOB_INDEX = "kuberl_pods", "kuberl_statefulsets", "kuberl_jobs"
+SANDBOX_POD_INDEX = "kuberl_sandbox_pods"
 NODE_INDEX = "kuberl_nodes"
 WORKLOAD_INDEX = "kuberl_kueue_workloads"
-# Server-side label selector of the watches (kopf settings.watching.label_selectors).
-WATCHED = {"pods": EXPERIMENT_LABEL, ("apps", "statefulsets"): EXPERIMENT_LABEL, ("batch", "jobs"): EXPERIMENT_LABEL,
-           ("kueue.x-k8s.io", "workloads"): EXPERIMENT_LABEL}
+# Server-side label selector of the watches (kopf settings.watching.label_selectors). kopf runs one watch per resource,
+# so the pods' selector must match both kinds of pods the operator makes: the roles' (kuberl.io/experiment) and the
+# tool sandbox's (kuberl.io/sandbox, no kuberl.io/experiment); both carry the managed-by label (labels.child_labels).
+WATCHED = {"pods": f"{APP_MANAGED_BY_LABEL}={MANAGED_BY}", ("apps", "statefulsets"): EXPERIMENT_LABEL,
+           ("batch", "jobs"): EXPERIMENT_LABEL, ("kueue.x-k8s.io", "workloads"): EXPERIMENT_LABEL}
 _LABELLED = {EXPERIMENT_LABEL: kopf.PRESENT}
+_SANDBOXED = {SANDBOX_LABEL: kopf.PRESENT}
 _META_KEYS = ("name", "namespace", "uid", "labels", "generation", "resourceVersion", "deletionTimestamp")  # a Job being re-created
 
 
@@ -83,6 +91,12 @@ def kuberl_pods(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) 
     return {(namespace, labels[EXPERIMENT_LABEL]): slim_pod(body)}
 
 
+@kopf.index("pods", labels=_SANDBOXED, id=SANDBOX_POD_INDEX)
+def kuberl_sandbox_pods(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The tool sandbox's pods (workflow.sandbox.placement pod), by (namespace, experiment) from kuberl.io/sandbox."""
+    return {(namespace, labels[SANDBOX_LABEL]): slim_pod(body)}
+
+
 @kopf.index("apps", "v1", "statefulsets", labels=_LABELLED, id=STATEFULSET_INDEX)
 def kuberl_statefulsets(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return {(namespace, name): slim_workload(body)}
@@ -100,10 +114,12 @@ def kuberl_kueue_workloads(namespace: str, name: str, body: Any, **_: Any) -> di
 
 class Children:
     """Read access to the indexes (kopf.Index: key -> a store of values). `workloads` is None where no
-    Workload index is bound (then kueue.gate reads the API)."""
+    Workload index is bound (then kueue.gate reads the API); `sandbox_pods` None where no sandbox pod index is bound
+    (then observe lists them)."""
 
-    def __init__(self, pods: Any, statefulsets: Any, jobs: Any, workloads: Any = None, nodes: Any = None):
+    def __init__(self, pods: Any, statefulsets: Any, jobs: Any, workloads: Any = None, nodes: Any = None, sandbox_pods: Any = None):
         self._pods, self._sts, self._jobs, self._workloads, self._nodes = pods, statefulsets, jobs, workloads, nodes
+        self._sandbox_pods = sandbox_pods
 
     def nodes(self) -> list[dict[str, Any]] | None:
         """Every Node (slim_node), or None where no Node index is bound (then observe lists them)."""
@@ -116,6 +132,13 @@ class Children:
 
     def pods(self, namespace: str, experiment: str) -> list[dict[str, Any]]:
         store = self._pods.get((namespace, experiment))
+        return list(store) if store is not None else []
+
+    def sandbox_pods(self, namespace: str, experiment: str) -> list[dict[str, Any]] | None:
+        """The experiment's tool sandbox pods (kuberl.io/sandbox), or None where no sandbox pod index is bound."""
+        if self._sandbox_pods is None:
+            return None
+        store = self._sandbox_pods.get((namespace, experiment))
         return list(store) if store is not None else []
 
     def statefulset(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -137,4 +160,4 @@ def bind(config: Any, kwargs: Mapping[str, Any]) -> None:
     """Point `config.cache` at kopf's indexes (passed to every handler as keyword arguments), once."""
     if config.cache is None and all(k in kwargs for k in (POD_INDEX, STATEFULSET_INDEX, JOB_INDEX)):
         config.cache = Children(kwargs[POD_INDEX], kwargs[STATEFULSET_INDEX], kwargs[JOB_INDEX], kwargs.get(WORKLOAD_INDEX),
-                                kwargs.get(NODE_INDEX))
+                                kwargs.get(NODE_INDEX), kwargs.get(SANDBOX_POD_INDEX))

@@ -5,9 +5,10 @@ Workload is read from the operator's watch cache (kuberl.operator.cache), so a q
 it is applied when it is missing, changed, or still waits for quota (then at most every 30 s). KubeRL is the Workload's
 job integration, as Kueue's own Job or KubeRay's RayJob integrations are (Kueue's configuration names it an external
 framework, `RLExperiment.v1alpha1.kuberl.io`): it creates a Workload, in the version the installed Kueue serves, with
-one PodSet per role (bus servers, rollout replicas, trainer nodes, each with its pod template so Kueue counts their
-requests; the trainer's ranks are one PodSet, admitted all together), owned by the experiment, and keeps the
-experiment suspended (`spec.suspend` semantics: no pods, checkpoint first) until Kueue admits the Workload.
+one PodSet per role (bus servers, rollout replicas, trainer nodes, and with workflow.sandbox.placement pod the tool
+sandbox's replicas, each with its pod template so Kueue counts their requests; the trainer's ranks are one PodSet,
+admitted all together), owned by the experiment, and keeps the experiment suspended (`spec.suspend` semantics: no pods,
+the sandbox's Deployment at 0 too, checkpoint first) until Kueue admits the Workload.
 Admitted: the children are applied as for a resume, placed on the admitted flavours' nodes, and the Workload's
 PodsReady condition follows the pods (kuberl.operator.kueue_status). Evicted (preemption, waitForPodsReady, a lost
 admission check): the experiment suspends (checkpoint first), and once its pods are gone the quota reservation is
@@ -57,6 +58,8 @@ def build_workload(exp: RLExperiment, api_version: str = WORKLOAD_API_VERSION, p
             role, count = child["spec"]["template"]["metadata"]["labels"][L.ROLE_LABEL], child["spec"]["replicas"]
         elif child["kind"] == "Job":
             role, count = L.Role.TRAINER.value, child["spec"]["parallelism"]
+        elif child["kind"] == "Deployment":  # the tool sandbox's pods (workflow.sandbox.placement pod)
+            role, count = ks.SANDBOX_POD_SET, child["spec"]["replicas"]
         else:
             continue
         if count:
@@ -223,9 +226,12 @@ async def report_pods_ready(exp: RLExperiment, workload: Obj | None, built: Obj,
 
     if workload is None or (not now_admitted and ks.condition_of(workload, "PodsReady") is None):
         return
+    from kuberl.operator.observe import sandbox_pods
+
     cache = CONFIG.cache
     pods = (cache.pods(exp.namespace, exp.name) if cache is not None
             else await kube().list("Pod", exp.namespace, label_selector=f"{L.EXPERIMENT_LABEL}={exp.name}"))
+    pods = [*pods, *await sandbox_pods(exp)]  # the sandbox PodSet's pods carry kuberl.io/sandbox instead
     expected = sum(ps["count"] for ps in built["spec"]["podSets"])
     cond = ks.pods_ready_condition(workload, now_admitted, ks.pods_ready(pods, expected))
     said = (cond["status"], cond["reason"]) if cond else None

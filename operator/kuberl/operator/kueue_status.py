@@ -9,8 +9,8 @@ integrations (jobframework) do it. Called by kuberl.operator.kueue.gate.
 - Finished: a Succeeded or Failed experiment marks its Workload Finished (Kueue then releases its quota and admits the
   next one), as jobframework does when a Job completes.
 - Placement: the admitted flavours (`status.admission.podSetAssignments`) -> each ResourceFlavor's `nodeLabels` and
-  `tolerations`, merged into each role's pod template (bus, rollout, trainer: Kueue's podset merge) wherever a child is
-  applied, so quota and placement agree.
+  `tolerations`, merged into each role's pod template (bus, rollout, trainer, and the tool sandbox's Deployment with
+  workflow.sandbox.placement pod: Kueue's podset merge) wherever a child is applied, so quota and placement agree.
 Status writes are server-side applies of the one condition (the Workload's conditions are a map keyed by type), so
 Kueue's own conditions are never overwritten.
 """
@@ -27,6 +27,8 @@ from kuberl.operator.builders.common import Obj, with_spec_hash
 
 GROUP = "kueue.x-k8s.io"
 VERSIONS = ("v1beta2", "v1beta1")  # newest first: the first the cluster serves is used
+# The PodSet of the tool sandbox's pods (workflow.sandbox.placement pod); the other PodSets are named by their role.
+SANDBOX_POD_SET = L.Component.SANDBOX.value
 
 
 async def api_version(client: Any) -> str:
@@ -142,16 +144,26 @@ async def placement(client: Any, workload: Obj | None) -> dict[str, Obj]:
 PLACEMENT: dict[tuple[str, str], dict[str, Obj]] = {}
 
 
+def pod_set_of(template_labels: dict[str, str]) -> tuple[str, str]:
+    """(experiment, PodSet name) of a pod template: a role's pods carry kuberl.io/experiment and kuberl.io/role; the
+    sandbox's pods carry kuberl.io/sandbox instead (never kuberl.io/experiment: builders.sandbox)."""
+    if L.EXPERIMENT_LABEL in template_labels:
+        return template_labels[L.EXPERIMENT_LABEL], template_labels.get(L.ROLE_LABEL, "")
+    if L.SANDBOX_LABEL in template_labels:
+        return template_labels[L.SANDBOX_LABEL], SANDBOX_POD_SET
+    return "", ""
+
+
 def place_child(child: Obj) -> Obj:
-    """A StatefulSet or Job with its experiment's admitted flavours merged into its pod template's nodeSelector and
-    tolerations (the spec's own win on a conflicting key, as Kueue's podset merge refuses to override them). Applied
-    after pinning (builders.pinning keeps a live template as it is): the flavours Kueue assigns are where the pods
-    must run whatever template they keep."""
-    if child.get("kind") not in ("StatefulSet", "Job"):
+    """A StatefulSet, Job or (the sandbox's) Deployment with its experiment's admitted flavours merged into its pod
+    template's nodeSelector and tolerations (the spec's own win on a conflicting key, as Kueue's podset merge refuses to
+    override them). Applied after pinning (builders.pinning keeps a live template as it is): the flavours Kueue assigns
+    are where the pods must run whatever template they keep."""
+    if child.get("kind") not in ("StatefulSet", "Job", "Deployment"):
         return child
     template = child["spec"]["template"]
-    labels = (template.get("metadata") or {}).get("labels") or {}
-    where = PLACEMENT.get((child["metadata"].get("namespace", ""), labels.get(L.EXPERIMENT_LABEL, "")), {}).get(labels.get(L.ROLE_LABEL, ""))
+    experiment, pod_set = pod_set_of((template.get("metadata") or {}).get("labels") or {})
+    where = PLACEMENT.get((child["metadata"].get("namespace", ""), experiment), {}).get(pod_set)
     if not where or not (where["nodeSelector"] or where["tolerations"]):
         return child
     child = copy.deepcopy(child)

@@ -15,9 +15,10 @@ from kuberl.operator import access, bus_users, naming
 from kuberl.operator import status as st
 from kuberl.operator.builders import build_rollout_statefulset, build_trainer_job, bus_auth
 from kuberl.operator.builders.common import accelerator_resource
+from kuberl.operator.builders.sandbox import sandbox_in_pods
 from kuberl.operator.capacity import capacity_advisories
 from kuberl.operator.context import CONFIG, kube
-from kuberl.operator.labels import Reason
+from kuberl.operator.labels import SANDBOX_LABEL, Reason
 from kuberl.operator.progress import Credentials
 from kuberl.operator.rules import decode_secret_value
 
@@ -131,17 +132,30 @@ async def children(exp: RLExperiment) -> tuple[list[dict[str, Any]], Any, Any, A
     return pods, trainer, bus, await kube().get("StatefulSet", ns, naming.rollout_name(exp))
 
 
+async def sandbox_pods(exp: RLExperiment) -> list[dict[str, Any]]:
+    """The tool sandbox's pods (workflow.sandbox.placement pod), found by kuberl.io/sandbox (they carry no
+    kuberl.io/experiment: the bus and engine NetworkPolicies must not admit them): from the watch cache when bound, else
+    listed; none (and nothing read) with placement process."""
+    if not sandbox_in_pods(exp):
+        return []
+    cached = CONFIG.cache.sandbox_pods(exp.namespace, naming.experiment_name(exp)) if CONFIG.cache is not None else None
+    if cached is not None:
+        return cached
+    return await kube().list("Pod", exp.namespace, f"{SANDBOX_LABEL}={naming.experiment_name(exp)}")
+
+
 async def observe(exp: RLExperiment, restarts: int, memo: Any = None, *, recheck: bool = True) -> st.ObservedChildren:
     """Everything O1's status code needs: children from the watch caches, the user's Secrets/PVCs
     from the API (`recheck`) or as last read (prerequisites). In a namespace where the operator may not write
     (kuberl.operator.access), that is the one blocker, and nothing else is read there (the reads would be refused)."""
-    denied = await access.denied_writes(exp.namespace, recheck=recheck)
+    denied = access.needed_by(exp, await access.denied_writes(exp.namespace, recheck=recheck))
     if denied:
         message = access.not_permitted_message(exp.namespace, denied, await access.operator_identity())
         return st.ObservedChildren(blockers=((Reason.NAMESPACE_NOT_PERMITTED.value, message),), trainer_restarts=restarts)
     missing_secrets, missing_keys, missing_claims = await prerequisites(exp, memo, recheck=recheck)
     pods, trainer, bus, rollout = await children(exp)
-    pod_problems = tuple(p for pod in pods for p in st.pod_problems(pod))
+    # The sandbox's pods fail as the roles' do (an image it cannot pull, a crash loop, no node): the same conditions.
+    pod_problems = tuple(p for pod in [*pods, *await sandbox_pods(exp)] for p in st.pod_problems(pod))
     # A volume that cannot bind shows first as pods the scheduler cannot place: only then are the PVCs read.
     unschedulable = any(p.reason == "Unschedulable" for p in pod_problems)
     return st.ObservedChildren(
