@@ -182,3 +182,24 @@ class TestAccessCheck:
         asyncio.run(access.denied_writes("team-c", recheck=False))  # a monitor tick: the answer just asked
         assert asked == ["team-c", "team-c"]
 
+    def test_ticks_that_find_the_answer_expired_at_once_send_one_review(self, monkeypatch) -> None:
+        """500 experiments' monitor ticks found the answer expired together and sent 150 reviews in 90 s: the ticks
+        of one namespace now wait for the one review in flight."""
+        import asyncio
+
+        asked: list[str] = []
+
+        async def review(namespace: str) -> tuple:
+            asked.append(namespace)
+            await asyncio.sleep(0.05)  # the API server's answer takes a while under load
+            return ()
+
+        monkeypatch.setattr(access, "_review", review)
+        monkeypatch.setattr(access, "_checked", {})
+
+        async def ticks() -> list:
+            return await asyncio.gather(*(access.denied_writes(ns, recheck=False) for ns in ["team-c"] * 100 + ["team-d"] * 20))
+
+        assert asyncio.run(ticks()) == [()] * 120
+        assert sorted(asked) == ["team-c", "team-d"]
+

@@ -12,6 +12,7 @@ kuberl.operator.observe.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -39,6 +40,7 @@ ACCESS_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 SELF_REVIEW = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
 
 _checked: dict[str, tuple[float, tuple[tuple[str, str, str], ...]]] = {}  # namespace -> (when, denied)
+_in_flight: dict[tuple[str, Any], asyncio.Future[tuple[tuple[str, str, str], ...]]] = {}  # (namespace, loop) -> review
 _identity: list[str] = []  # the operator's user name, asked once
 
 
@@ -91,7 +93,14 @@ async def denied_writes(namespace: str, *, recheck: bool = True) -> tuple[tuple[
     fresh = RECHECK_FRESH_SECONDS if recheck else CONFIG.prerequisite_interval
     if cached is not None and time.monotonic() - cached[0] < fresh:
         return cached[1]
-    denied = await _review(namespace)
+    # One review in flight per namespace: when the answer expires, every tick of the namespace's experiments asks at
+    # once (500 experiments sent 150 reviews in 90 s); they all wait for the first one's answer instead.
+    key = (namespace, asyncio.get_running_loop())
+    pending = _in_flight.get(key)
+    if pending is None:
+        pending = _in_flight[key] = asyncio.ensure_future(_review(namespace))
+        pending.add_done_callback(lambda _: _in_flight.pop(key, None))
+    denied = await asyncio.shield(pending)  # a cancelled tick leaves the review to the others
     _checked[namespace] = (time.monotonic(), denied)
     return denied
 
