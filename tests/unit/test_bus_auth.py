@@ -197,6 +197,19 @@ def test_the_operator_reads_with_its_own_user(secret: dict[str, Any], expected: 
     assert url == "nats://gsm8k-bus.team-a.svc:4222" and creds == expected
 
 
+def test_a_bus_secret_not_created_yet_is_asked_for_again_on_the_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first reconcile refreshes status before it creates the bus Secret: a 404 then must not be kept for the
+    token cache's 5 minutes (the scale bench saw every new experiment's bus read without credentials that long)."""
+    kube = _Kube(None)  # type: ignore[arg-type]  # the API's answer for a Secret that does not exist yet
+    monkeypatch.setattr(lifecycle.CONFIG, "kube", kube)
+    memo: dict[str, Any] = {}
+    assert asyncio.run(lifecycle.bus_endpoint(experiment(), memo))[1] is None
+    kube.secret = {"stringData": {"token": TOKEN, "operator-password": "op-pw"}}  # apply_children created it
+    assert asyncio.run(lifecycle.bus_endpoint(experiment(), memo))[1] == ("operator", "op-pw")
+    kube.secret = {"stringData": {"token": TOKEN, "operator-password": "changed"}}
+    assert asyncio.run(lifecycle.bus_endpoint(experiment(), memo))[1] == ("operator", "op-pw")  # found: kept (no GET a tick)
+
+
 class _Conn:
     is_connected, is_closed = True, False
 

@@ -41,7 +41,10 @@ async def bus_endpoint(exp: RLExperiment, memo: Any = None) -> tuple[str, Creden
     if cached is not None and cached[0] == which and time.monotonic() - cached[1] < CONFIG.token_cache_seconds:
         return cached[2]
     found = await _bus_endpoint(exp)
-    memo["bus_endpoint"] = (which, time.monotonic(), found)
+    if found[1] is not None:  # not yet readable (the Secret or signing key not created yet): asked again next tick,
+        memo["bus_endpoint"] = (which, time.monotonic(), found)  # not left without credentials for the cache's 5 min
+    else:
+        memo.pop("bus_endpoint", None)
     return found
 
 
