@@ -56,6 +56,17 @@ def test_the_same_seed_builds_identical_files_and_another_seed_other_weights(tin
     assert _digest(other / "model.safetensors") != _digest(tiny / "model.safetensors")
 
 
+def test_building_prints_no_progress_bar_and_leaves_transformers_bars_as_they_were(tmp_path, capfd):
+    """`kuberl run` prints one line per event: transformers' "Writing model shards" bar (on stderr) is not one of them."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    build_tiny_model(tmp_path / "quiet", seed=0)
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err and "it/s" not in err, err[-500:]
+    assert hf_logging.is_progress_bar_enabled(), "the user's own transformers bars must stay on"
+
+
 def test_a_builtin_model_is_built_once_into_the_workdir(tmp_path):
     spec = ModelSpec(builtin="tiny-qwen2")
     first = resolve_model(spec, tmp_path)

@@ -126,7 +126,16 @@ def build_tiny_model(output_dir: str | Path, seed: int = 0, *, variant: str = "t
     # Instruct models stop at <|im_end|> or <|endoftext|> (Qwen2.5-Instruct lists both).
     eos_ids = [eos, pad] if variant != "tiny-qwen2" else eos
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad, **sampling)
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # One small file: transformers' "Writing model shards" progress bar would be the only bar in `kuberl run`'s output.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     if variant != "tiny-qwen2":
         # Qwen2.5-Instruct's layout: the chat template inside tokenizer_config.json, no chat_template.jinja.
