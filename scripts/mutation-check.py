@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -279,6 +280,39 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
     return p.returncode, p.stdout + p.stderr
 
 
+class Zygote:
+    """A fork server in `copy` (scripts/mutation_zygote.py): each `run_tests` forks a pytest from a process that
+    imported torch, transformers and the rest once, instead of starting Python and importing them per mutant."""
+
+    def __init__(self, copy: Path) -> None:
+        self.copy = copy
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "mutation_zygote.py")], cwd=copy, env=env_for(copy),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if not ready.strip():
+            raise RuntimeError(f"mutation_zygote did not start (exit {self.proc.wait()})")
+
+    def run_tests(self, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
+        out = self.copy / ".zygote-output.txt"
+        self.proc.stdin.write(json.dumps({"tests": list(tests), "out": str(out), "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"mutation_zygote died (exit {self.proc.wait()})")
+        code = json.loads(answer)["code"]
+        text = out.read_text(errors="replace") if out.exists() else ""
+        return code, (text if code != -1 else f"timed out after {timeout:.0f} s\n{text[-2000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def first_failure(output: str) -> str:
     """The first failing test and how it failed (AssertionError = a check caught it; anything else = a crash)."""
     m = re.search(r"^FAILED (\S+)", output, re.M) or re.search(r"^(\S+::\S+) FAILED", output, re.M)
@@ -287,13 +321,14 @@ def first_failure(output: str) -> str:
     return f"{m.group(1) if m else '?'} [{kind}]"
 
 
-def run_one(copy: Path, m: Mutant, timeout: float) -> Result:
+def run_one(copy: Path, m: Mutant, timeout: float, zygote: Zygote | None = None) -> Result:
+    """The mutant's tests on the mutated copy: in a fresh Python, or forked from `zygote` (a fork server in `copy`)."""
     path = copy / m.file
     original = path.read_text()
     path.write_text(original.replace(m.old, m.new, 1))
     t0 = time.monotonic()
     try:
-        code, out = run_tests(copy, m.tests, timeout)
+        code, out = zygote.run_tests(m.tests, timeout) if zygote else run_tests(copy, m.tests, timeout)
     finally:
         path.write_text(original)
     secs = time.monotonic() - t0
@@ -331,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the check that the selected tests pass unmutated")
     ap.add_argument("--tests", nargs="+", metavar="NODE", help="run these tests for every mutant instead of its own selection "
                     "(e.g. an integration test; wrap heavy ones in the shared lock)")
+    ap.add_argument("--fresh", action="store_true", help="a fresh Python per mutant instead of forks of one that imported torch "
+                    "and the rest once (scripts/mutation_zygote.py)")
     args = ap.parse_args(argv)
 
     unknown = set(args.only) - {m.id for m in MUTANTS}
@@ -362,19 +399,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"mutation-check: the selected tests fail without any mutant (exit {code}):\n{out[-4000:]}", file=sys.stderr)
                 return 2
             print(f"baseline: the {len(tests)} test selections pass unmutated ({time.monotonic() - t0:.0f} s)", flush=True)
+        zygotes = {copy: None if args.fresh else Zygote(copy) for copy in copies}
         free = list(copies)
 
         def job(m: Mutant) -> Result:
             copy = free.pop()
             try:
-                r = run_one(copy, m, args.timeout)
+                r = run_one(copy, m, args.timeout, zygotes[copy])
             finally:
                 free.append(copy)
             print(f"  {m.id}: {r.outcome} ({r.seconds:.0f} s)", flush=True)
             return r
 
-        with ThreadPoolExecutor(len(copies)) as pool:
-            results = list(pool.map(job, mutants))
+        try:
+            with ThreadPoolExecutor(len(copies)) as pool:
+                results = list(pool.map(job, mutants))
+        finally:
+            for z in zygotes.values():
+                if z:
+                    z.close()
     print()
     print_table(results)
     bad = [r for r in results if r.outcome != "killed"]

@@ -45,9 +45,17 @@ def copy(request: pytest.FixtureRequest):
         yield where
 
 
+@pytest.fixture(scope="module")
+def zygote(copy):
+    """A fork server in the copy: each mutant's pytest starts from a process that imported torch and the rest once."""
+    z = MC.Zygote(copy)
+    yield z
+    z.close()
+
+
 @pytest.mark.timeout(2 * TIMEOUT + 60)  # the first test also waits for the baseline
 @pytest.mark.parametrize("mutant", MC.MUTANTS, ids=[m.id for m in MC.MUTANTS])
-def test_the_planted_bug_fails_a_test(copy, mutant):
-    result = MC.run_one(copy, mutant, TIMEOUT)
+def test_the_planted_bug_fails_a_test(copy, zygote, mutant):
+    result = MC.run_one(copy, mutant, TIMEOUT, zygote)
     assert result.outcome == "killed", (f"{mutant.id} {result.outcome}: {mutant.what}\n  {mutant.file}: {mutant.old!r} -> {mutant.new!r}\n"
                                         f"  tests: {' '.join(mutant.tests)}\n  {result.detail}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +75,49 @@ def test_the_mutation_tier_skips_its_baseline_only_when_the_session_runs_every_s
     assert run_here(("tests/unit/a.py::TestX", "tests/unit/a.py::test_two", "tests/unit/b.py::test_three"), collected)
     assert not run_here(("tests/unit/a.py::TestX", "tests/unit/c.py::test_four"), collected)  # c.py is not in this session
     assert not run_here(("tests/unit/a.py::TestXY",), collected)  # a prefix of a name is not the test
+
+
+def _tiny_copy(tmp_path: Path, body: str) -> Path:
+    """A folder shaped like the mutation copy: tests/ with one test file that imports a module of the copy."""
+    copy = tmp_path / "copy"
+    (copy / "tests").mkdir(parents=True)
+    (copy / "tests" / "__init__.py").write_text("")
+    (copy / "tests" / "subject.py").write_text("VALUE = 1\n")
+    (copy / "tests" / "test_subject.py").write_text(body)
+    return copy
+
+
+def test_the_fork_server_runs_each_request_on_the_files_as_they_are_then_and_kills_a_test_past_its_timeout(tmp_path, monkeypatch):
+    """scripts/mutation_zygote.py: a forked child imports the copy's files afresh (a mutant written between two runs is
+    seen), pytest's exit code comes back (1 failed, 0 passed), and a hanging test is killed at the timeout (-1)."""
+    mc = load_script()
+    monkeypatch.setenv("MUTATION_ZYGOTE_PRELOAD", "pytest,json")
+    copy = _tiny_copy(tmp_path, "import time\nfrom tests import subject\n\ndef test_value():\n    assert subject.VALUE == 1\n\n"
+                                "def test_hang():\n    if subject.VALUE == 3:\n        time.sleep(60)\n")
+    z = mc.Zygote(copy)
+    try:
+        assert z.run_tests(("tests/test_subject.py",), 60)[0] == 0
+        (copy / "tests" / "subject.py").write_text("VALUE = 2\n")  # a mutant, planted after the server started
+        code, out = z.run_tests(("tests/test_subject.py::test_value",), 60)
+        assert code == 1 and "assert 2 == 1" in out, out[-1000:]
+        (copy / "tests" / "subject.py").write_text("VALUE = 3\n")
+        t0 = time.monotonic()
+        code, out = z.run_tests(("tests/test_subject.py::test_hang",), 3)
+        assert code == -1 and "timed out after 3 s" in out
+        assert time.monotonic() - t0 < 30, "the hanging test was waited for, not killed"
+    finally:
+        z.close()
+    assert z.proc.returncode == 0
+
+
+def test_the_fork_server_refuses_to_start_with_the_code_under_test_imported(tmp_path, monkeypatch):
+    """A preloaded module of the copy would be the unmutated one in every fork: every mutant would survive."""
+    mc = load_script()
+    monkeypatch.setenv("MUTATION_ZYGOTE_PRELOAD", "tests.subject")
+    copy = _tiny_copy(tmp_path, "def test_nothing():\n    pass\n")
+    try:
+        mc.Zygote(copy)
+    except RuntimeError as e:
+        assert "did not start" in str(e)
+    else:
+        raise AssertionError("the fork server started with tests.subject imported")
