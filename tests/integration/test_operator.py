@@ -148,13 +148,19 @@ BUS_PVC = "/api/v1/namespaces/default/persistentvolumeclaims/data-{e}-bus-0"
 
 def test_an_experiment_gets_owned_children_and_runs_through_initializing_running_succeeded(api: Api, experiment_name: str) -> None:
     e = experiment_name
-    uid = api.call("POST", RLX, manifest(e))["metadata"]["uid"]
+    # The engine's container is held in ContainerCreating (KWOK's pod-waiting stage), so the first status write sees a
+    # role on its way up however fast the fake nodes make the other pods Ready (without the hold, a busy machine let the
+    # first status write find every pod Ready already: Pending -> Running, no Initializing to see).
+    held = {"kwok.kuberl.io/waiting-reason": "ContainerCreating"}
+    uid = api.call("POST", RLX, manifest(e, rollout={"podTemplate": {"annotations": held}}))["metadata"]["uid"]
     for path in CHILDREN:
         child = api.wait(path.format(e=e), lambda p=path: api.get(p.format(e=e)))
         assert owned_by(child, uid), f"{path.format(e=e)} is not owned by the experiment: {child['metadata'].get('ownerReferences')}"
     pvc = api.wait("checkpoint PVC", lambda: api.get(CHECKPOINT_PVC.format(e=e)))
     assert not pvc["metadata"].get("ownerReferences"), "checkpoint.retainPolicy Retain (the default): the PVC outlives the experiment"
     assert api.wait("phase Initializing", lambda: api.phase(e) == "Initializing")
+    api.wait("the engine's pod", lambda: api.get(f"/api/v1/namespaces/{NS}/pods/{e}-rollout-0"))
+    api.merge(f"/api/v1/namespaces/{NS}/pods/{e}-rollout-0", {"metadata": {"annotations": {k: None for k in held}}})
     assert api.wait("phase Running", lambda: api.phase(e) == "Running")
     status = api.experiment(e)["status"]
     assert {"type": "Ready", "status": "True"}.items() <= next(c for c in status["conditions"] if c["type"] == "Ready").items()
