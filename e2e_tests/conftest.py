@@ -160,9 +160,10 @@ class Cluster:
 
 
 @contextmanager
-def _test_namespace(c: Cluster, session: pytest.Session) -> Iterator[None]:
+def _test_namespace(c: Cluster, session: pytest.Session, discarded: Callable[[], bool] = lambda: False) -> Iterator[None]:
     """The tests' namespace: created if missing, deleted at the end (and waited for, so that the
-    next user of the cluster finds its CPUs free) when created here, kept on failure if asked."""
+    next user of the cluster finds its CPUs free) when created here, kept on failure if asked; left alone when
+    `discarded()` says the whole cluster is gone already (the local control plane, stopped after its tests)."""
     def ns_phase() -> str | None:
         got = c.kubectl("get", "namespace", c.namespace, "-o", "jsonpath={.status.phase}", check=False, namespaced=False)
         return got.stdout.strip() if got.returncode == 0 else None
@@ -173,7 +174,7 @@ def _test_namespace(c: Cluster, session: pytest.Session) -> Iterator[None]:
     if created:
         c.kubectl("create", "namespace", c.namespace, namespaced=False)
     yield
-    if not created:
+    if not created or discarded():
         return
     if session.testsfailed and c.keep_on_failure:
         print(f"\nKUBERL_E2E_KEEP_ON_FAILURE: namespace {c.namespace} kept; `kubectl delete namespace {c.namespace}` removes it")
@@ -193,7 +194,7 @@ def cluster(request: pytest.FixtureRequest, kuberl_installed: Any) -> Iterator[C
         op = kube.operator
         c.operator_log = lambda: "--- operator log ---\n" + op.log_tail()
         c.kill_local_operator = op.restart
-        with _test_namespace(c, request.session):
+        with _test_namespace(c, request.session, discarded=lambda: bool(STOPPED_EARLY)):
             kube.allow_operator(c.namespace)  # as an admin opens a tenant namespace (the chart's tenantNamespaces)
             yield c
         # STOPPED_EARLY: the root conftest.py stopped the operator (and the control plane) after the group's last test
