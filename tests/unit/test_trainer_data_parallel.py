@@ -77,7 +77,10 @@ weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clo
 report = {"rank": t.info.rank, "micro_batches": len(micro), "loss": stats["loss"], "tokens": stats["tokens"], **counts}
 if t.info.is_main:
     torch.save(weights, out)
-print("REPORT " + json.dumps(report), flush=True)
+# One write(2) of the whole line: the ranks share one pipe, and print() wrote the text and the newline apart, so another
+# rank's report could land between them (two reports on one line).
+sys.stdout.flush()
+os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
 D.shutdown()
 from kuberl.runtime.trainer.main import exit_now
 exit_now(0)  # as the trainer leaves: torch's CPU teardown at exit can abort a 2-rank process (SIGABRT)
