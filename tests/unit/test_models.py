@@ -76,6 +76,37 @@ def test_a_builtin_model_is_built_once_into_the_workdir(tmp_path):
     assert (Path(first) / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_new_workdir_gets_a_copy_of_the_machines_cached_build_without_building_again(tmp_path, monkeypatch):
+    """The first builtin build goes to the build cache too; another workdir copies it (the same bytes) without
+    importing torch or building, which `kuberl run` otherwise did in every new workdir."""
+    monkeypatch.setenv(models.MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    spec = ModelSpec(builtin="tiny-qwen2")
+    first = Path(resolve_model(spec, tmp_path / "one"))
+    cached = list((tmp_path / "cache").glob("tiny-qwen2-seed0-*"))
+    assert len(cached) == 1 and _digest(cached[0] / "model.safetensors") == _digest(first / "model.safetensors")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built again although the cache holds the build")
+    monkeypatch.setattr(models, "build_tiny_model", no_build)
+    second = Path(resolve_model(spec, tmp_path / "two"))
+    assert second == tmp_path / "two" / "models" / "tiny-qwen2"
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert _digest(second / name) == _digest(first / name), name
+    # Another seed or variant is another build.
+    assert models._build_key(0, "tiny-qwen2") != models._build_key(1, "tiny-qwen2") != models._build_key(1, "tiny-qwen2-instruct")
+
+
+@pytest.mark.parametrize("cache", ["off", "/proc/kuberl-no-such-cache"])
+def test_without_a_usable_build_cache_the_model_is_built_in_the_workdir(tmp_path, monkeypatch, cache):
+    """KUBERL_MODEL_CACHE=off, or a cache that cannot be written (a read-only home in a pod): built in place."""
+    monkeypatch.setenv(models.MODEL_CACHE_ENV, cache)
+    built = []
+    real = models.build_tiny_model
+    monkeypatch.setattr(models, "build_tiny_model", lambda out, **kw: built.append(out) or real(out, **kw))
+    path = Path(resolve_model(ModelSpec(builtin="tiny-qwen2"), tmp_path))
+    assert (path / "config.json").is_file() and len(built) == 1 and Path(built[0]).parent == path.parent
+
+
 def test_a_local_path_resolves_to_itself_and_a_folder_without_config_is_refused(tiny, tmp_path):
     assert resolve_model(ModelSpec(path=str(tiny))) == str(tiny)
     with pytest.raises(ModelResolutionError, match=r"model.path: .*has no config.json"):

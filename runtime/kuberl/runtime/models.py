@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,8 @@ from kuberl.api.v1alpha1 import ModelSpec
 
 # In a pod, a model PVC is mounted read-only here (the operator mounts claim `c` at /models/c).
 MODEL_VOLUME_ROOT = os.environ.get("KUBERL_MODEL_VOLUME_ROOT", "/models")
+# Builtin models built once per machine and copied into each new workdir (build_cache_dir); "off" builds every time.
+MODEL_CACHE_ENV = "KUBERL_MODEL_CACHE"
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
@@ -163,8 +166,50 @@ def _check_model_dir(path: Path, field: str) -> Path:
     return path
 
 
-def _build_once(target: Path, seed: int, variant: str) -> Path:
-    """Build the builtin model into `target` unless it is there; a lock keeps concurrent roles from racing."""
+def build_cache_dir() -> Path | None:
+    """Where builtin models are kept between workdirs: $KUBERL_MODEL_CACHE, else ~/.cache/kuberl/models (XDG_CACHE_HOME
+    honoured); None when KUBERL_MODEL_CACHE is "off"."""
+    where = os.environ.get(MODEL_CACHE_ENV)
+    if where == "off":
+        return None
+    if where:
+        return Path(where)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kuberl" / "models"
+
+
+def _build_key(seed: int, variant: str) -> str:
+    """The cached build's name: what decides its bytes (this module and the corpus its tokenizer learns from, the
+    versions of torch, transformers and tokenizers), read without importing any of them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kuberl.runtime import data
+
+    h = hashlib.sha256(Path(__file__).read_bytes() + Path(data.__file__).read_bytes())
+    for dist in ("torch", "transformers", "tokenizers"):
+        try:
+            h.update(f"{dist}={version(dist)};".encode())
+        except PackageNotFoundError:
+            h.update(f"{dist}=?;".encode())
+    return f"{variant}-seed{seed}-{h.hexdigest()[:16]}"
+
+
+def _build_into(folder: Path, seed: int, variant: str) -> None:
+    """Build the builtin model into the new folder `folder`: copied from the build cache (built there first if missing),
+    or built in place when there is no usable cache (KUBERL_MODEL_CACHE=off, or a cache that cannot be written)."""
+    cache = build_cache_dir()
+    if cache is not None:
+        try:
+            cached = _build_once(cache / _build_key(seed, variant), seed, variant, cache=False)
+            shutil.copytree(cached, folder, dirs_exist_ok=True)
+            return
+        except OSError:  # a read-only home, a full disk: build here instead
+            pass
+    build_tiny_model(folder, seed=seed, variant=variant)
+
+
+def _build_once(target: Path, seed: int, variant: str, *, cache: bool = True) -> Path:
+    """Build the builtin model into `target` unless it is there; a lock keeps concurrent roles from racing. With
+    `cache`, a build another workdir made before is copied (no torch import, no build: ~10 CPU-s of every new run)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -172,7 +217,10 @@ def _build_once(target: Path, seed: int, variant: str) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            build_tiny_model(tmp, seed=seed, variant=variant)
+            if cache:
+                _build_into(tmp, seed, variant)
+            else:
+                build_tiny_model(tmp, seed=seed, variant=variant)
             try:
                 os.replace(tmp, target)  # atomic: readers see all files or none
             except OSError:
