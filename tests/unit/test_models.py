@@ -96,6 +96,17 @@ def test_a_new_workdir_gets_a_copy_of_the_machines_cached_build_without_building
     assert models._build_key(0, "tiny-qwen2") != models._build_key(1, "tiny-qwen2") != models._build_key(1, "tiny-qwen2-instruct")
 
 
+def test_a_process_without_a_home_has_no_build_cache(monkeypatch):
+    """An arbitrary uid in a container: no HOME, no passwd entry. Path.home() raises; the model is then built in place."""
+    monkeypatch.delenv(models.MODEL_CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def homeless(cls):
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(Path, "home", classmethod(homeless))
+    assert models.build_cache_dir() is None
+
+
 @pytest.mark.parametrize("cache", ["off", "/proc/kuberl-no-such-cache"])
 def test_without_a_usable_build_cache_the_model_is_built_in_the_workdir(tmp_path, monkeypatch, cache):
     """KUBERL_MODEL_CACHE=off, or a cache that cannot be written (a read-only home in a pod): built in place."""

@@ -174,7 +174,10 @@ def build_cache_dir() -> Path | None:
         return None
     if where:
         return Path(where)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kuberl" / "models"
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kuberl" / "models"
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry (an arbitrary uid in a container): no cache
+        return None
 
 
 def _build_key(seed: int, variant: str) -> str:
