@@ -23,6 +23,7 @@ import pytest
 
 from kuberl.testing.control_plane import SESSION_STOPS, STOPPED_EARLY, stop_session_services
 from kuberl.testing.kueue_fixtures import kueue  # noqa: F401  (Kueue's real manager, once per session)
+from kuberl.testing.module_cleanup import ModuleExperiments
 
 ROOT = Path(__file__).resolve().parent
 RELEASE, OPERATOR_NAMESPACE = "kuberl", "kuberl-system"
@@ -71,7 +72,9 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         env = {**os.environ, "KUBECONFIG": cp.kubeconfig, "PATH": f"{cp.bin}{os.pathsep}{os.environ.get('PATH', '')}",
                "HELM_CACHE_HOME": str(cp.dir / "helm-cache"), "HELM_CONFIG_HOME": str(cp.dir / "helm-config"),
                "HELM_DATA_HOME": str(cp.dir / "helm-data")}
-        yield Kube(cp.kubeconfig, cp, env=env)
+        MODULE_EXPERIMENTS.kube = Kube(cp.kubeconfig, cp, env=env)
+        yield MODULE_EXPERIMENTS.kube
+        MODULE_EXPERIMENTS.kube = None
 
 
 @pytest.fixture(scope="session")
@@ -102,12 +105,29 @@ def kuberl_installed(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> It
     kube.operator = None
 
 
+MODULE_EXPERIMENTS = ModuleExperiments()
+
+
+def _in_kube_group(item: pytest.Item | None) -> bool:
+    return item is not None and item.nodeid.endswith("@kube")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _in_kube_group(item):
+        MODULE_EXPERIMENTS.module_starts(item)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under xdist's loadgroup every test of the control-plane group runs on one worker, one after another: after the
     last of them (its own teardown done) stop Kueue, the operator and the control plane rather than at the end of
-    the session. Without loadgroup (a developer's run of some files) they stay up until the session ends."""
+    the session. Without loadgroup (a developer's run of some files) they stay up until the session ends. After the
+    last test of each module of the group, the experiments that module left are deleted (ModuleExperiments)."""
     yield
-    group = item.nodeid.rpartition("@")[2]
-    if "@" in item.nodeid and group == "kube" and SESSION_STOPS and (nextitem is None or not nextitem.nodeid.endswith("@kube")):
+    if not _in_kube_group(item):
+        return
+    if SESSION_STOPS and not _in_kube_group(nextitem):
         stop_session_services()
+    elif nextitem is None or nextitem.path != item.path:
+        MODULE_EXPERIMENTS.module_ends()
