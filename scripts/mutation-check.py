@@ -271,8 +271,11 @@ def assert_imports_from(copy: Path) -> None:
             raise SystemExit(f"mutation-check: the copy in {copy} imports kuberl from {where}; mutants would not be tested")
 
 
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--no-header")  # a mutant's run: stop at its first failure
+
+
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--no-header", *tests]
+    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests]
     try:
         p = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -294,7 +297,7 @@ class Zygote:
 
     def run_tests(self, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
         out = self.copy / ".zygote-output.txt"
-        self.proc.stdin.write(json.dumps({"tests": list(tests), "out": str(out), "timeout": timeout}) + "\n")
+        self.proc.stdin.write(json.dumps({"args": [*PYTEST_ARGS, *tests], "out": str(out), "timeout": timeout}) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:

@@ -4,8 +4,8 @@ A mutant's tests take a few seconds; starting Python and importing torch, transf
 8-14 CPU-seconds each time (46 mutants: most of the tier). This process, started with the copy as its working directory
 and the copy first on PYTHONPATH (scripts/mutation-check.py's env_for), imports only modules from outside the copy
 (never kuberl or the tests: a forked child must import the mutated files, not a parent's unmutated ones), then reads one
-JSON request per line on stdin: {"tests": [...], "out": FILE, "timeout": SECONDS}. For each it forks; the child, in a
-session of its own with stdout and stderr in FILE, runs pytest on those tests and exits with pytest's code; the server
+JSON request per line on stdin: {"args": [...], "out": FILE, "timeout": SECONDS}. For each it forks; the child, in a
+session of its own with stdout and stderr in FILE, runs pytest with those arguments and exits with pytest's code; the server
 answers {"code": N} on stdout (-1 after the timeout, when it kills the child's whole session).
 MUTATION_ZYGOTE_PRELOAD (comma-separated module names) replaces PRELOAD, for tests.
 
@@ -24,7 +24,6 @@ import time
 # What the mutants' tests import from outside the copy, heaviest first (a module missing here is only not preloaded).
 PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "transformers.models.qwen2.modeling_qwen2", "peft", "safetensors.torch",
            "openai", "nats", "yaml", "pydantic", "httpx", "aiohttp", "pytest", "_pytest.python", "pytest_asyncio", "pytest_timeout", "anyio")
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--no-header"]
 
 
 def preload() -> None:
@@ -39,8 +38,8 @@ def preload() -> None:
         raise SystemExit(f"mutation_zygote: preloading imported {ours[:5]}: a forked test would run unmutated code")
 
 
-def run_child(tests: list[str], out: str) -> None:
-    """In the forked child: pytest on `tests`, its output in `out`; never returns."""
+def run_child(args: list[str], out: str) -> None:
+    """In the forked child: pytest with `args`, its output in `out`; never returns."""
     code = 3
     try:
         os.setsid()
@@ -51,7 +50,7 @@ def run_child(tests: list[str], out: str) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         import pytest
 
-        code = int(pytest.main([*PYTEST_ARGS, *tests]))
+        code = int(pytest.main(args))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -80,7 +79,7 @@ def main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            run_child(request["tests"], request["out"])
+            run_child(request["args"], request["out"])
         print(json.dumps({"code": wait(pid, float(request["timeout"]))}), flush=True)
 
 
