@@ -234,6 +234,16 @@ class ControlPlane:
     def apply(self, *objects: dict[str, Any]) -> None:
         self.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
 
+    def wait_established(self, *crds: str, timeout: float = 60) -> None:
+        """Wait until each CRD reports Established=True. Polled rather than `kubectl wait --for=condition=Established`:
+        that one fails at once (".status.conditions accessor error") when it reads a CRD created a moment ago whose
+        status the apiextensions controller has not written yet."""
+        def established(crd: str) -> bool:
+            out = self.kubectl("get", f"crd/{crd}", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False)
+            return out.returncode == 0 and out.stdout.strip() == "True"
+        for crd in crds:
+            self._wait(f"CRD {crd} Established", lambda: established(crd), timeout)
+
     def __enter__(self) -> Self:
         try:
             self.start()

@@ -171,8 +171,7 @@ class Kueue:
             raise RuntimeError(f"{binary} is missing: run `bash scripts/install-control-plane.sh` (it builds Kueue's manager)")
         ca = webhook_pki(self.dir / "certs")
         self.cp.apply(*crds(self.src, self.url, ca))
-        for crd in CONVERTED:
-            self.cp.kubectl("wait", "--for=condition=Established", f"crd/{crd}.kueue.x-k8s.io", "--timeout=60s")
+        self.cp.wait_established(*(f"{crd}.kueue.x-k8s.io" for crd in CONVERTED))
         self.cp.kubectl("create", "namespace", NAMESPACE, check=False)
         config = self.dir / "kueue-config.yaml"
         config.write_text(json.dumps(configuration(self.webhook_port, self.health_port, self.metrics_port, self.dir / "certs")))

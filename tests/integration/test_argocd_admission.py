@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,12 @@ APPLICATIONS = ["application.yaml", "operator-application.yaml"]
 def argocd(kube: Any) -> Iterator[Any]:
     """The upstream Application CRD, Established, and the `argocd` namespace the Applications live in."""
     kube.run("kubectl", "apply", "--server-side", "-f", str(CRD))
-    kube.run("kubectl", "wait", "--for=condition=Established", "crd/applications.argoproj.io", "--timeout=60s")
+    # Polled: `kubectl wait --for=condition=Established` fails at once on a CRD whose status is not written yet.
+    deadline = time.monotonic() + 60
+    while kube.run("kubectl", "get", "crd/applications.argoproj.io", "-o",
+                   "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False).stdout.strip() != "True":
+        assert time.monotonic() < deadline, "the Application CRD is not Established after 60 s"
+        time.sleep(0.3)
     made = kube.run("kubectl", "create", "namespace", "argocd", check=False)
     assert made.returncode == 0 or "AlreadyExists" in made.stderr, made.stderr
     yield kube
