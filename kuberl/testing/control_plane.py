@@ -242,7 +242,7 @@ class ControlPlane:
             out = self.kubectl("get", f"crd/{crd}", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False)
             return out.returncode == 0 and out.stdout.strip() == "True"
         for crd in crds:
-            self._wait(f"CRD {crd} Established", lambda: established(crd), timeout)
+            self._wait(f"CRD {crd} Established", lambda crd=crd: established(crd), timeout)
 
     def __enter__(self) -> Self:
         try:
