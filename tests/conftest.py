@@ -101,6 +101,8 @@ class WorkerClock:
         if worker is None:
             return
         group = report.nodeid.rpartition("@")[2] or "?"
+        if "]" in group:  # an "@" inside a parameter id, not loadgroup's suffix (a run without --dist loadgroup)
+            group = report.nodeid
         if group.startswith("tests/unit/"):
             group = "unit"
         per = self.busy.setdefault(worker.id, {})
