@@ -103,6 +103,12 @@ def stop_session_services() -> None:
     STOPPED_EARLY.append(True)
 
 
+def crd_established(kubectl: Callable[..., subprocess.CompletedProcess[str]], crd: str) -> bool:
+    """Whether a CRD reports Established=True, read with `kubectl(*args, check=False)` (a ControlPlane's or a cluster's)."""
+    out = kubectl("get", f"crd/{crd}", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False)
+    return out.returncode == 0 and out.stdout.strip() == "True"
+
+
 def stop_processes(procs: list[subprocess.Popen[Any]], grace: float = 15) -> None:
     """Stop by PID: SIGTERM to all at once, then each gets `grace` seconds before SIGKILL."""
     for proc in procs:
@@ -238,11 +244,8 @@ class ControlPlane:
         """Wait until each CRD reports Established=True. Polled rather than `kubectl wait --for=condition=Established`:
         that one fails at once (".status.conditions accessor error") when it reads a CRD created a moment ago whose
         status the apiextensions controller has not written yet."""
-        def established(crd: str) -> bool:
-            out = self.kubectl("get", f"crd/{crd}", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False)
-            return out.returncode == 0 and out.stdout.strip() == "True"
         for crd in crds:
-            self._wait(f"CRD {crd} Established", lambda crd=crd: established(crd), timeout)
+            self._wait(f"CRD {crd} Established", lambda crd=crd: crd_established(self.kubectl, crd), timeout)
 
     def __enter__(self) -> Self:
         try:

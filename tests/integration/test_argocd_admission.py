@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kuberl.testing.control_plane import crd_established
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 ARGOCD = ROOT / "examples" / "argocd"
@@ -29,8 +31,7 @@ def argocd(kube: Any) -> Iterator[Any]:
     kube.run("kubectl", "apply", "--server-side", "-f", str(CRD))
     # Polled: `kubectl wait --for=condition=Established` fails at once on a CRD whose status is not written yet.
     deadline = time.monotonic() + 60
-    while kube.run("kubectl", "get", "crd/applications.argoproj.io", "-o",
-                   "jsonpath={.status.conditions[?(@.type=='Established')].status}", check=False).stdout.strip() != "True":
+    while not crd_established(lambda *args, check: kube.run("kubectl", *args, check=check), "applications.argoproj.io"):
         assert time.monotonic() < deadline, "the Application CRD is not Established after 60 s"
         time.sleep(0.3)
     made = kube.run("kubectl", "create", "namespace", "argocd", check=False)

@@ -32,7 +32,7 @@ def test_a_crd_is_established_when_the_wait_returns_and_a_missing_one_times_out_
         cp.wait_established(*names, timeout=60)
         for name in names:
             status = cp.kubectl("get", f"crd/{name}", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout
-            assert status == "True", (name, status)
+            assert status == "True", (name, status)  # read here, not through crd_established: the test checks that one too
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="CRD absents.waits.kuberl.io Established"):
             cp.wait_established("absents.waits.kuberl.io", timeout=2)
