@@ -38,6 +38,19 @@ fi
 mkdir -p "$BIN" "$CACHE/src"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 log() { echo "==> control plane: $*" >&2; }
+# Go's own output (a 'go: downloading' line per module on a cold cache, some 130 in all) goes to $LOG: one line per
+# stage is printed, and a failure prints the end of the log and where the rest is.
+LOG="$CACHE/build.log"
+: > "$LOG"
+go() {
+  local rc=0
+  command go "$@" >>"$LOG" 2>&1 || rc=$?
+  [ "$rc" -eq 0 ] && return 0
+  { echo "install-control-plane: 'go $*' failed (exit $rc); the end of its output (all of it in $LOG):"
+    tail -n 25 "$LOG"; } >&2
+  return "$rc"
+}
+go_out() { command go "$@" 2>>"$LOG"; }  # a go command whose standard output the script reads
 build_flags=(-trimpath -ldflags=-s\ -w)
 
 # A module of our own that requires the component, so that the component's go.mod replaces (which Go ignores
@@ -59,7 +72,7 @@ if need "${K8S_BINS[@]}"; then
   staging="v0.${K8S_VERSION#v1.}"
   # k8s.io/kubernetes requires each staging module at v0.0.0 and replaces it with ./staging/src/...; map each one
   # to its published tag, the list read from that release's own go.mod (it changes between releases).
-  gomod="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  gomod="$(go_out mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
   replaces=()
   while read -r m; do
     replaces+=("$m=$m@$staging")
@@ -78,7 +91,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kubectl"
 )
 EOF
-    go mod tidy >/dev/null 2>&1 || go mod tidy
+    go mod tidy
     # The version the binaries report (kubectl version, /version; Helm's kubeVersion checks read it), as the
     # release build stamps it; without it they say v0.0.0-master.
     minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
@@ -97,7 +110,7 @@ if need etcd; then
   wrapper_module "$dir" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
   ( cd "$dir"
     printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' > tools.go
-    go mod tidy >/dev/null 2>&1 || go mod tidy
+    go mod tidy
     go build "${build_flags[@]}" -o "$BIN/etcd" go.etcd.io/etcd/server/v3 )
 fi
 
@@ -115,7 +128,7 @@ if need kueue-manager; then
   log "kueue $KUEUE_VERSION"
   dir="$CACHE/src/kueue-$KUEUE_VERSION"
   # Kueue's own replaces, restated (none today; read them so a release that adds one still builds).
-  gomod="$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  gomod="$(go_out mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
   mapfile -t replaces < <(python3 - "$gomod" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
@@ -130,12 +143,12 @@ EOF
   wrapper_module "$dir" "sigs.k8s.io/kueue@$KUEUE_VERSION" "${replaces[@]}"
   ( cd "$dir"
     printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > tools.go
-    go mod tidy >/dev/null 2>&1 || go mod tidy
+    go mod tidy
     # Kueue's cmd/kueue/main.go, built as a package of this module with one change (the module source is untouched):
     # with its internal cert management off, Kueue reads the metrics server's certificate from
     # /etc/kueue/metrics/certs, which a test cannot write; $KUEUE_METRICS_CERT_DIR names another folder
     # (kuberl/testing/kueue.py). Every other line and package is Kueue's own.
-    main="$(go list -f '{{.Dir}}' sigs.k8s.io/kueue/cmd/kueue)/main.go"
+    main="$(go_out list -f '{{.Dir}}' sigs.k8s.io/kueue/cmd/kueue)/main.go"
     mkdir -p kueue
     python3 -c '
 import sys
