@@ -50,7 +50,25 @@ go() {
     tail -n 25 "$LOG"; } >&2
   return "$rc"
 }
-go_out() { command go "$@" 2>>"$LOG"; }  # a go command whose standard output the script reads
+# $1: what could not be done, in one line; then the end of $LOG, and exit.
+fail_with_log() { { echo "install-control-plane: $1 (the whole output in $LOG)"; tail -n 25 "$LOG"; } >&2; exit 1; }
+# The go.mod file of module@version, downloaded into Go's module cache. A download that fails (no network, a version
+# the proxy refuses) is said in one line with the end of $LOG (Go's -json answer, its Error, is written there).
+mod_gomod() {
+  local json gomod=""
+  if json="$(command go mod download -json "$1" 2>>"$LOG")"; then
+    gomod="$(printf '%s' "$json" | python3 -c 'import json, sys
+try:
+    print(json.load(sys.stdin).get("GoMod") or "")
+except ValueError:
+    pass' 2>>"$LOG")" || gomod=""
+  fi
+  if [ -z "$gomod" ] || [ ! -f "$gomod" ]; then
+    printf '%s\n' "$json" >>"$LOG"
+    fail_with_log "could not download $1"
+  fi
+  echo "$gomod"
+}
 build_flags=(-trimpath -ldflags=-s\ -w)
 
 # A module of our own that requires the component, so that the component's go.mod replaces (which Go ignores
@@ -72,7 +90,7 @@ if need "${K8S_BINS[@]}"; then
   staging="v0.${K8S_VERSION#v1.}"
   # k8s.io/kubernetes requires each staging module at v0.0.0 and replaces it with ./staging/src/...; map each one
   # to its published tag, the list read from that release's own go.mod (it changes between releases).
-  gomod="$(go_out mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  gomod="$(mod_gomod "k8s.io/kubernetes@$K8S_VERSION")" || exit 1
   replaces=()
   while read -r m; do
     replaces+=("$m=$m@$staging")
@@ -128,7 +146,7 @@ if need kueue-manager; then
   log "kueue $KUEUE_VERSION"
   dir="$CACHE/src/kueue-$KUEUE_VERSION"
   # Kueue's own replaces, restated (none today; read them so a release that adds one still builds).
-  gomod="$(go_out mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
+  gomod="$(mod_gomod "sigs.k8s.io/kueue@$KUEUE_VERSION")" || exit 1
   mapfile -t replaces < <(python3 - "$gomod" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
@@ -148,7 +166,8 @@ EOF
     # with its internal cert management off, Kueue reads the metrics server's certificate from
     # /etc/kueue/metrics/certs, which a test cannot write; $KUEUE_METRICS_CERT_DIR names another folder
     # (kuberl/testing/kueue.py). Every other line and package is Kueue's own.
-    main="$(go_out list -f '{{.Dir}}' sigs.k8s.io/kueue/cmd/kueue)/main.go"
+    main="$(command go list -f '{{.Dir}}' sigs.k8s.io/kueue/cmd/kueue 2>>"$LOG")/main.go" \
+      || fail_with_log "could not find sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION in Go's module cache"
     mkdir -p kueue
     python3 -c '
 import sys

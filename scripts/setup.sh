@@ -11,7 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PIP_ROOT_USER_ACTION=ignore  # a container or VM installing as root is the expected case here
-"$PY" -c 'import sys; assert sys.version_info >= (3, 11), "KubeRL needs Python >= 3.11"'
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # no '[notice] A new release of pip' line: not the user's to act on here
+if ! version="$("$PY" -c 'import sys; print("%d.%d.%d" % tuple(sys.version_info[:3])); sys.exit(sys.version_info < (3, 11))' 2>/dev/null)"; then
+  echo "setup.sh: KubeRL needs Python >= 3.11, and $PY is ${version:-not a working Python}: install 3.11 or newer (or name it with PYTHON=...) and run bash scripts/setup.sh again" >&2
+  exit 1
+fi
 VLLM_VERSION="$(bash scripts/install-vllm-cpu.sh --version)"  # the pins, or $VLLM_VERSION / $TORCH_VERSION
 TORCH_VERSION="$(bash scripts/install-vllm-cpu.sh --torch-version)"
 inputs="$(pwd) $VLLM_VERSION $TORCH_VERSION $(cat pyproject.toml operator/pyproject.toml runtime/pyproject.toml scripts/setup.sh scripts/install-vllm-cpu.sh scripts/installed.py | sha256sum | cut -d' ' -f1)"

@@ -105,3 +105,28 @@ def test_a_failed_go_step_says_which_and_shows_the_end_of_its_output(tmp_path: P
     assert out.returncode != 0
     assert "install-control-plane: 'go build" in out.stderr and "failed (exit 1)" in out.stderr
     assert "no space left on device" in out.stderr and str(tmp_path / "cache" / "build.log") in out.stderr
+
+
+def test_a_failed_module_download_names_the_module_in_one_line_without_a_traceback(tmp_path: Path, monkeypatch) -> None:
+    """`go mod download` fails (no network, a version the proxy refuses): once for Kubernetes, once for Kueue alone."""
+    monkeypatch.setenv("FAKE_GO_FAIL", "mod")
+    path = fake_go(tmp_path, monkeypatch)
+    out = run(cache=tmp_path / "cache", path=path)
+    log = tmp_path / "cache" / "build.log"
+    assert out.returncode != 0 and out.stdout == ""
+    assert not any(w in out.stderr for w in ("Traceback", "KeyError", "JSONDecodeError")), out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("==> control plane: kube-apiserver"), lines
+    assert lines[1] == f"install-control-plane: could not download k8s.io/kubernetes@v1.35.4 (the whole output in {log})"
+    assert "go: mod broke: no space left on device" in lines[2:], lines  # the end of the log
+
+    bin_dir = Path(run("--bin-dir", cache=tmp_path / "cache").stdout.strip())
+    bin_dir.mkdir(parents=True, exist_ok=True)  # the failed run made it
+    for name in BINS:
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    out = run(cache=tmp_path / "cache", path=path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[:2] == [
+        "==> control plane: kueue v0.17.0",
+        f"install-control-plane: could not download sigs.k8s.io/kueue@v0.17.0 (the whole output in {log})"]

