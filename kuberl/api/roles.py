@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -153,6 +153,46 @@ ATTENTION_CONTEXT = ("trainer.attention: trainer.parallelism.context > 1 runs it
                      "heads): use auto or sdpa")
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""The label that queues an experiment in Kueue (kuberl.operator.kueue)."""
+TOPOLOGY_ONE = "trainer.topologyRequest: set exactly one of required, preferred or unconstrained: true"
+TOPOLOGY_NEEDS_QUEUE = ("trainer.topologyRequest is Kueue's topology-aware scheduling: queue the experiment in Kueue (the label "
+                        "kueue.x-k8s.io/queue-name, a LocalQueue whose ClusterQueue has a ResourceFlavor with a topologyName)")
+
+
+class TopologyRequest(KubeModel):
+    """Gang placement of the trainer's ranks by Kueue's topology-aware scheduling (TAS), Kueue's PodSet topologyRequest:
+    Kueue admits the experiment only once every rank fits on free nodes (not only within quota) and assigns each rank
+    its node; a multi-node trainer never holds some ranks' GPUs while the others wait Pending."""
+
+    model_config = _cel(("(has(self.required) ? 1 : 0) + (has(self.preferred) ? 1 : 0) + "
+                         "(has(self.unconstrained) && self.unconstrained ? 1 : 0) == 1", TOPOLOGY_ONE))
+    required: str | None = Field(None, min_length=1, max_length=317, description=(
+        "A node label of the Topology's levels (e.g. cloud.google.com/gce-topology-block): every rank in one domain of that "
+        "level, or the experiment waits in its queue."))
+    preferred: str | None = Field(None, min_length=1, max_length=317, description=(
+        "As required, but the ranks may spread over several domains of that level when one has no room for all."))
+    unconstrained: bool | None = Field(None, description="true: the ranks on any nodes of the flavour, still all of them or none.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TopologyRequest:
+        if (self.required is not None) + (self.preferred is not None) + bool(self.unconstrained) != 1:
+            raise ValueError(TOPOLOGY_ONE)
+        return self
+
+    def kueue(self) -> dict[str, Any]:
+        """The PodSet topologyRequest (Kueue v1beta1 and v1beta2 alike), each rank matched to its assigned node by its
+        Job completion index."""
+        req: dict[str, Any] = {"podIndexLabel": "batch.kubernetes.io/job-completion-index"}
+        if self.required is not None:
+            req["required"] = self.required
+        elif self.preferred is not None:
+            req["preferred"] = self.preferred
+        else:
+            req["unconstrained"] = True
+        return req
+
+
 class TrainerSpec(SchedulingSpec):
     """Training: an indexed Job, one pod per node, torchrun over a headless Service."""
 
@@ -190,6 +230,10 @@ class TrainerSpec(SchedulingSpec):
         "flash_attention_2 on CUDA when flash_attn imports and model.dtype is bfloat16 or float16, else sdpa. A choice "
         "that cannot run is refused (exit 2), never replaced; trainer.parallelism.context > 1 runs its own sdpa "
         "attention (auto or sdpa). The trainer logs what it chose."))
+    topology_request: TopologyRequest | None = Field(None, description=(
+        "Kueue topology-aware scheduling of the ranks (needs the experiment queued in Kueue on a flavour with a topologyName): "
+        "admitted only when all of them fit on free nodes, each rank placed on the node Kueue assigns. Unset: on such a "
+        "flavour Kueue still places them (unconstrained); elsewhere the scheduler places them one by one."))
 
     @property
     def world_size(self) -> int:

@@ -96,6 +96,7 @@ from kuberl.api.roles import (
     ATTENTION_MEGATRON,
     CONTEXT_DIVIDE,
     EXPERT_NEED_MEGATRON,
+    KUEUE_QUEUE_LABEL,
     MEGATRON_ASYNC_CHECKPOINT,
     MEGATRON_CONTEXT_EXPERT,
     MEGATRON_EXPERT_DIVIDE,
@@ -103,11 +104,14 @@ from kuberl.api.roles import (
     MEGATRON_FULL_WEIGHTS,
     MEGATRON_ON_ASCEND,
     MEGATRON_TP_PP_DIVIDE,
+    TOPOLOGY_NEEDS_QUEUE,
+    TOPOLOGY_ONE,
     TPE_NEED_MEGATRON,
     AutoscalingSpec,
     EngineName,
     ParallelismSpec,
     RolloutSpec,
+    TopologyRequest,
     TrainerSpec,
     allocation_disagrees,
 )
@@ -151,6 +155,7 @@ __all__ = [
     "BusSpec",
     "CATEGORIES",
     "CONTEXT_DIVIDE",
+    "KUEUE_QUEUE_LABEL",
     "CheckpointSpec",
     "CheckpointStatus",
     "Condition",
@@ -212,8 +217,11 @@ __all__ = [
     "SecretKeyRef",
     "StalenessSpec",
     "TOP_P_UNSUPPORTED",
+    "TOPOLOGY_NEEDS_QUEUE",
+    "TOPOLOGY_ONE",
     "TPE_NEED_MEGATRON",
     "TrackingSpec",
+    "TopologyRequest",
     "TrainerSpec",
     "TrainingProgress",
     "TrainingSpec",
@@ -468,3 +476,10 @@ class RLExperiment(BaseModel):
 
     def to_manifest(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    @model_validator(mode="after")
+    def _topology_needs_kueue(self) -> RLExperiment:
+        """Topology-aware scheduling is Kueue's: without the queue label nothing would honour it (CEL cannot read labels)."""
+        if self.spec.trainer.topology_request is not None and not self.metadata.labels.get(KUEUE_QUEUE_LABEL):
+            raise FieldError("spec.trainer.topologyRequest", "set", TOPOLOGY_NEEDS_QUEUE)
+        return self

@@ -40,6 +40,8 @@ from kuberl.api.v1alpha1 import (
     OVERRIDE_VOLUME_MESSAGE,
     PPO_UNSUPPORTED,
     TOP_P_UNSUPPORTED,
+    TOPOLOGY_NEEDS_QUEUE,
+    TOPOLOGY_ONE,
     TPE_NEED_MEGATRON,
     FieldError,
     allocation_disagrees,
@@ -237,6 +239,9 @@ class TestAllocation:
 MODEL_ONE = "set exactly one of model.id, model.path or model.builtin"
 DATASET_ONE = "set exactly one of dataset.id, dataset.path or dataset.builtin"
 AGREEMENT_CASES = [
+    ("topology required and unconstrained", {"trainer": {"topologyRequest": {"required": "block", "unconstrained": True}}}, TOPOLOGY_ONE),
+    ("topology unconstrained false alone", {"trainer": {"topologyRequest": {"unconstrained": False}}}, TOPOLOGY_ONE),
+    ("topology request empty", {"trainer": {"topologyRequest": {}}}, TOPOLOGY_ONE),
     ("prompt instruction and system", {"dataset": {"builtin": "repeat-digit", "prompt": {"instruction": "Box it.", "system": "Be brief."}}}, None),
     ("prompt instruction and template", {"dataset": {"builtin": "repeat-digit", "prompt": {"instruction": "a", "template": "{prompt} b"}}},
      PROMPT_ONE_FORM),
@@ -507,3 +512,15 @@ def test_with_allocation_set_admission_reads_the_shorthands_numbers():
     assert pydantic_messages(doc) == []
     doc = make_manifest(allocation="vllm:d2+megatron:d3e2")
     assert cel_messages(doc) == pydantic_messages(doc) == [ALLOCATION_EXPERT_DIVIDE]
+
+
+def test_a_topology_request_needs_the_experiment_queued_in_kueue():
+    """CEL cannot read labels: admission takes trainer.topologyRequest without the queue label, and kuberl validate and the
+    operator (a ValidationFailed condition and event) refuse it, since nothing but Kueue would honour it."""
+    doc = make_manifest(trainer={"topologyRequest": {"preferred": "cloud.google.com/gce-topology-block"}})
+    assert cel_messages(doc) == []
+    assert pydantic_messages(doc) == [TOPOLOGY_NEEDS_QUEUE]
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "gpus"}
+    assert pydantic_messages(doc) == []
+    assert RLExperiment.model_validate(doc).spec.trainer.topology_request.kueue() == {
+        "preferred": "cloud.google.com/gce-topology-block", "podIndexLabel": "batch.kubernetes.io/job-completion-index"}

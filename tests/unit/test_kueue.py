@@ -77,3 +77,18 @@ def test_the_admitted_flavours_place_the_sandbox_pods_as_they_place_the_roles() 
         assert ks.place_child(build_sandbox_deployment(exp)) == build_sandbox_deployment(exp)
     finally:
         ks.PLACEMENT.pop(("q", "boxed"), None)
+
+
+# --- trainer.topologyRequest: Kueue's topology-aware scheduling of the ranks ------------------------------------------
+def test_the_trainer_pod_set_carries_the_topology_request_with_the_ranks_index_label() -> None:
+    exp = RLExperiment.model_validate({
+        "apiVersion": "kuberl.io/v1alpha1", "kind": "RLExperiment", "metadata": {"name": "gang", "labels": {kueue.QUEUE_LABEL: "q"}},
+        "spec": {"model": {"builtin": "tiny-qwen2"}, "dataset": {"builtin": "repeat-digit"},
+                 "trainer": {"nodes": 3, "topologyRequest": {"required": "cloud.google.com/gce-topology-block"}}}})
+    pod_sets = {ps["name"]: ps for ps in kueue.build_workload(exp)["spec"]["podSets"]}
+    assert pod_sets["trainer"]["count"] == 3
+    assert pod_sets["trainer"]["topologyRequest"] == {"required": "cloud.google.com/gce-topology-block",
+                                                      "podIndexLabel": "batch.kubernetes.io/job-completion-index"}
+    assert all("topologyRequest" not in ps for name, ps in pod_sets.items() if name != "trainer")
+    unset = exp.model_copy(update={"spec": exp.spec.model_copy(update={"trainer": exp.spec.trainer.model_copy(update={"topology_request": None})})})
+    assert "topologyRequest" not in {ps["name"]: ps for ps in kueue.build_workload(unset)["spec"]["podSets"]}["trainer"]

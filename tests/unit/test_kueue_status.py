@@ -4,6 +4,7 @@ Kueue's real manager: tests/integration/test_operator_kueue_real.py."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -67,3 +68,49 @@ def test_place_child_merges_the_flavour_without_overriding_the_spec(monkeypatch:
     assert spec["nodeSelector"] == {"pool": "mine", "zone": "z"} and spec["tolerations"] == [toleration]
     other = {**job, "metadata": {"name": "x", "namespace": "other"}}
     assert "zone" not in ks.place_child(other)["spec"]["template"]["spec"]["nodeSelector"]
+
+
+class Flavours:
+    """ResourceFlavors by name, as kube().get answers them."""
+
+    def __init__(self, **flavours: dict[str, Any]):
+        self.flavours = flavours
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        assert kind == "ResourceFlavor" and namespace is None
+        return self.flavours.get(name)
+
+
+def tas_workload(trainer_request: dict[str, Any] | None) -> dict[str, Any]:
+    """A Workload admitted on a flavour with a topologyName: Kueue gave both PodSets a topologyAssignment."""
+    assignment = {"levels": ["kubernetes.io/hostname"], "domains": [{"values": ["gpu-0"], "count": 2}]}
+    return {"metadata": {"name": "exp-workload", "namespace": "ns"},
+            "spec": {"podSets": [{"name": "trainer", "count": 2, **({"topologyRequest": trainer_request} if trainer_request else {})},
+                                 {"name": "rollout", "count": 1}]},
+            "status": {"admission": {"podSetAssignments": [
+                {"name": "trainer", "flavors": {"nvidia.com/gpu": "tas"}, "topologyAssignment": assignment},
+                {"name": "rollout", "flavors": {"cpu": "plain"}}]}}}
+
+
+def test_a_topology_placed_pod_set_gets_what_kueues_topology_ungater_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What jobframework puts on the pods of a PodSet with a topologyAssignment (podset.FromAssignment and
+    getPodSetsInfoFromStatus): the topology scheduling gate, the Workload annotation, the PodSet label; the
+    unconstrained annotation only where the PodSet asked for no topology (implicit TAS). Other PodSets: flavours only."""
+    flavours = Flavours(tas={"spec": {"nodeLabels": {"pool": "tas"}, "topologyName": "t"}}, plain={"spec": {"nodeLabels": {"pool": "cpu"}}})
+    explicit = asyncio.run(ks.placement(flavours, tas_workload({"required": "block", "podIndexLabel": "x"})))
+    assert explicit["trainer"]["topology"] == {"annotations": {ks.WORKLOAD_ANNOTATION: "exp-workload"}, "labels": {ks.POD_SET_LABEL: "trainer"}}
+    assert explicit["rollout"]["topology"] is None and explicit["rollout"]["nodeSelector"] == {"pool": "cpu"}
+    implicit = asyncio.run(ks.placement(flavours, tas_workload(None)))
+    assert implicit["trainer"]["topology"]["annotations"][ks.UNCONSTRAINED_ANNOTATION] == "true"
+
+    monkeypatch.setitem(ks.PLACEMENT, ("ns", "exp"), explicit)
+    job = {"kind": "Job", "metadata": {"name": "exp-trainer", "namespace": "ns"}, "spec": {"template": {
+        "metadata": {"labels": {"kuberl.io/experiment": "exp", "kuberl.io/role": "trainer"}}, "spec": {}}}}
+    placed = ks.place_child(job)["spec"]["template"]
+    assert placed["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/topology"}] and placed["spec"]["nodeSelector"] == {"pool": "tas"}
+    assert placed["metadata"]["labels"] == {"kuberl.io/experiment": "exp", "kuberl.io/role": "trainer", "kueue.x-k8s.io/podset": "trainer"}
+    assert placed["metadata"]["annotations"] == {"kueue.x-k8s.io/workload": "exp-workload"}
+    assert ks.place_child(ks.place_child(job))["spec"]["template"]["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/topology"}], "placed twice, one gate"
+    sts = {"kind": "StatefulSet", "metadata": {"name": "exp-rollout", "namespace": "ns"}, "spec": {"template": {
+        "metadata": {"labels": {"kuberl.io/experiment": "exp", "kuberl.io/role": "rollout"}}, "spec": {}}}}
+    assert "schedulingGates" not in ks.place_child(sts)["spec"]["template"]["spec"], "a PodSet without a topologyAssignment has no gate"

@@ -7,7 +7,8 @@ job integration, as Kueue's own Job or KubeRay's RayJob integrations are (Kueue'
 framework, `RLExperiment.v1alpha1.kuberl.io`): it creates a Workload, in the version the installed Kueue serves, with
 one PodSet per role (bus servers, rollout replicas, trainer nodes, and with workflow.sandbox.placement pod the tool
 sandbox's replicas, each with its pod template so Kueue counts their requests; the trainer's ranks are one PodSet,
-admitted all together), owned by the experiment, and keeps the experiment suspended (`spec.suspend` semantics: no pods,
+admitted all together; with trainer.topologyRequest, Kueue's topology-aware scheduling admits them only once they all
+fit on free nodes and assigns each its node), owned by the experiment, and keeps the experiment suspended (`spec.suspend` semantics: no pods,
 the sandbox's Deployment at 0 too, checkpoint first) until Kueue admits the Workload.
 Admitted: the children are applied as for a resume, placed on the admitted flavours' nodes, and the Workload's
 PodsReady condition follows the pods (kuberl.operator.kueue_status). Evicted (preemption, waitForPodsReady, a lost
@@ -25,7 +26,7 @@ import logging
 import time
 from typing import Any
 
-from kuberl.api.v1alpha1 import RLExperiment
+from kuberl.api.v1alpha1 import KUEUE_QUEUE_LABEL, RLExperiment
 from kuberl.operator import kueue_status as ks
 from kuberl.operator import labels as L
 from kuberl.operator import naming
@@ -33,7 +34,7 @@ from kuberl.operator.builders import build_children
 from kuberl.operator.builders.common import Obj
 
 log = logging.getLogger("kuberl.operator.kueue")
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+QUEUE_LABEL = KUEUE_QUEUE_LABEL
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 WORKLOAD_API_VERSION = "kueue.x-k8s.io/v1beta1"  # the oldest served; gate uses the one the cluster serves (kueue_status)
 WORKLOAD_NAME_MAX = 253
@@ -64,6 +65,8 @@ def build_workload(exp: RLExperiment, api_version: str = WORKLOAD_API_VERSION, p
             continue
         if count:
             pod_sets.append({"name": role, "count": count, "template": child["spec"]["template"]})
+            if role == L.Role.TRAINER.value and exp.spec.trainer.topology_request is not None:
+                pod_sets[-1]["topologyRequest"] = exp.spec.trainer.topology_request.kueue()
     spec: Obj = {"queueName": queue_name(exp), "active": not exp.spec.suspend, "podSets": pod_sets}
     priority = (exp.metadata.labels or {}).get(PRIORITY_CLASS_LABEL)
     if priority:

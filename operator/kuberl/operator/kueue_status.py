@@ -10,7 +10,9 @@ integrations (jobframework) do it. Called by kuberl.operator.kueue.gate.
   next one), as jobframework does when a Job completes.
 - Placement: the admitted flavours (`status.admission.podSetAssignments`) -> each ResourceFlavor's `nodeLabels` and
   `tolerations`, merged into each role's pod template (bus, rollout, trainer, and the tool sandbox's Deployment with
-  workflow.sandbox.placement pod: Kueue's podset merge) wherever a child is applied, so quota and placement agree.
+  workflow.sandbox.placement pod: Kueue's podset merge) wherever a child is applied, so quota and placement agree; for
+  a PodSet placed by topology-aware scheduling also the scheduling gate, Workload annotation and PodSet label that let
+  Kueue's topology ungater put each pod on the node it assigned.
 Status writes are server-side applies of the one condition (the Workload's conditions are a map keyed by type), so
 Kueue's own conditions are never overwritten.
 """
@@ -29,6 +31,11 @@ GROUP = "kueue.x-k8s.io"
 VERSIONS = ("v1beta2", "v1beta1")  # newest first: the first the cluster serves is used
 # The PodSet of the tool sandbox's pods (workflow.sandbox.placement pod); the other PodSets are named by their role.
 SANDBOX_POD_SET = L.Component.SANDBOX.value
+# Topology-aware scheduling (Kueue's kueue.x-k8s.io/v1beta2 topology_types.go and constants.go)
+TOPOLOGY_GATE = "kueue.x-k8s.io/topology"
+WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"
+UNCONSTRAINED_ANNOTATION = "kueue.x-k8s.io/podset-unconstrained-topology"
+POD_SET_LABEL = "kueue.x-k8s.io/podset"
 
 
 async def api_version(client: Any) -> str:
@@ -125,8 +132,14 @@ def assignment_key(workload: Obj | None) -> str | None:
 
 
 async def placement(client: Any, workload: Obj | None) -> dict[str, Obj]:
-    """Role -> {nodeSelector, tolerations} from the flavours of the Workload's admission (empty when it has none)."""
+    """Role -> {nodeSelector, tolerations, topology} from the flavours of the Workload's admission (empty when it has
+    none). `topology`: for a PodSet Kueue placed by topology-aware scheduling (its assignment has a
+    topologyAssignment), what jobframework puts on such pods (podset.FromAssignment): the scheduling gate Kueue's
+    topology ungater lifts once it has set each pod's node selector, the Workload and PodSet it finds them by, and for a
+    PodSet that asked for no topology (a flavour with a topologyName places every PodSet) the unconstrained annotation;
+    else None."""
     admission = ((workload or {}).get("status") or {}).get("admission") or {}
+    requested = {ps.get("name"): ps.get("topologyRequest") for ps in ((workload or {}).get("spec") or {}).get("podSets") or []}
     out: dict[str, Obj] = {}
     for assignment in admission.get("podSetAssignments") or []:
         selector: dict[str, str] = {}
@@ -135,7 +148,15 @@ async def placement(client: Any, workload: Obj | None) -> dict[str, Obj]:
             flavor = await client.get("ResourceFlavor", None, name) or {}
             selector.update((flavor.get("spec") or {}).get("nodeLabels") or {})
             tolerations += [t for t in (flavor.get("spec") or {}).get("tolerations") or [] if t not in tolerations]
-        out[assignment.get("name", "")] = {"nodeSelector": selector, "tolerations": tolerations}
+        pod_set = assignment.get("name", "")
+        topology = None
+        if assignment.get("topologyAssignment"):
+            request = requested.get(pod_set) or {}
+            explicit = any(k in request for k in ("required", "preferred", "unconstrained"))
+            topology = {"annotations": {WORKLOAD_ANNOTATION: workload["metadata"]["name"],
+                                        **({} if explicit else {UNCONSTRAINED_ANNOTATION: "true"})},
+                        "labels": {POD_SET_LABEL: pod_set}}
+        out[pod_set] = {"nodeSelector": selector, "tolerations": tolerations, "topology": topology}
     return out
 
 
@@ -157,18 +178,25 @@ def pod_set_of(template_labels: dict[str, str]) -> tuple[str, str]:
 def place_child(child: Obj) -> Obj:
     """A StatefulSet, Job or (the sandbox's) Deployment with its experiment's admitted flavours merged into its pod
     template's nodeSelector and tolerations (the spec's own win on a conflicting key, as Kueue's podset merge refuses to
-    override them). Applied after pinning (builders.pinning keeps a live template as it is): the flavours Kueue assigns
-    are where the pods must run whatever template they keep."""
+    override them), and, for a PodSet placed by topology-aware scheduling, the gate, labels and annotations Kueue's
+    topology ungater needs (`placement`). Applied after pinning (builders.pinning keeps a live template as it is): the
+    flavours Kueue assigns are where the pods must run whatever template they keep."""
     if child.get("kind") not in ("StatefulSet", "Job", "Deployment"):
         return child
     template = child["spec"]["template"]
     experiment, pod_set = pod_set_of((template.get("metadata") or {}).get("labels") or {})
     where = PLACEMENT.get((child["metadata"].get("namespace", ""), experiment), {}).get(pod_set)
-    if not where or not (where["nodeSelector"] or where["tolerations"]):
+    if not where or not (where["nodeSelector"] or where["tolerations"] or where.get("topology")):
         return child
     child = copy.deepcopy(child)
+    meta = child["spec"]["template"].setdefault("metadata", {})
     spec = child["spec"]["template"]["spec"]
     spec["nodeSelector"] = {**where["nodeSelector"], **(spec.get("nodeSelector") or {})}
     tolerations = list(spec.get("tolerations") or [])
     spec["tolerations"] = tolerations + [t for t in where["tolerations"] if t not in tolerations]
+    if where.get("topology"):
+        meta["labels"] = {**(meta.get("labels") or {}), **where["topology"]["labels"]}
+        meta["annotations"] = {**(meta.get("annotations") or {}), **where["topology"]["annotations"]}
+        gates = list(spec.get("schedulingGates") or [])
+        spec["schedulingGates"] = gates + ([{"name": TOPOLOGY_GATE}] if {"name": TOPOLOGY_GATE} not in gates else [])
     return with_spec_hash(child)
