@@ -6,9 +6,11 @@ without a cluster can tell: each command line is one of
   names exists and passes `kuberl validate`; `bash scripts/X.sh ARGS` and `python bench/X.py --FLAGS` name a file
   that exists and knows each argument and flag; `python -m pytest PATHS` names test paths that exist; `python -m M`
   names an importable module; `pip install` names kuberl extras that exist; `cp`, `cd`, `export` name what exists;
-- marked with what it needs, as a comment on its line: `# needs a cluster`, `# needs a GPU` or `# needs Docker`
-  (the words may follow other text in the comment). A comment line alone with the marker marks every line below it
-  in the same block. Marked lines are not run, but the repository paths they name must exist, and a manifest they
+  `git clone URL` clones this project (the chart's `home`);
+- marked with what it needs, as a comment on its line: `# needs a cluster`, `# needs a GPU`, `# needs Docker` or
+  `# needs a cloud account` (the words may follow other text in the comment). A comment line alone with the marker
+  marks every line below it in the same block. Marked lines are not run, but the checks above that need nothing
+  (the CLI's parse, files and flags) still apply, the repository paths they name must exist, and a manifest they
   `kubectl apply -f` must pass `kuberl validate`.
 
 A line continued with a trailing backslash is one command. Commands joined with `&&`, `;` or `|` are checked one by
@@ -25,14 +27,16 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / p for p in ("README.md", "docs/user-guide.md", "docs/operations.md", "docs/benchmarks.md",
-                            "docs/development.md", "docs/support.md")]
-MARKER = re.compile(r"#.*\bneeds (a cluster|a GPU|Docker)\b")
+# The front page and every user page: the guides, the cloud and cluster guides, benchmarks (docs/design/ holds design
+# notes, not instructions).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+MARKER = re.compile(r"#.*\bneeds (a cluster|a GPU|Docker|a cloud account)\b")
 RUN_BY = {  # command -> the file that runs it
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup.sh": "tests/unit/test_setup_script.py",
@@ -141,6 +145,10 @@ def check_pip(argv: list[str]) -> list[str]:
     return problems
 
 
+def project_url() -> str:
+    return yaml.safe_load((ROOT / "charts" / "kuberl" / "Chart.yaml").read_text())["home"].rstrip("/")
+
+
 def check_simple(argv: list[str]) -> list[str] | None:
     """Problems with one simple command, or None when nothing here can check it (it must be marked)."""
     program, rest = argv[0], argv[1:]
@@ -156,6 +164,10 @@ def check_simple(argv: list[str]) -> list[str] | None:
         return [f"{a} does not exist" for a in rest[:1] if not a.startswith("-") and not (ROOT / a).exists()]
     if program == "export":
         return []
+    if program == "git" and rest[:1] == ["clone"]:
+        urls = [a for a in rest[1:] if not a.startswith("-")][:1]
+        return [f"{u} is not this project's repository ({project_url()})" for u in urls
+                if u.removesuffix(".git").rstrip("/") != project_url()]
     return None
 
 
@@ -167,9 +179,11 @@ def check_line(command: str, marked: bool) -> list[str]:
             m = REPO_PATH.match(token)
             if m and not any(c in m.group(0) for c in "*<$") and not (ROOT / m.group(0)).exists():
                 problems.append(f"{m.group(0)} does not exist")
-        if argv[:3] == ["kubectl", "apply", "-f"] and REPO_PATH.match(argv[3]) and argv[3].endswith(".yaml"):
-            problems += manifest_errors(ROOT / argv[3])
+        if argv[:2] == ["kubectl", "apply"]:
+            files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-f", "--filename")]
+            problems += [e for f in files if REPO_PATH.match(f) and f.endswith(".yaml") for e in manifest_errors(ROOT / f)]
         if marked:
+            problems += check_simple(argv) or []  # what needs nothing (a parse, a file, a flag) is checked all the same
             continue
         key = " ".join(argv)
         if key in RUN_BY:
@@ -180,7 +194,7 @@ def check_line(command: str, marked: bool) -> list[str]:
         found = check_simple(argv)
         if found is None:
             problems.append(f"`{key}` is neither run by a test nor checked: mark what it needs (# needs a cluster, "
-                            f"# needs a GPU, # needs Docker)")
+                            f"# needs a GPU, # needs Docker, # needs a cloud account)")
         else:
             problems += found
     return problems
@@ -209,6 +223,10 @@ def test_the_front_page_shows_its_two_commands_and_they_are_run() -> None:
     ("python3 -m pytest tests/no_such_dir", "no test path"),
     ("pip install 'kuberl-runtime[nosuchextra]'", "has no extra nosuchextra"),
     ("kubectl apply -f examples/missing.yaml  # needs a cluster", "examples/missing.yaml does not exist"),
+    ("kubectl apply -n rl -f examples/missing.yaml  # needs a cluster", "examples/missing.yaml does not exist"),
+    ("kuberl plot x -n team-a --no-such-flag  # needs a cluster", "does not parse"),
+    ("git clone https://github.com/someone/else && cd else", "not this project's repository"),
+    ("gcloud container clusters create x", "neither run by a test nor checked"),
 ])
 def test_the_checks_can_fail(line: str, expected: str) -> None:
     marked = bool(MARKER.search(line))
@@ -218,11 +236,13 @@ def test_the_checks_can_fail(line: str, expected: str) -> None:
 def test_markers_pass_what_cannot_be_checked_here(tmp_path: Path) -> None:
     page = tmp_path / "p.md"
     page.write_text("```bash\nkubectl get rlx -w   # needs a cluster: watch it\n# needs Docker\ndocker buildx bake \\\n"
-                    "  --push operator\n```\n\n```bash\nkubectl get pods\n```\n")
+                    "  --push operator\n```\n\n```bash\nkubectl get pods\ngcloud auth login   # needs a cloud account\n"
+                    "git clone https://github.com/kuberl/kuberl.git\n```\n")
     assert [(c, m) for _, c, m in commands(page)] == [
         ("kubectl get rlx -w   # needs a cluster: watch it", True), ("docker buildx bake --push operator", True),
-        ("kubectl get pods", False)]
-    assert [check_line(c, m) for _, c, m in commands(page)][:2] == [[], []]
+        ("kubectl get pods", False), ("gcloud auth login   # needs a cloud account", True),
+        ("git clone https://github.com/kuberl/kuberl.git", False)]
+    assert [check_line(c, m) for _, c, m in commands(page)] == [[], [], [ANY], [], []]
 
 
 def test_quickstart_installs_then_runs_the_quickstart_manifest(tmp_path: Path) -> None:
