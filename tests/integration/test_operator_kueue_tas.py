@@ -123,3 +123,17 @@ def test_with_a_topology_request_kueue_admits_the_trainer_only_when_every_rank_f
     api.until("PodsReady True", lambda: api.condition("gang", "PodsReady").get("status") == "True")
     [trainer] = [ps for ps in api.workload("gang")["spec"]["podSets"] if ps["name"] == "trainer"]
     assert trainer["topologyRequest"] == {"required": BLOCK, "podIndexLabel": "batch.kubernetes.io/job-completion-index"}
+
+
+def test_a_topology_request_without_a_queue_is_admitted_by_the_api_server_and_refused_by_the_operator_naming_the_label(tas: Any, kueue: Kueue) -> None:
+    """CEL cannot read labels, so the API server takes it; the operator fails it at once (ValidationFailed, with an
+    event) instead of running a trainer whose topology request nothing honours."""
+    api = queue(tas, kueue, "tas-unqueued", "kuberl-tas")
+    manifest = gang("loose", api.ns, {"unconstrained": True})
+    del manifest["metadata"]["labels"]
+    api.call("POST", f"/apis/kuberl.io/v1alpha1/namespaces/{api.ns}/rlexperiments", manifest)
+    api.until("phase Failed", lambda: api.phase("loose") == "Failed")
+    status = api.get(f"/apis/kuberl.io/v1alpha1/namespaces/{api.ns}/rlexperiments/loose")["status"]
+    [cond] = [c for c in status["conditions"] if c["type"] == "Validated"]
+    assert cond["reason"] == "ValidationFailed" and "kueue.x-k8s.io/queue-name" in cond["message"], cond
+    assert not api.get(f"/apis/batch/v1/namespaces/{api.ns}/jobs")["items"]
