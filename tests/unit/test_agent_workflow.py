@@ -618,3 +618,15 @@ class TestRequestFields:
         message = out.choices[0].message
         assert message.content == "The answer is 5" and message.model_extra["reasoning_content"] == "2 and 3 make 5"
         assert "2 and 3 make 5" in session.calls[0].text  # the reasoning is generated, so it is trained
+
+    @pytest.mark.parametrize(("field", "value"), [("logprobs", True), ("top_logprobs", 3), ("logit_bias", {"42": 5}),
+                                                  ("frequency_penalty", 0.5), ("presence_penalty", 1.0)])
+    def test_sampling_fields_the_token_path_does_not_honour_are_refused_naming_the_field(self, tokenizer, field, value):
+        engine, refused, _ = self.call(tokenizer, lambda ids: "ok", **{field: value})
+        assert isinstance(refused, openai.BadRequestError) and f"{field}=" in str(refused) and not engine.calls
+
+    def test_their_no_op_values_pass_and_an_unknown_field_is_logged_once_by_name(self, tokenizer, caplog):
+        _, out, _ = self.call(tokenizer, lambda ids: "ok", logprobs=False, frequency_penalty=0, logit_bias={}, user="u",
+                              extra_body={"guided_choice": ["a"]})
+        assert out.choices[0].message.content == "ok"
+        assert sum("guided_choice is not a field the agent proxy knows" in r.message for r in caplog.records) == 1

@@ -15,6 +15,9 @@ a 400 that names the field, never silently changed. docs/agents.md has the table
 | `parallel_tool_calls` | `true` honoured; `false`: the first tool call is returned, the others logged |
 | `response_format` | `text` honoured; `json_object`, `json_schema` refused (no constrained decoding on the token path) |
 | `max_tokens`, `max_completion_tokens` | honoured, capped by maxNewTokens (and the episode's budget with exportStyle concat) |
+| `logprobs`, `top_logprobs`, `logit_bias`, `frequency_penalty`, `presence_penalty`, `echo`, `best_of`, `suffix`, `functions`, `function_call`, `prediction`, `audio`, `modalities` other than text | refused unless at their no-op value (false, 0, 1, empty, text): each changes what is sampled or returned in a way the token path does not do |
+| `model`, `messages`, `prompt`, `tools`, `stream`, `stream_options`, `user`, `metadata`, `store`, `service_tier`, `reasoning_effort` | accepted (the served model answers; nothing sampled changes) |
+| any other field | ignored, logged once, naming it |
 """
 
 from __future__ import annotations
@@ -75,7 +78,32 @@ def call_options(body: dict[str, Any], warn: Callable[[str, str], None]) -> Call
     if fmt is not None and kind != "text":
         raise FieldRefused(f"response_format {kind!r} is not supported: the rollout engine's token path has no constrained "
                            "decoding; ask for JSON in the prompt and parse the text")
+    _sampling_fields(body)
+    for name in sorted(set(body) - KNOWN_FIELDS - set(NO_OP)):
+        warn(name, f"{name} is not a field the agent proxy knows; ignored")
     return opts
+
+
+# Fields that change what is sampled or returned, with their no-op values: anything else is refused, naming the field.
+NO_OP: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]),
+}
+# Fields the proxy reads (call_options, the chat and completions handlers) or that change nothing the engine samples.
+KNOWN_FIELDS = frozenset({
+    "model", "messages", "prompt", "tools", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n",
+    "seed", "temperature", "top_p", "tool_choice", "parallel_tool_calls", "response_format", "user", "metadata", "store",
+    "service_tier", "reasoning_effort",
+})
+
+
+def _sampling_fields(body: dict[str, Any]) -> None:
+    for name, no_op in NO_OP.items():
+        if name in body and body[name] not in no_op:
+            raise FieldRefused(f"{name}={body[name]!r} is not supported by the agent proxy: the rollout engine samples with the "
+                               "manifest's settings and returns the sampled text and tool calls only; leave it unset")
 
 
 def _stop(value: Any) -> list[str]:
