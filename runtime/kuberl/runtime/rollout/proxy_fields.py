@@ -15,8 +15,8 @@ a 400 that names the field, never silently changed. docs/agents.md has the table
 | `parallel_tool_calls` | `true` honoured; `false`: the first tool call is returned, the others logged |
 | `response_format` | `text` honoured; `json_object`, `json_schema` refused (no constrained decoding on the token path) |
 | `max_tokens`, `max_completion_tokens` | honoured, capped by maxNewTokens (and the episode's budget with exportStyle concat) |
-| `logprobs`, `top_logprobs`, `logit_bias`, `frequency_penalty`, `presence_penalty`, `echo`, `best_of`, `suffix`, `functions`, `function_call`, `prediction`, `audio`, `modalities` other than text | refused unless at their no-op value (false, 0, 1, empty, text): each changes what is sampled or returned in a way the token path does not do |
-| `model`, `messages`, `prompt`, `tools`, `stream`, `stream_options`, `user`, `metadata`, `store`, `service_tier`, `reasoning_effort` | accepted (the served model answers; nothing sampled changes) |
+| NO_OP's fields (`logprobs`, `logit_bias`, the penalties...) | refused unless at their no-op value: each changes what is sampled or returned |
+| the rest of KNOWN_FIELDS (`model`, `user`, `metadata`, `store`...) | accepted: nothing sampled changes |
 | any other field | ignored, logged once, naming it |
 """
 
