@@ -148,3 +148,32 @@ def test_landlock_allows_the_interpreter_and_nothing_of_the_work_directory(path:
     allowed = confine.read_only_paths()
     assert any(sys.base_prefix == p or sys.base_prefix.startswith(p + "/") for p in allowed)
     assert not any(path == p or path.startswith(p.rstrip("/") + "/") for p in allowed), (path, allowed)
+
+
+def test_the_reward_workers_which_inherit_the_agents_environment_hide_it_too(tmp_path: Path) -> None:
+    """The reward pool's workers are fresh interpreters (exec makes a process dumpable again) with the agent's
+    environment: each marks itself non-dumpable before anything else, so a process of the same user without
+    capabilities (a tool run on a kernel without Landlock) cannot read its /proc environ."""
+    code = textwrap.dedent('''
+        import os, subprocess, sys, time
+        from kuberl.runtime.rollout import confine
+        confine._drop_capabilities()
+        job_r, job_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        worker = subprocess.Popen([sys.executable, "-m", "kuberl.runtime.reward_pool", str(job_r), str(rep_w)], pass_fds=(job_r, rep_w))
+        deadline, seen = time.monotonic() + 20, "never read"
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    seen = "GOT " + open(f"/proc/{worker.pid}/environ", "rb").read().decode(errors="replace")
+                except OSError as exc:
+                    seen = f"denied {exc.errno}"
+                    break
+                time.sleep(0.05)
+        finally:
+            worker.kill()
+        print(seen)
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KUBERL_BUS_PASSWORD": SECRET},
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.startswith("denied"), out.stdout[:300]

@@ -52,6 +52,12 @@ def _serve(jobs: Connection, replies: Connection) -> None:
     Replies are ("ok", value) or ("error", text with the traceback)."""
     import importlib
 
+    from kuberl.runtime.rollout.confine import protect_process
+
+    # Non-dumpable first thing, as the agent is: the worker inherits the agent's environment (the bus password, the
+    # engine key) and a tool run of the same user must not read it from /proc (on a kernel without Landlock, nothing else
+    # stops it); exec made this interpreter dumpable again.
+    protect_process()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops its workers
     payload, preload, path, parent = jobs.recv()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
