@@ -58,6 +58,9 @@ class TrainingProgress(KubeModel):
         None, ge=0, description="Groups trained although their oldest token was older than v - maxHeadOffpolicyness (stragglers; "
         "the behaviour-weight cap corrects them), all time. Always 0 with staleness.dropStaleGroups, which drops them.")
     failed_groups: int | None = Field(None, ge=0, description="Tickets that failed on every delivery (rollout.maxTicketAttempts), all time.")
+    last_failure: str | None = Field(None, max_length=500, description=(
+        "The latest failed group's reason (`item N: ...`), as the trainer reported it when it failed; each rollout agent's "
+        "log has every failure."))
     entropy: float | None = Field(None, ge=0, description="Policy entropy of the last step (token mean over trained tokens, at the sampling temperature).")
     eval: EvalProgress | None = Field(None, description="The last finished held-out evaluation (spec.evaluation).")
     updated_at: str | None = Field(None, description="When the trainer last reported.")

@@ -98,3 +98,11 @@ def test_the_live_line_shows_failed_groups_and_the_latest_reason():
     report = {"policy_version": 0, "reward_mean": None, "failed_groups": 3, "last_failure": "item 4: AgentError: 404 Not Found"}
     assert progress_info(report).endswith("| failed groups 3, latest item 4: AgentError: 404 Not Found")
     assert "failed" not in progress_info({"policy_version": 2, "failed_groups": 0})
+
+    def test_status_progress_shows_the_latest_failures_reason_while_the_run_goes_on(self):
+        """On a cluster `kubectl get rlx -o yaml` shows why groups fail as they fail, not only once a run has stopped."""
+        reason = "item 7: reward function raised ZeroDivisionError: division by zero"
+        out = _progress(self.exp(), {"step": 3, "policy_version": 3, "dropped_stale": 0, "failed_groups": 2, "last_failure": reason}, {})
+        assert out["lastFailure"] == reason
+        RLExperimentStatus.model_validate({"progress": out})  # the status model (and so the CRD's schema) has the field
+        assert "lastFailure" not in _progress(self.exp(), {"step": 3, "policy_version": 3, "dropped_stale": 0}, {})

@@ -202,6 +202,7 @@ def _progress(exp: RLExperiment, progress: Mapping[str, Any] | None, old: Mappin
         "stalenessMean": _float(progress.get("staleness_mean")),
         "stalenessMax": _int(progress["staleness_max"]) if progress.get("staleness_max") is not None else None,
         "failedGroups": _int(progress["failed_groups"]) if progress.get("failed_groups") is not None else None,
+        "lastFailure": str(progress["last_failure"])[:500] if progress.get("last_failure") else None,
         "overStale": _int(progress["over_stale"]) if progress.get("over_stale") is not None else None,
         "entropy": _float(progress.get("entropy")),
         "updatedAt": _time_text(progress.get("time")),
