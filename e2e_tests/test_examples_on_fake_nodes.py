@@ -16,12 +16,13 @@ import pytest
 from kuberl.api.loading import load_documents
 from kuberl.api.v1alpha1 import RLExperiment
 from kuberl.operator.observed import referenced_claims, referenced_secrets
+from kuberl.testing.examples import experiment_files
 
 Cluster = Any  # the `cluster` fixture of e2e_tests/conftest.py
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = [(path, doc) for path in sorted((ROOT / "examples").glob("*.yaml")) for doc in load_documents(path)
+EXAMPLES = [(path, doc) for path in experiment_files() for doc in load_documents(path)
             if doc.get("kind") == "RLExperiment"]
 
 

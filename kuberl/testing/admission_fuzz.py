@@ -122,10 +122,13 @@ def schema() -> dict[str, Any]:
 
 @functools.cache
 def seeds(root: Path = ROOT) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """(file, manifest) of every RLExperiment in examples/*.yaml and every mapping of tests/invalid/*.yaml, sorted."""
+    """(file, manifest) of every RLExperiment under examples/ (kuberl.testing.examples) and every mapping of
+    tests/invalid/*.yaml, sorted."""
+    from kuberl.testing.examples import experiment_files
+
     out = []
-    for pattern, only_kind in (("examples/*.yaml", True), ("tests/invalid/*.yaml", False)):
-        for file in sorted(root.glob(pattern)):
+    for files, only_kind in ((experiment_files(root), True), (sorted(root.glob("tests/invalid/*.yaml")), False)):
+        for file in files:
             try:
                 docs = [d for d in yaml.safe_load_all(file.read_text()) if isinstance(d, dict)]
             except yaml.YAMLError:

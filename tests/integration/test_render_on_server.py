@@ -12,6 +12,7 @@ import yaml
 
 from kuberl.api.validation import load_documents
 from kuberl.operator.render import render
+from kuberl.testing.examples import experiment_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +20,7 @@ NS = "render-check"
 
 
 def test_every_examples_rendered_objects_pass_a_server_side_dry_run(kube) -> None:
-    objects = [obj for example in sorted((ROOT / "examples").glob("*.yaml")) for doc in load_documents(str(example))
+    objects = [obj for example in experiment_files() for doc in load_documents(str(example))
                if doc.get("kind") == "RLExperiment" for obj in render(doc, NS)]
     kube.run("kubectl", "create", "namespace", NS, check=False)
     applied = kube.run("kubectl", "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(objects), check=False, timeout=240)

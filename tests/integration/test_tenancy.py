@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kuberl.testing.control_plane import ROOT, ControlPlane
+from kuberl.testing.examples import experiment_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 FABRIC_EXAMPLES = ("gke-a3-tcpxo.yaml", "eks-p5-efa.yaml")  # capabilities, root sidecars, hostPath: the kuberl.io/fabric label
@@ -141,7 +142,7 @@ def test_the_api_server_refuses_what_the_administrator_has_not_allowed_naming_th
     assert "admissionPolicy.allowedServiceAccounts (now: none)" in refused.stderr
     fine = c.create(manifest("scratch-only", ns, trainer={"podTemplate": {"volumes": [{"name": "scratch", "emptyDir": {}}]}}), as_user="carol")
     assert fine.returncode == 0, fine.stderr
-    for example in sorted((ROOT / "examples").glob("*.yaml")):  # docs/operations.md: every example passes the defaults
+    for example in experiment_files():  # docs/operations.md: every example passes the defaults
         checked = c.kubectl("create", "--dry-run=server", "-n", ns, "--as=carol", "-f", str(example), check=False)
         if example.name in FABRIC_EXAMPLES:  # but the fabric ones, which need an administrator's label (next test)
             assert "kuberl.io/fabric=allowed" in checked.stderr, (example.name, checked.stderr)

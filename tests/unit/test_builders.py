@@ -37,9 +37,10 @@ from kuberl.operator.builders import (
     render_nats_conf,
 )
 from kuberl.runtime.bus.server import find_nats_server
+from kuberl.testing.examples import experiment_files
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = experiment_files()
 K8S_VERSION = "1.32"
 TOKEN = "s3cr3t-Token_value"
 ENGINE_KEY = "eng1ne-Key_value"

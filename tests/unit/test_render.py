@@ -13,9 +13,10 @@ import yaml
 from kuberl.api import load_experiments
 from kuberl.operator.builders import build_children
 from kuberl.operator.render import PLACEHOLDER, STAND_IN
+from kuberl.testing.examples import experiment_files
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml"))
+EXAMPLES = experiment_files()
 
 
 def render(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

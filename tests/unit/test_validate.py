@@ -12,10 +12,11 @@ import pytest
 
 from kuberl.api import validation
 from kuberl.api.validation import ValidationError, validate_manifest
+from kuberl.testing.examples import experiment_files
 
 ROOT = Path(__file__).resolve().parents[2]
 INVALID = sorted((ROOT / "tests" / "invalid").glob("*.yaml"))
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = experiment_files()
 
 
 def expected_message(path: Path) -> str:
