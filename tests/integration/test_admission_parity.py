@@ -24,7 +24,9 @@ SAMPLE = int(os.environ.get("KUBERL_ADMISSION_PARITY_N", "2000"))
 # What the API server may admit and the models still reject: only a near-whole float in an integer field (the server
 # truncates it or reads it lazily; pydantic refuses the fraction). Anything else, e.g. the allocation shorthand's
 # contradictions (issue #36, now CEL rules), is a class admission could have caught and fails the test.
-MODEL_ONLY_ALLOWED = re.compile(r"^spec\.[\w.\[\]*]+: Input should be (a valid integer, got a number with a fractional part|N(, N)* or N)$|^spec\.trainer\.topologyRequest: trainer\.topologyRequest is Kueue's topology-aware scheduling.*")  # labels: no CEL
+MODEL_ONLY_ALLOWED = re.compile(
+    r"^spec\.[\w.\[\]*]+: Input should be (a valid integer, got a number with a fractional part|N(, N)* or N)$"
+    r"|^spec\.trainer\.topologyRequest: trainer\.topologyRequest is Kueue's topology-aware scheduling.*")  # labels: CEL cannot see them
 
 
 def test_the_api_server_and_kuberl_validate_admit_the_same_manifests(kube, tmp_path):
