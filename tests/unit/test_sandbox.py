@@ -8,7 +8,9 @@ episode turns a failing tool into an error message for the model and a zero rewa
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import socket
 import time
 
@@ -19,7 +21,8 @@ from kuberl.runtime.agents.tir import MAX_TOOL_CALLS, math_with_python
 from kuberl.runtime.data import Item
 from kuberl.runtime.rewards import math_reward
 from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
-from kuberl.runtime.rollout.sandbox import run_python
+from kuberl.runtime.rollout import confine
+from kuberl.runtime.rollout.sandbox import OPEN_FILES_LIMIT, SandboxError, run_python
 from kuberl.runtime.rollout.workflows import EpisodeContext
 from tests.unit.test_agent_workflow import ScriptedEngine, sampling
 
@@ -97,6 +100,30 @@ class TestTheSandbox:
     def test_its_own_directory_is_writable(self):
         r = run("open('notes.txt', 'w').write('42')\nprint(open('notes.txt').read())")
         assert r.ok and r.stdout == "42\n"
+
+    def test_a_caller_holding_many_descriptors_still_runs_code_and_the_run_gets_the_open_files_limit(self):
+        """A busy agent holds more descriptors than a run may (connections to engines, the bus): the limit must not
+        stop the confinement that needs descriptors before exec (CI, 2026-12-03: a test worker with ~70 open made
+        Landlock's ruleset fail with EMFILE, and every run after with it)."""
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(OPEN_FILES_LIMIT + 16)]
+        try:
+            r = run("import os, resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE)[1])\n"
+                    "fds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+                    "except OSError as exc:\n    print(exc.errno)")
+        finally:
+            for fd in held:
+                os.close(fd)
+        assert r.ok, r.error
+        limit, errno_ = r.stdout.split()
+        assert int(limit) == OPEN_FILES_LIMIT and int(errno_) == errno.EMFILE  # the limit holds inside the run
+
+    def test_a_confinement_that_fails_is_a_clear_error_naming_the_step(self, monkeypatch):
+        def refused(home):
+            raise OSError(errno.EMFILE, "landlock_create_ruleset")
+
+        monkeypatch.setattr(confine, "confine", refused)  # the forked child runs the patched function
+        with pytest.raises(SandboxError, match=r"could not confine the run: OSError: \[Errno 24\] landlock_create_ruleset"):
+            run("print('never')")
 
 
 def tool_call(code: str) -> str:

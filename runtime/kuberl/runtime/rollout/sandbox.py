@@ -17,6 +17,7 @@ import ctypes
 import os
 import resource
 import signal
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -114,21 +115,36 @@ def _own_network_namespace() -> bool:
     return False
 
 
-def _limits(spec: SandboxSpec, home: str, netns_flag: str):
+class SandboxError(RuntimeError):
+    """The sandbox could not start a run as confined as it must be (the reason names the step and the errno)."""
+
+
+def _limits(spec: SandboxSpec, home: str, netns_flag: str, error_file: str):
     confine.read_only_paths()  # computed here, before the fork, once per process
 
     def apply() -> None:
-        os.setsid()  # its own process group: a timeout kills everything it started
-        if _own_network_namespace():
-            with open(netns_flag, "w") as f:
-                f.write("1")
-        resource.setrlimit(resource.RLIMIT_CPU, (spec.cpu_seconds, spec.cpu_seconds + 1))
-        mem = spec.memory_mib * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        confine.confine(home)  # last: no capabilities, Landlock to `home`, the seccomp filter (confine.py)
+        # subprocess reports only "Exception occurred in preexec_fn": the reason goes to a file for run_python to raise.
+        err = os.open(error_file, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.setsid()  # its own process group: a timeout kills everything it started
+            if _own_network_namespace():
+                with open(netns_flag, "w") as f:
+                    f.write("1")
+            resource.setrlimit(resource.RLIMIT_CPU, (spec.cpu_seconds, spec.cpu_seconds + 1))
+            mem = spec.memory_mib * 1024 * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            confine.confine(home)  # no capabilities, Landlock to `home`, the seccomp filter (confine.py)
+            # Last: the descriptors the caller holds are still open here (subprocess closes them after this function),
+            # and a busy agent holds more than the limit, so Landlock's ruleset would get EMFILE under it. Lowering a
+            # limit needs no capability.
+            resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
+        except BaseException as exc:
+            os.write(err, f"{type(exc).__name__}: {exc}".encode(errors="replace"))
+            raise
+        finally:
+            os.close(err)
     return apply
 
 
@@ -152,12 +168,16 @@ async def run_python(code: str, spec: SandboxSpec | None = None, *, audit_hook: 
     boot = BOOTSTRAP if audit_hook else BOOTSTRAP.replace("sys.addaudithook(_hook)", "pass")
     cap = spec.max_output_chars
     with tempfile.TemporaryDirectory(prefix="kuberl-sandbox-") as home:
-        flag = os.path.join(home, ".netns")
+        flag, error_file = os.path.join(home, ".netns"), os.path.join(home, ".confine-error")
         env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-B", "-c", boot, cwd=home, env=env, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(spec, home, flag),
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-B", "-c", boot, cwd=home, env=env, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(spec, home, flag, error_file),
+            )
+        except subprocess.SubprocessError as exc:
+            with open(error_file, errors="replace") as f:
+                raise SandboxError(f"the sandbox could not confine the run: {f.read() or exc}") from None
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         proc.stdin.write(code.encode())
         proc.stdin.close()
