@@ -20,8 +20,8 @@ from kuberl.api.v1alpha1 import SandboxSpec
 from kuberl.runtime.agents.tir import MAX_TOOL_CALLS, math_with_python
 from kuberl.runtime.data import Item
 from kuberl.runtime.rewards import math_reward
-from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 from kuberl.runtime.rollout import confine
+from kuberl.runtime.rollout.agent_workflow import AgentWorkflow
 from kuberl.runtime.rollout.sandbox import OPEN_FILES_LIMIT, SandboxError, run_python
 from kuberl.runtime.rollout.workflows import EpisodeContext
 from tests.unit.test_agent_workflow import ScriptedEngine, sampling
