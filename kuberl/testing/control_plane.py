@@ -78,7 +78,9 @@ NODE_POOLS: dict[str, tuple[int, dict[str, str], list[dict[str, str]], dict[str,
 STORAGE_CLASS = "standard"
 # Classes the examples name for ReadWriteMany checkpoints (GKE Filestore, EKS EFS, CephFS), each with volumes of its own.
 RWX_STORAGE_CLASSES = ("standard-rwx", "efs-kuberl", "cephfs")
-VOLUMES_PER_MODE = 64  # pre-made PVs per access mode of the default class (no provisioner runs; Retain: a released PV is not reused)
+VOLUMES_PER_MODE = 256  # pre-made PVs per access mode of the default class (no provisioner runs; Retain: a released PV is not
+# reused). The e2e tier makes more experiments than 64 on one control plane, each with an RWO bus claim and an RWX
+# checkpoint claim: at 64 the last ones (test_operator_restarts, in the suite of 2026-12-03) waited for a volume forever.
 VOLUMES_PER_RWX_CLASS = 12
 
 # The API server's audit log (`audit_events`): every request on KubeRL's and Kueue's resources, so a test can count
