@@ -164,3 +164,45 @@ def test_an_engine_back_with_its_initial_weights_is_told_apart_by_its_weight_lab
     assert first.versions == [0] and loaded.versions == [4]
     assert restarted is not None and "restarted" in str(restarted) and not restarted.permanent
     assert after.versions == [0]
+
+
+def test_an_idle_connection_is_closed_by_the_client_before_the_servers_keep_alive_would_close_it() -> None:
+    """vLLM's server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): a request the client
+    sends on it at that moment fails with "Server disconnected" (a weight update's /pause, in the suite of 2026-12-03).
+    The client closes idle connections first, so a request after a pause longer than its idle time opens a new one."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from kuberl.runtime.inference.http_engine import IDLE_CONNECTION_SECONDS
+
+    envs = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "envs.py"
+    server_keep_alive = int(re.search(r'"VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "(\d+)"', envs.read_text()).group(1))
+    assert IDLE_CONNECTION_SECONDS < server_keep_alive
+
+    async def scenario() -> list:
+        peers: list = []
+
+        async def pause(request: web.Request) -> web.Response:
+            peers.append(request.transport.get_extra_info("peername")[1])  # the client's port: one per connection
+            return web.json_response({"status": "paused"})
+
+        app = web.Application()
+        app.router.add_post("/pause", pause)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        engine = VLLMEngine(url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        try:
+            await engine._post("/pause")
+            await engine._post("/pause")  # at once: the same connection
+            await asyncio.sleep(IDLE_CONNECTION_SECONDS + 1.0)
+            await engine._post("/pause")  # after the idle time: a new one
+        finally:
+            await engine.close()
+            await runner.cleanup()
+        return peers
+
+    first, again, later = asyncio.run(scenario())
+    assert first == again and later != first
