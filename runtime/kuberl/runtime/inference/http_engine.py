@@ -24,7 +24,9 @@ from kuberl.runtime.inference.base import EngineError, GenerateRequest, Generate
 from kuberl.runtime.inference.engine_auth import auth_headers, engine_api_key, redact_command
 
 log = logging.getLogger(__name__)
-# Idle connections to the engine close after this, below the servers' keep-alive (uvicorn, vLLM: 5 s; see _http).
+# Idle connections to the engine close after this, before the server's keep-alive (uvicorn's and vLLM's: 5 s) closes
+# them: a request sent on a connection the server is closing at that moment fails with "Server disconnected" (a /pause
+# of a weight update, 2026-12-03).
 IDLE_CONNECTION_SECONDS = 2.0
 
 
@@ -197,10 +199,7 @@ class HTTPServerEngine:
         if self._session is None or self._session.closed:
             # No connection cap (aiohttp's default is 100): the agent's concurrency is the cap. With one, the
             # generations past 100 would queue in this process, not the engine's scheduler, and /pause (a weight
-            # update) would wait behind running generations for a free connection. Idle connections close after
-            # IDLE_CONNECTION_SECONDS, before the server's keep-alive (uvicorn's and vLLM's: 5 s) closes them: a request
-            # sent on a connection the server is closing at that moment fails with "Server disconnected" (a /pause
-            # of a weight update, 2026-12-03).
+            # update) would wait behind running generations for a free connection. Idle ones: IDLE_CONNECTION_SECONDS.
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout), headers=self._headers,
                                                   connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_SECONDS))
         return self._session
